@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Installs the Debian 12 packages memfl builds, tests and runs with.
+# Idempotent: packages already installed are skipped, and nothing is done when
+# all are present. Uses sudo when not root. Why each package is there: README.md.
+set -euo pipefail
+
+PACKAGES=(
+  build-essential cmake ninja-build ccache pkg-config git
+  libtorch-dev            # local training (trainer plugin only)
+  libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler  # gRPC transport
+  libopenmpi-dev openmpi-bin   # MPI transport
+  libyaml-cpp-dev         # APPFL-style YAML configs
+  nlohmann-json3-dev      # memory.json, reports
+  libcli11-dev            # command line
+  libfmt-dev libspdlog-dev     # formatting and logging
+  libxxhash-dev           # chunk checksums (xxh3)
+  libunwind-dev           # allocation-site stacks (profiler)
+  zlib1g-dev              # reading the gzipped Fashion-MNIST IDX files
+  libgtest-dev libgmock-dev libbenchmark-dev   # tests and micro-benchmarks
+  dataset-fashion-mnist   # the default experiment's data set
+)
+
+missing=()
+for p in "${PACKAGES[@]}"; do
+  if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then
+    missing+=("$p")
+  fi
+done
+
+if [ ${#missing[@]} -eq 0 ]; then
+  echo "install-deps: all ${#PACKAGES[@]} packages already installed"
+  exit 0
+fi
+
+SUDO=""
+if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
+echo "install-deps: installing ${missing[*]}"
+export DEBIAN_FRONTEND=noninteractive
+$SUDO apt-get update -qq
+$SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"

@@ -1,0 +1,47 @@
+// Aggregator: combines client updates into the next global model while the
+// bytes arrive. The server never holds a client's model: each upload is an
+// UpdateStream whose chunks are folded into the aggregator's running state
+// and then dropped.
+//
+//   aggregator.begin_round(round);
+//   auto update = aggregator.open_update("client_3", /*sample_count=*/6000);
+//   stream_arena(layout, client_arena, chunk_size, **update);   // chunks fold in
+//   MEMFL_RETURN_IF_ERROR((*update)->commit());
+//   MEMFL_RETURN_IF_ERROR(aggregator.finalize(global_arena));
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "comm/chunk.h"
+#include "tensor/arena.h"
+#include "tensor/layout.h"
+
+namespace memfl {
+
+// One client's upload. Destroying it without commit() aborts it.
+class UpdateStream : public ChunkSink {
+ public:
+  // Succeeds only when every byte of the model arrived; then the update counts.
+  virtual Status commit() = 0;
+};
+
+class Aggregator {
+ public:
+  virtual ~Aggregator() = default;
+  virtual std::string_view name() const = 0;
+  // Starts collecting updates for `round`; clears what the last round left.
+  virtual Status begin_round(int round) = 0;
+  // Opens the upload of `client_id`, whose metadata said `sample_count`.
+  virtual StatusOr<std::unique_ptr<UpdateStream>> open_update(const std::string& client_id, double sample_count) = 0;
+  // Writes the aggregate of the committed updates into `global`. Fails,
+  // leaving `global` untouched, when no update committed or when a stream
+  // broke after some of its bytes were counted (the round must be redone).
+  virtual Status finalize(Arena& global) = 0;
+  // Updates committed this round.
+  virtual int num_committed() const = 0;
+  // Bytes the aggregator holds between rounds (for the memory bound).
+  virtual size_t state_bytes() const = 0;
+};
+
+}  // namespace memfl

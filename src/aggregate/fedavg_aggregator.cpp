@@ -1,0 +1,237 @@
+#include "aggregate/fedavg_aggregator.h"
+
+#include <cmath>
+#include <cstring>
+
+namespace memfl {
+
+namespace {
+size_t acc_element_size(DType d) { return dtype_is_float(d) ? sizeof(float) : sizeof(double); }
+
+template <typename T>
+T load(const std::byte* p) {
+  T v;
+  std::memcpy(&v, p, sizeof(T));  // chunk payloads need not be aligned
+  return v;
+}
+}  // namespace
+
+class FedAvgAggregator::Stream final : public UpdateStream {
+ public:
+  Stream(FedAvgAggregator& agg, std::string client_id, double weight)
+      : agg_(agg), client_id_(std::move(client_id)), weight_(weight) {}
+  ~Stream() override {
+    if (!done_) abort();
+  }
+
+  Status accept(const ChunkHeader& h, std::span<const std::byte> payload) override {
+    if (done_) return failed_precondition("update from {}: chunk after commit", client_id_);
+    Status s = verify_chunk(h, payload, agg_.layout_, next_offset_, client_id_);
+    if (!s.ok()) {
+      abort();  // a peer that sends bad bytes loses its update
+      return s;
+    }
+    std::lock_guard lock(agg_.mu_);
+    agg_.fold(h.offset, payload, weight_, carry_);
+    next_offset_ += h.length;
+    return Status::Ok();
+  }
+
+  Status commit() override {
+    if (done_) return failed_precondition("update from {}: already closed", client_id_);
+    if (next_offset_ != agg_.layout_.total_bytes()) {
+      Status s = data_loss("update from {} ended after {} of {} bytes", client_id_, next_offset_,
+                           agg_.layout_.total_bytes());
+      abort();
+      return s;
+    }
+    std::lock_guard lock(agg_.mu_);
+    done_ = true;
+    agg_.open_streams_--;
+    agg_.total_weight_ += weight_;
+    agg_.committed_++;
+    return Status::Ok();
+  }
+
+ private:
+  void abort() {
+    if (done_) return;
+    done_ = true;
+    std::lock_guard lock(agg_.mu_);
+    agg_.open_streams_--;
+    if (next_offset_ > 0 && agg_.tainted_by_.empty()) agg_.tainted_by_ = client_id_;
+  }
+
+  FedAvgAggregator& agg_;
+  std::string client_id_;
+  double weight_;
+  uint64_t next_offset_ = 0;
+  std::byte carry_[8] = {};
+  bool done_ = false;
+};
+
+FedAvgAggregator::FedAvgAggregator(const Layout& layout, ClientWeightsMode mode) : layout_(layout), mode_(mode) {
+  size_t acc = 0;
+  for (const auto& e : layout.entries()) {
+    acc_offsets_.push_back(acc);
+    acc += (e.numel() * acc_element_size(e.dtype) + kEntryAlignment - 1) / kEntryAlignment * kEntryAlignment;
+  }
+  sum_ = Arena(acc, MemoryCategory::kAggregation);
+}
+
+Status FedAvgAggregator::begin_round(int round) {
+  std::lock_guard lock(mu_);
+  if (open_streams_ > 0) return failed_precondition("begin_round({}) while {} updates are open", round, open_streams_);
+  if (round_ >= 0) sum_.zero();  // a fresh arena is already zero; don't touch its pages twice
+  round_ = round;
+  total_weight_ = 0;
+  committed_ = 0;
+  tainted_by_.clear();
+  return Status::Ok();
+}
+
+StatusOr<std::unique_ptr<UpdateStream>> FedAvgAggregator::open_update(const std::string& client_id,
+                                                                       double sample_count) {
+  if (!(sample_count >= 0) || !std::isfinite(sample_count)) {
+    return invalid_argument("update from {}: sample count {} is not a non-negative number", client_id, sample_count);
+  }
+  double w = mode_ == ClientWeightsMode::kEqual ? 1.0 : sample_count;
+  if (mode_ == ClientWeightsMode::kSampleSize && w == 0) {
+    return invalid_argument("update from {}: sample count 0 under client_weights_mode: sample_size", client_id);
+  }
+  std::lock_guard lock(mu_);
+  if (round_ < 0) return failed_precondition("open_update before begin_round");
+  open_streams_++;
+  return std::unique_ptr<UpdateStream>(std::make_unique<Stream>(*this, client_id, w));
+}
+
+int FedAvgAggregator::num_committed() const {
+  std::lock_guard lock(mu_);
+  return committed_;
+}
+
+void FedAvgAggregator::fold(size_t offset, std::span<const std::byte> payload, double w, std::byte* carry) {
+  const auto& entries = layout_.entries();
+  size_t pos = offset;
+  const size_t end = offset + payload.size();
+  size_t idx = layout_.entry_at_or_after(pos);
+  while (pos < end && idx < entries.size()) {
+    const LayoutEntry& e = entries[idx];
+    if (pos < e.offset) {  // alignment padding between entries: not model data
+      pos = std::min(end, e.offset);
+      continue;
+    }
+    if (pos >= e.end()) {
+      ++idx;
+      continue;
+    }
+    const size_t es = dtype_size(e.dtype);
+    const size_t rel = pos - e.offset;
+    const size_t elem = rel / es;
+    const size_t within = rel % es;
+    const std::byte* src = payload.data() + (pos - offset);
+    const size_t avail = std::min(end, e.end()) - pos;
+    if (within != 0 || avail < es) {
+      // Part of an element: gather its bytes in `carry` until it is whole.
+      const size_t n = std::min(es - within, avail);
+      std::memcpy(carry + within, src, n);
+      if (within + n == es) fold_elements(e, acc_offsets_[idx], elem, carry, 1, w);
+      pos += n;
+      continue;
+    }
+    const size_t count = avail / es;
+    fold_elements(e, acc_offsets_[idx], elem, src, count, w);
+    pos += count * es;
+  }
+}
+
+void FedAvgAggregator::fold_elements(const LayoutEntry& e, size_t acc_offset, size_t first, const std::byte* src,
+                                     size_t count, double w) {
+  if (dtype_is_float(e.dtype)) {
+    float* acc = sum_.as<float>(acc_offset) + first;
+    const float wf = static_cast<float>(w);
+    switch (e.dtype) {
+      case DType::kF32:
+        for (size_t i = 0; i < count; ++i) acc[i] += wf * load<float>(src + 4 * i);
+        break;
+      case DType::kBF16:
+        for (size_t i = 0; i < count; ++i) acc[i] += wf * bf16_to_f32(load<uint16_t>(src + 2 * i));
+        break;
+      case DType::kF16:
+        for (size_t i = 0; i < count; ++i) acc[i] += wf * f16_to_f32(load<uint16_t>(src + 2 * i));
+        break;
+      default: break;
+    }
+    return;
+  }
+  double* acc = sum_.as<double>(acc_offset) + first;
+  switch (e.dtype) {
+    case DType::kI64:
+      for (size_t i = 0; i < count; ++i) acc[i] += w * static_cast<double>(load<int64_t>(src + 8 * i));
+      break;
+    case DType::kI32:
+      for (size_t i = 0; i < count; ++i) acc[i] += w * load<int32_t>(src + 4 * i);
+      break;
+    case DType::kU8:
+      for (size_t i = 0; i < count; ++i) acc[i] += w * static_cast<double>(static_cast<uint8_t>(src[i]));
+      break;
+    default: break;
+  }
+}
+
+Status FedAvgAggregator::finalize(Arena& global) {
+  std::lock_guard lock(mu_);
+  if (open_streams_ > 0) return failed_precondition("finalize while {} updates are still open", open_streams_);
+  if (!tainted_by_.empty()) {
+    return Status(StatusCode::kAborted,
+                  fmt::format("round {}: the update of {} broke after part of it was counted; "
+                              "the global model is unchanged and the round must be redone",
+                              round_, tainted_by_));
+  }
+  if (committed_ == 0 || total_weight_ <= 0) {
+    return failed_precondition("round {}: no client update completed; the global model is unchanged", round_);
+  }
+  if (global.size() < layout_.total_bytes()) return failed_precondition("finalize: global arena too small");
+  const auto& entries = layout_.entries();
+  for (size_t k = 0; k < entries.size(); ++k) {
+    const LayoutEntry& e = entries[k];
+    const size_t n = e.numel();
+    std::byte* dst = global.data() + e.offset;
+    if (dtype_is_float(e.dtype)) {
+      const float* acc = sum_.as<float>(acc_offsets_[k]);
+      const float inv = static_cast<float>(1.0 / total_weight_);
+      switch (e.dtype) {
+        case DType::kF32: {
+          auto* out = reinterpret_cast<float*>(dst);
+          for (size_t i = 0; i < n; ++i) out[i] = acc[i] * inv;
+          break;
+        }
+        case DType::kBF16: {
+          auto* out = reinterpret_cast<uint16_t*>(dst);
+          for (size_t i = 0; i < n; ++i) out[i] = f32_to_bf16(acc[i] * inv);
+          break;
+        }
+        case DType::kF16: {
+          auto* out = reinterpret_cast<uint16_t*>(dst);
+          for (size_t i = 0; i < n; ++i) out[i] = f32_to_f16(acc[i] * inv);
+          break;
+        }
+        default: break;
+      }
+    } else {
+      const double* acc = sum_.as<double>(acc_offsets_[k]);
+      for (size_t i = 0; i < n; ++i) {
+        const double v = std::nearbyint(acc[i] / total_weight_);
+        switch (e.dtype) {
+          case DType::kI64: reinterpret_cast<int64_t*>(dst)[i] = static_cast<int64_t>(v); break;
+          case DType::kI32: reinterpret_cast<int32_t*>(dst)[i] = static_cast<int32_t>(v); break;
+          case DType::kU8: reinterpret_cast<uint8_t*>(dst)[i] = static_cast<uint8_t>(v); break;
+          default: break;
+        }
+      }
+    }
+  }
+  return Status::Ok();
+}
+
+}  // namespace memfl

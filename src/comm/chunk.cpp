@@ -1,0 +1,67 @@
+#include "comm/chunk.h"
+
+#include <xxhash.h>
+
+#include <algorithm>
+#include <cstring>
+
+namespace memfl {
+
+uint64_t chunk_checksum(std::span<const std::byte> payload) { return XXH3_64bits(payload.data(), payload.size()); }
+
+Status verify_chunk(const ChunkHeader& h, std::span<const std::byte> payload, const Layout& layout,
+                    uint64_t expected_offset, std::string_view peer) {
+  if (h.layout_hash != layout.hash()) {
+    return data_loss("chunk from {}: layout hash {:016x} does not match the model's {:016x}", peer, h.layout_hash,
+                     layout.hash());
+  }
+  if (h.length != payload.size()) {
+    return data_loss("chunk from {}: header says {} bytes but {} arrived", peer, h.length, payload.size());
+  }
+  if (h.length == 0) return data_loss("chunk from {}: empty chunk at offset {}", peer, h.offset);
+  if (h.offset > layout.total_bytes() || h.length > layout.total_bytes() - h.offset) {
+    return data_loss("chunk from {}: bytes [{}, {}) lie outside the {}-byte model", peer, h.offset,
+                     h.offset + h.length, layout.total_bytes());
+  }
+  if (h.offset != expected_offset) {
+    return data_loss("chunk from {}: offset {} where {} was expected (gap, overlap or repeat)", peer, h.offset,
+                     expected_offset);
+  }
+  if (chunk_checksum(payload) != h.checksum) {
+    return data_loss("chunk from {}: checksum mismatch for bytes [{}, {})", peer, h.offset, h.offset + h.length);
+  }
+  return Status::Ok();
+}
+
+StatusOr<uint64_t> stream_arena(const Layout& layout, const Arena& arena, size_t chunk_size, ChunkSink& sink) {
+  if (chunk_size == 0) return invalid_argument("model_chunk_size must be at least 1 byte");
+  const size_t total = layout.total_bytes();
+  if (arena.size() < total) {
+    return failed_precondition("arena of {} bytes is smaller than the layout's {}", arena.size(), total);
+  }
+  uint64_t sent = 0;
+  for (size_t off = 0; off < total; off += chunk_size) {
+    const size_t len = std::min(chunk_size, total - off);
+    auto payload = arena.bytes(off, len);
+    ChunkHeader h{layout.hash(), off, len, chunk_checksum(payload)};
+    MEMFL_RETURN_IF_ERROR(sink.accept(h, payload));
+    sent += len;
+  }
+  return sent;
+}
+
+Status ArenaWriter::accept(const ChunkHeader& h, std::span<const std::byte> payload) {
+  MEMFL_RETURN_IF_ERROR(verify_chunk(h, payload, layout_, next_offset_, peer_));
+  std::memcpy(arena_.data() + h.offset, payload.data(), payload.size());
+  next_offset_ += h.length;
+  return Status::Ok();
+}
+
+Status ArenaWriter::finish() const {
+  if (next_offset_ != layout_.total_bytes()) {
+    return data_loss("model from {} ended after {} of {} bytes", peer_, next_offset_, layout_.total_bytes());
+  }
+  return Status::Ok();
+}
+
+}  // namespace memfl

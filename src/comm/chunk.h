@@ -1,0 +1,65 @@
+// Chunks: how every transport moves a model. A chunk is a byte range of an
+// arena, named by (layout hash, offset, length) and carrying an xxh3-64
+// checksum of its bytes. A receiver checks all four against what it expects
+// before it writes a byte anywhere.
+//
+//   ArenaWriter into(layout, client_arena, "server");
+//   MEMFL_RETURN_IF_ERROR(stream_arena(layout, global_arena, chunk_size, into));
+//   MEMFL_RETURN_IF_ERROR(into.finish());
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <string>
+
+#include "common/status.h"
+#include "tensor/arena.h"
+#include "tensor/layout.h"
+
+namespace memfl {
+
+struct ChunkHeader {
+  uint64_t layout_hash = 0;
+  uint64_t offset = 0;
+  uint64_t length = 0;
+  uint64_t checksum = 0;  // xxh3-64 of the payload
+};
+
+uint64_t chunk_checksum(std::span<const std::byte> payload);
+
+// Checks a chunk from `peer` against the layout it must belong to and the
+// offset the stream is at (chunks of one stream arrive in order; a gap, an
+// overlap or a repeat is an error). Messages name the peer.
+Status verify_chunk(const ChunkHeader& header, std::span<const std::byte> payload, const Layout& layout,
+                    uint64_t expected_offset, std::string_view peer);
+
+// Where chunks go: an arena, the aggregator's running sum, a socket.
+class ChunkSink {
+ public:
+  virtual ~ChunkSink() = default;
+  virtual Status accept(const ChunkHeader& header, std::span<const std::byte> payload) = 0;
+};
+
+// Sends `arena` (the whole of `layout.total_bytes()`) to `sink` in chunks of
+// at most `chunk_size` bytes, straight from the arena: no staging copy.
+// Returns the number of bytes sent.
+StatusOr<uint64_t> stream_arena(const Layout& layout, const Arena& arena, size_t chunk_size, ChunkSink& sink);
+
+// Receives a model into an arena, checking every chunk.
+class ArenaWriter final : public ChunkSink {
+ public:
+  ArenaWriter(const Layout& layout, Arena& arena, std::string peer)
+      : layout_(layout), arena_(arena), peer_(std::move(peer)) {}
+  Status accept(const ChunkHeader& header, std::span<const std::byte> payload) override;
+  // Fails unless the whole model arrived.
+  Status finish() const;
+  uint64_t received() const { return next_offset_; }
+
+ private:
+  const Layout& layout_;
+  Arena& arena_;
+  std::string peer_;
+  uint64_t next_offset_ = 0;
+};
+
+}  // namespace memfl

@@ -1,0 +1,403 @@
+#include "config/config.h"
+
+#include <yaml-cpp/yaml.h>
+
+#include <algorithm>
+#include <fstream>
+#include <functional>
+#include <limits>
+#include <sstream>
+
+namespace memfl {
+
+const std::vector<std::string>& known_model_names() {
+  static const std::vector<std::string> names = {"CNN", "MLP", "ResNet18"};
+  return names;
+}
+
+namespace {
+
+enum class Type { kInt, kFloat, kBool, kString, kFloatPair };
+
+const char* type_name(Type t) {
+  switch (t) {
+    case Type::kInt: return "integer";
+    case Type::kFloat: return "number";
+    case Type::kBool: return "boolean";
+    case Type::kString: return "string";
+    case Type::kFloatPair: return "list of 2 numbers";
+  }
+  return "?";
+}
+
+// A value after type checking.
+struct Value {
+  int64_t i = 0;
+  double f = 0;
+  bool b = false;
+  std::string s;
+  double pair[2] = {0, 0};
+};
+
+struct KeySpec {
+  std::string path;
+  Type type;
+  std::string default_text;  // YAML text of the default
+  std::vector<std::string> choices;
+  double min = -std::numeric_limits<double>::infinity();
+  double max = std::numeric_limits<double>::infinity();
+  std::string doc;
+  std::function<void(ExperimentConfig&, const Value&)> apply;
+};
+
+#define I(field) [](ExperimentConfig& c, const Value& v) { c.field = static_cast<decltype(c.field)>(v.i); }
+#define F(field) [](ExperimentConfig& c, const Value& v) { c.field = v.f; }
+#define B(field) [](ExperimentConfig& c, const Value& v) { c.field = v.b; }
+#define S(field) [](ExperimentConfig& c, const Value& v) { c.field = v.s; }
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+const std::vector<KeySpec>& schema() {
+  static const std::vector<KeySpec> keys = {
+      // client_configs.train_configs
+      {"client_configs.train_configs.trainer", Type::kString, "VanillaTrainer", {"VanillaTrainer"}, -kInf, kInf,
+       "local trainer", S(train.trainer)},
+      {"client_configs.train_configs.mode", Type::kString, "epoch", {"epoch", "step"}, -kInf, kInf,
+       "train for num_local_epochs epochs or num_local_steps batches", S(train.mode)},
+      {"client_configs.train_configs.num_local_epochs", Type::kInt, "1", {}, 1, 1e6, "epochs per round (mode: epoch)",
+       I(train.num_local_epochs)},
+      {"client_configs.train_configs.num_local_steps", Type::kInt, "100", {}, 1, 1e9, "batches per round (mode: step)",
+       I(train.num_local_steps)},
+      {"client_configs.train_configs.optim", Type::kString, "SGD", {"SGD", "Adam"}, -kInf, kInf, "optimizer",
+       S(train.optim.optim)},
+      {"client_configs.train_configs.optim_args.lr", Type::kFloat, "0.01", {}, 0, 1e3, "learning rate",
+       F(train.optim.lr)},
+      {"client_configs.train_configs.optim_args.momentum", Type::kFloat, "0", {}, 0, 1, "SGD momentum",
+       F(train.optim.momentum)},
+      {"client_configs.train_configs.optim_args.weight_decay", Type::kFloat, "0", {}, 0, 1e3, "L2 penalty",
+       F(train.optim.weight_decay)},
+      {"client_configs.train_configs.optim_args.nesterov", Type::kBool, "false", {}, -kInf, kInf, "SGD Nesterov",
+       B(train.optim.nesterov)},
+      {"client_configs.train_configs.optim_args.betas", Type::kFloatPair, "[0.9, 0.999]", {}, 0, 1, "Adam betas",
+       [](ExperimentConfig& c, const Value& v) {
+         c.train.optim.beta1 = v.pair[0];
+         c.train.optim.beta2 = v.pair[1];
+       }},
+      {"client_configs.train_configs.optim_args.eps", Type::kFloat, "1e-8", {}, 0, 1, "Adam epsilon",
+       F(train.optim.eps)},
+      {"client_configs.train_configs.loss_fn_name", Type::kString, "CrossEntropyLoss", {"CrossEntropyLoss", "CELoss"},
+       -kInf, kInf, "loss (cross-entropy)", [](ExperimentConfig&, const Value&) {}},
+      {"client_configs.train_configs.train_batch_size", Type::kInt, "64", {}, 1, 1e6, "training batch size",
+       I(train.train_batch_size)},
+      {"client_configs.train_configs.val_batch_size", Type::kInt, "64", {}, 1, 1e6, "validation batch size",
+       I(train.val_batch_size)},
+      {"client_configs.train_configs.train_data_shuffle", Type::kBool, "true", {}, -kInf, kInf,
+       "shuffle training data each epoch", B(train.train_data_shuffle)},
+      {"client_configs.train_configs.do_validation", Type::kBool, "true", {}, -kInf, kInf,
+       "validate on the client's held-out split after training", B(train.do_validation)},
+      {"client_configs.train_configs.device", Type::kString, "cpu", {"cpu", "cuda"}, -kInf, kInf,
+       "where clients train", S(train.device)},
+      {"client_configs.train_configs.num_threads", Type::kInt, "0", {}, 0, 1024,
+       "libtorch intra-op threads (0 = cores)", I(train.num_threads)},
+      // client_configs.model_configs
+      {"client_configs.model_configs.model_name", Type::kString, "CNN", known_model_names(), -kInf, kInf,
+       "model from the registry", S(model.model_name)},
+      {"client_configs.model_configs.model_kwargs.num_channel", Type::kInt, "0", {}, 0, 1024,
+       "input channels (0 = from the data set)", I(model.num_channel)},
+      {"client_configs.model_configs.model_kwargs.num_pixel", Type::kInt, "0", {}, 0, 65536,
+       "input height = width (0 = from the data set)", I(model.num_pixel)},
+      {"client_configs.model_configs.model_kwargs.num_classes", Type::kInt, "0", {}, 0, 1e6,
+       "output classes (0 = from the data set)", I(model.num_classes)},
+      {"client_configs.model_configs.model_kwargs.hidden_size", Type::kInt, "200", {}, 1, 1e6, "MLP hidden width",
+       I(model.hidden_size)},
+      // client_configs.data_configs
+      {"client_configs.data_configs.dataset_name", Type::kString, "FashionMNIST", {"FashionMNIST", "SyntheticCIFAR10"},
+       -kInf, kInf, "data set", S(data.dataset_name)},
+      {"client_configs.data_configs.dataset_path", Type::kString, "\"\"", {}, -kInf, kInf,
+       "directory of the IDX files (empty = /usr/share/datasets/fashion-mnist)", S(data.dataset_path)},
+      {"client_configs.data_configs.dataset_kwargs.partition_strategy", Type::kString, "iid",
+       {"iid", "dirichlet", "class_shards"}, -kInf, kInf, "how samples are split among clients",
+       S(data.partition_strategy)},
+      {"client_configs.data_configs.dataset_kwargs.alpha", Type::kFloat, "0.5", {}, 1e-6, 1e6,
+       "Dirichlet concentration (smaller = more skew)", F(data.alpha)},
+      {"client_configs.data_configs.dataset_kwargs.shards_per_client", Type::kInt, "2", {}, 1, 1e6,
+       "class shards per client", I(data.shards_per_client)},
+      {"client_configs.data_configs.dataset_kwargs.val_ratio", Type::kFloat, "0.1", {}, 0, 0.9,
+       "share of each client's samples held out for validation", F(data.val_ratio)},
+      {"client_configs.data_configs.dataset_kwargs.max_train_samples", Type::kInt, "0", {}, 0, 1e12,
+       "use only the first N training samples (0 = all)", I(data.max_train_samples)},
+      {"client_configs.data_configs.dataset_kwargs.max_test_samples", Type::kInt, "0", {}, 0, 1e12,
+       "use only the first N test samples (0 = all)", I(data.max_test_samples)},
+      {"client_configs.data_configs.dataset_kwargs.num_train_samples", Type::kInt, "5000", {}, 1, 1e9,
+       "synthetic data: training samples", I(data.num_train_samples)},
+      {"client_configs.data_configs.dataset_kwargs.num_test_samples", Type::kInt, "1000", {}, 1, 1e9,
+       "synthetic data: test samples", I(data.num_test_samples)},
+      // server_configs
+      {"server_configs.num_clients", Type::kInt, "10", {}, 1, 1e7, "virtual clients", I(server.num_clients)},
+      {"server_configs.clients_per_round", Type::kInt, "0", {}, 0, 1e7, "clients selected per round (0 = all)",
+       I(server.clients_per_round)},
+      {"server_configs.num_global_epochs", Type::kInt, "5", {}, 1, 1e7, "rounds", I(server.num_global_epochs)},
+      {"server_configs.scheduler", Type::kString, "SyncScheduler", {"SyncScheduler"}, -kInf, kInf, "round scheduler",
+       S(server.scheduler)},
+      {"server_configs.aggregator", Type::kString, "FedAvgAggregator", {"FedAvgAggregator"}, -kInf, kInf,
+       "aggregation rule", S(server.aggregator)},
+      {"server_configs.aggregator_kwargs.client_weights_mode", Type::kString, "equal", {"equal", "sample_size"},
+       -kInf, kInf, "FedAvg weights", S(server.client_weights_mode)},
+      {"server_configs.device", Type::kString, "cpu", {"cpu", "cuda"}, -kInf, kInf, "where the server evaluates",
+       S(server.device)},
+      {"server_configs.logging_output_dirname", Type::kString, "runs", {}, -kInf, kInf,
+       "parent of run directories when --out is not given", S(server.logging_output_dirname)},
+      {"server_configs.seed", Type::kInt, "42", {}, 0, 9.2e18, "seed for partitions, init, sampling",
+       I(server.seed)},
+      {"server_configs.do_server_eval", Type::kBool, "true", {}, -kInf, kInf,
+       "evaluate the global model on the test set every round", B(server.do_server_eval)},
+      {"server_configs.eval_batch_size", Type::kInt, "64", {}, 1, 1e6, "server evaluation batch size",
+       I(server.eval_batch_size)},
+      {"server_configs.comm_configs.use_model_chunking", Type::kBool, "true", {}, -kInf, kInf,
+       "move models in chunks of model_chunk_size (false = one chunk)", B(server.use_model_chunking)},
+      {"server_configs.comm_configs.model_chunk_size", Type::kInt, "1048576", {}, 1, 9.2e18, "bytes per chunk",
+       I(server.model_chunk_size)},
+      // memory_configs
+      {"memory_configs.sample_interval_ms", Type::kInt, "5", {}, 1, 60000, "RSS sampling period",
+       I(memory.sample_interval_ms)},
+  };
+  return keys;
+}
+
+#undef I
+#undef F
+#undef B
+#undef S
+
+const KeySpec* find_key(std::string_view path) {
+  for (const auto& k : schema()) {
+    if (k.path == path) return &k;
+  }
+  return nullptr;
+}
+
+bool is_section(std::string_view path) {
+  std::string prefix = std::string(path) + ".";
+  return std::any_of(schema().begin(), schema().end(),
+                     [&](const KeySpec& k) { return k.path.compare(0, prefix.size(), prefix) == 0; });
+}
+
+size_t edit_distance(std::string_view a, std::string_view b) {
+  std::vector<size_t> prev(b.size() + 1), cur(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) prev[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    cur[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      cur[j] = std::min({prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (a[i - 1] == b[j - 1] ? 0 : 1)});
+    }
+    std::swap(prev, cur);
+  }
+  return prev[b.size()];
+}
+
+std::string suggestion(std::string_view path) {
+  std::string best;
+  size_t best_d = std::numeric_limits<size_t>::max();
+  for (const auto& k : schema()) {
+    size_t d = edit_distance(path, k.path);
+    if (d < best_d) {
+      best_d = d;
+      best = k.path;
+    }
+  }
+  // Also try the same leaf name in another section (a key put in the wrong place).
+  const auto leaf = path.substr(path.rfind('.') + 1);
+  for (const auto& k : schema()) {
+    if (k.path.substr(k.path.rfind('.') + 1) == leaf) return fmt::format(" (did you mean '{}'?)", k.path);
+  }
+  if (best_d <= std::max<size_t>(3, path.size() / 5)) return fmt::format(" (did you mean '{}'?)", best);
+  return "";
+}
+
+std::string line_of(const YAML::Node& n) {
+  const auto m = n.Mark();
+  return m.line >= 0 ? fmt::format(":{}", m.line + 1) : "";
+}
+
+Status check_unknown_keys(const YAML::Node& node, const std::string& prefix, const std::string& source) {
+  if (!node.IsMap()) {
+    return invalid_argument("{}{}: '{}' must be a mapping of keys", source, line_of(node),
+                            prefix.empty() ? "top level" : prefix);
+  }
+  for (const auto& kv : node) {
+    const std::string key = kv.first.as<std::string>();
+    const std::string path = prefix.empty() ? key : prefix + "." + key;
+    if (find_key(path) != nullptr) continue;
+    if (is_section(path)) {
+      if (kv.second.IsNull()) continue;  // an empty section is harmless
+      MEMFL_RETURN_IF_ERROR(check_unknown_keys(kv.second, path, source));
+      continue;
+    }
+    return invalid_argument("{}{}: unknown key '{}'{}", source, line_of(kv.first), path, suggestion(path));
+  }
+  return Status::Ok();
+}
+
+StatusOr<Value> convert(const KeySpec& k, const YAML::Node& n, const std::string& where) {
+  Value v;
+  auto bad_type = [&](const std::string& text) {
+    return invalid_argument("{}: key '{}' must be a {}, got '{}'", where, k.path, type_name(k.type), text);
+  };
+  if (k.type == Type::kFloatPair) {
+    if (!n.IsSequence() || n.size() != 2) return bad_type(YAML::Dump(n));
+    for (int i = 0; i < 2; ++i) {
+      try {
+        v.pair[i] = n[i].as<double>();
+      } catch (const YAML::Exception&) {
+        return bad_type(YAML::Dump(n));
+      }
+      if (v.pair[i] < k.min || v.pair[i] >= k.max) {
+        return invalid_argument("{}: key '{}' values must lie in [{}, {}), got {}", where, k.path, k.min, k.max,
+                                v.pair[i]);
+      }
+    }
+    return v;
+  }
+  if (!n.IsScalar()) return bad_type(YAML::Dump(n));
+  const std::string text = n.Scalar();
+  try {
+    switch (k.type) {
+      case Type::kInt: {
+        if (text.find_first_of(".eE") != std::string::npos) return bad_type(text);
+        v.i = n.as<int64_t>();
+        v.f = static_cast<double>(v.i);
+        break;
+      }
+      case Type::kFloat: v.f = n.as<double>(); break;
+      case Type::kBool: v.b = n.as<bool>(); break;
+      case Type::kString: v.s = text; break;
+      case Type::kFloatPair: break;
+    }
+  } catch (const YAML::Exception&) {
+    return bad_type(text);
+  }
+  if ((k.type == Type::kInt || k.type == Type::kFloat) && (v.f < k.min || v.f > k.max)) {
+    return invalid_argument("{}: key '{}' must lie in [{}, {}], got {}", where, k.path, k.min, k.max, text);
+  }
+  if (!k.choices.empty() && std::find(k.choices.begin(), k.choices.end(), v.s) == k.choices.end()) {
+    return invalid_argument("{}: key '{}' must be one of [{}], got '{}'", where, k.path, fmt::join(k.choices, ", "),
+                            text);
+  }
+  return v;
+}
+
+YAML::Node lookup(const YAML::Node& root, const std::string& path) {
+  YAML::Node cur = YAML::Clone(root);
+  std::stringstream ss(path);
+  std::string part;
+  while (std::getline(ss, part, '.')) {
+    if (!cur.IsMap()) return YAML::Node(YAML::NodeType::Undefined);
+    YAML::Node next = cur[part];
+    if (!next.IsDefined()) return YAML::Node(YAML::NodeType::Undefined);
+    cur = next;
+  }
+  return cur;
+}
+
+void assign(YAML::Node& root, const std::string& path, const YAML::Node& value) {
+  std::vector<std::string> parts;
+  std::stringstream ss(path);
+  std::string part;
+  while (std::getline(ss, part, '.')) parts.push_back(part);
+  std::function<void(YAML::Node, size_t)> rec = [&](YAML::Node node, size_t i) {
+    if (i + 1 == parts.size()) {
+      node[parts[i]] = value;
+      return;
+    }
+    if (!node[parts[i]].IsMap()) node[parts[i]] = YAML::Node(YAML::NodeType::Map);
+    rec(node[parts[i]], i + 1);
+  };
+  rec(root, 0);
+}
+
+Status cross_checks(const ExperimentConfig& c, const std::string& source) {
+  if (c.server.clients_per_round > c.server.num_clients) {
+    return invalid_argument("{}: key 'server_configs.clients_per_round' ({}) exceeds server_configs.num_clients ({})",
+                            source, c.server.clients_per_round, c.server.num_clients);
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+StatusOr<ExperimentConfig> load_config_text(const std::string& yaml_text, const std::string& source,
+                                            const std::vector<std::string>& overrides) {
+  YAML::Node root;
+  try {
+    root = YAML::Load(yaml_text);
+  } catch (const YAML::Exception& e) {
+    return invalid_argument("{}:{}: not valid YAML: {}", source, e.mark.line + 1, e.msg);
+  }
+  if (root.IsNull()) root = YAML::Node(YAML::NodeType::Map);
+  MEMFL_RETURN_IF_ERROR(check_unknown_keys(root, "", source));
+
+  std::vector<std::pair<std::string, std::string>> set_sources;  // path -> where it was set
+  for (const auto& o : overrides) {
+    const auto eq = o.find('=');
+    if (eq == std::string::npos || eq == 0) {
+      return invalid_argument("--set '{}': expected key.path=value", o);
+    }
+    const std::string path = o.substr(0, eq);
+    if (find_key(path) == nullptr) {
+      return invalid_argument("--set: unknown key '{}'{}", path, suggestion(path));
+    }
+    YAML::Node value;
+    try {
+      value = YAML::Load(o.substr(eq + 1));
+    } catch (const YAML::Exception& e) {
+      return invalid_argument("--set {}: value is not valid YAML: {}", path, e.msg);
+    }
+    if (value.IsNull()) value = YAML::Node(std::string());
+    assign(root, path, value);
+    set_sources.emplace_back(path, "--set");
+  }
+
+  ExperimentConfig cfg;
+  cfg.source = source;
+  YAML::Node resolved(YAML::NodeType::Map);
+  for (const auto& k : schema()) {
+    YAML::Node n = lookup(root, k.path);
+    std::string where = source;
+    for (const auto& [p, w] : set_sources) {
+      if (p == k.path) where = w;
+    }
+    if (!n.IsDefined() || n.IsNull()) {
+      n = YAML::Load(k.default_text);
+      where = "default";
+    } else if (where == source) {
+      where += line_of(n);
+    }
+    MEMFL_ASSIGN_OR_RETURN(Value v, convert(k, n, where));
+    k.apply(cfg, v);
+    assign(resolved, k.path, n);
+  }
+  MEMFL_RETURN_IF_ERROR(cross_checks(cfg, source));
+  YAML::Emitter out;
+  out << resolved;
+  cfg.resolved_yaml = std::string(out.c_str()) + "\n";
+  return cfg;
+}
+
+StatusOr<ExperimentConfig> load_config_file(const std::string& path, const std::vector<std::string>& overrides) {
+  std::ifstream in(path);
+  if (!in) return not_found("config file {} cannot be read", path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return load_config_text(ss.str(), path, overrides);
+}
+
+std::string describe_config_keys() {
+  std::string out;
+  for (const auto& k : schema()) {
+    out += fmt::format("{} ({}, default {}){}: {}\n", k.path, type_name(k.type), k.default_text,
+                       k.choices.empty() ? "" : fmt::format(" one of [{}]", fmt::join(k.choices, ", ")), k.doc);
+  }
+  return out;
+}
+
+}  // namespace memfl

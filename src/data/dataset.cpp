@@ -1,0 +1,162 @@
+#include "data/dataset.h"
+
+#include <zlib.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <random>
+
+#include "memory/ledger.h"
+
+namespace memfl {
+
+namespace fs = std::filesystem;
+
+StatusOr<std::vector<uint8_t>> read_idx_file(const std::string& path, int expected_dims, std::vector<int64_t>* dims) {
+  // gzread reads plain files as they are, so one path handles both.
+  gzFile f = gzopen(path.c_str(), "rb");
+  if (f == nullptr) return not_found("{}: cannot open", path);
+  auto close = [&] { gzclose(f); };
+  unsigned char magic[4];
+  if (gzread(f, magic, 4) != 4) {
+    close();
+    return data_loss("{}: shorter than an IDX header", path);
+  }
+  // IDX: two zero bytes, type 0x08 (unsigned byte), number of dimensions.
+  if (magic[0] != 0 || magic[1] != 0 || magic[2] != 0x08 || magic[3] != expected_dims) {
+    close();
+    return data_loss("{}: not a uint8 IDX file with {} dimensions (magic {:02x}{:02x}{:02x}{:02x})", path,
+                     expected_dims, magic[0], magic[1], magic[2], magic[3]);
+  }
+  dims->clear();
+  size_t total = 1;
+  for (int i = 0; i < expected_dims; ++i) {
+    unsigned char b[4];
+    if (gzread(f, b, 4) != 4) {
+      close();
+      return data_loss("{}: truncated IDX header", path);
+    }
+    uint32_t d = (uint32_t{b[0]} << 24) | (uint32_t{b[1]} << 16) | (uint32_t{b[2]} << 8) | b[3];
+    if (d == 0 || d > (1u << 28)) {
+      close();
+      return data_loss("{}: implausible dimension {}", path, d);
+    }
+    dims->push_back(d);
+    total *= d;
+  }
+  if (total > (size_t{1} << 34)) {
+    close();
+    return data_loss("{}: {} bytes of data is implausible for an IDX file", path, total);
+  }
+  std::vector<uint8_t> data(total);
+  size_t got = 0;
+  while (got < total) {
+    int chunk = static_cast<int>(std::min<size_t>(total - got, 1 << 30));
+    int n = gzread(f, data.data() + got, static_cast<unsigned>(chunk));
+    if (n <= 0) break;
+    got += static_cast<size_t>(n);
+  }
+  close();
+  if (got != total) return data_loss("{}: expected {} data bytes, file holds {}", path, total, got);
+  return data;
+}
+
+static std::string find_idx(const std::string& dir, const std::string& stem) {
+  for (const std::string& suffix : {std::string(".gz"), std::string("")}) {
+    fs::path p = fs::path(dir) / (stem + suffix);
+    if (fs::exists(p)) return p.string();
+  }
+  return {};
+}
+
+static StatusOr<ImageDataset> load_fmnist_split(const std::string& dir, const std::string& prefix, size_t max_n) {
+  const std::string img_path = find_idx(dir, prefix + "-images-idx3-ubyte");
+  const std::string lbl_path = find_idx(dir, prefix + "-labels-idx1-ubyte");
+  if (img_path.empty() || lbl_path.empty()) {
+    return not_found(
+        "Fashion-MNIST file {}-{}-idx?-ubyte[.gz] not found in {} — install the Debian package "
+        "dataset-fashion-mnist (scripts/install-deps.sh does) or set client_configs.data_configs.dataset_path",
+        prefix, img_path.empty() ? "images" : "labels", dir);
+  }
+  std::vector<int64_t> idims, ldims;
+  MEMFL_ASSIGN_OR_RETURN(auto pixels, read_idx_file(img_path, 3, &idims));
+  MEMFL_ASSIGN_OR_RETURN(auto labels, read_idx_file(lbl_path, 1, &ldims));
+  if (idims[0] != ldims[0]) {
+    return data_loss("{} has {} images but {} has {} labels", img_path, idims[0], lbl_path, ldims[0]);
+  }
+  for (uint8_t l : labels) {
+    if (l >= 10) return data_loss("{}: label {} outside 0..9", lbl_path, l);
+  }
+  ImageDataset ds;
+  ds.name = "FashionMNIST";
+  ds.channels = 1;
+  ds.height = idims[1];
+  ds.width = idims[2];
+  ds.num_classes = 10;
+  ds.mean = 0.2860f;  // Fashion-MNIST training-set pixel statistics
+  ds.std = 0.3530f;
+  size_t n = labels.size();
+  if (max_n > 0 && max_n < n) n = max_n;
+  labels.resize(n);
+  pixels.resize(n * ds.sample_bytes());
+  pixels.shrink_to_fit();
+  ds.labels = std::move(labels);
+  ds.pixels = std::move(pixels);
+  return ds;
+}
+
+StatusOr<DatasetSplits> load_fashion_mnist(const std::string& dir_in, size_t max_train, size_t max_test) {
+  const std::string dir = dir_in.empty() ? kFashionMnistDefaultDir : dir_in;
+  if (!fs::is_directory(dir)) {
+    return not_found(
+        "Fashion-MNIST directory {} does not exist — install the Debian package dataset-fashion-mnist "
+        "(scripts/install-deps.sh does) or set client_configs.data_configs.dataset_path",
+        dir);
+  }
+  DatasetSplits s;
+  MEMFL_ASSIGN_OR_RETURN(s.train, load_fmnist_split(dir, "train", max_train));
+  MEMFL_ASSIGN_OR_RETURN(s.test, load_fmnist_split(dir, "t10k", max_test));
+  Ledger::instance().add(MemoryCategory::kData,
+                         static_cast<int64_t>(s.train.pixels.size() + s.train.labels.size() +
+                                              s.test.pixels.size() + s.test.labels.size()));
+  return s;
+}
+
+static ImageDataset synth_split(size_t n, uint64_t seed, const std::vector<float>& class_means) {
+  ImageDataset ds;
+  ds.name = "SyntheticCIFAR10";
+  ds.channels = 3;
+  ds.height = 32;
+  ds.width = 32;
+  ds.num_classes = 10;
+  ds.mean = 0.5f;
+  ds.std = 0.25f;
+  const size_t sb = ds.sample_bytes();
+  ds.pixels.resize(n * sb);
+  ds.labels.resize(n);
+  std::mt19937_64 rng(seed);
+  std::uniform_int_distribution<int> cls(0, 9);
+  std::normal_distribution<float> noise(0.f, 40.f);
+  for (size_t i = 0; i < n; ++i) {
+    int c = cls(rng);
+    ds.labels[i] = static_cast<uint8_t>(c);
+    for (size_t j = 0; j < sb; ++j) {
+      float v = class_means[c * sb + j] + noise(rng);
+      ds.pixels[i * sb + j] = static_cast<uint8_t>(std::clamp(v, 0.f, 255.f));
+    }
+  }
+  return ds;
+}
+
+DatasetSplits make_synthetic_cifar10(size_t num_train, size_t num_test, uint64_t seed) {
+  const size_t sb = 3 * 32 * 32;
+  std::vector<float> means(10 * sb);
+  std::mt19937_64 rng(seed ^ 0x5eedc1fa5ULL);
+  std::uniform_real_distribution<float> u(64.f, 192.f);
+  for (auto& m : means) m = u(rng);
+  DatasetSplits s{synth_split(num_train, seed + 1, means), synth_split(num_test, seed + 2, means)};
+  Ledger::instance().add(MemoryCategory::kData, static_cast<int64_t>(s.train.pixels.size() + s.test.pixels.size()));
+  return s;
+}
+
+}  // namespace memfl

@@ -1,0 +1,86 @@
+// MemorySampler: a thread that reads the process's resident set size from
+// the kernel (/proc/self/statm) every few milliseconds, with phase marks
+// (round k: broadcast, train, upload, aggregate, evaluate) set by the code
+// that runs them. Writes memory.json and memory.csv into a run directory.
+//
+// Its own memory is bounded: when the sample buffer is full it keeps every
+// other sample and doubles the period, so an hours-long run costs the same as
+// a short one. The peak is exact whatever the decimation (it is also checked
+// against the kernel's VmHWM).
+//
+//   MemorySampler sampler("simulation", 5);
+//   sampler.start();
+//   sampler.mark(1, "train");
+//   ...
+//   sampler.stop();
+//   MEMFL_RETURN_IF_ERROR(sampler.write(run_dir));
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "common/status.h"
+#include "memory/ledger.h"
+
+namespace memfl {
+
+// Current RSS of this process in bytes, from /proc/self/statm.
+int64_t read_rss_bytes();
+// Peak RSS (VmHWM) of this process in bytes, from /proc/self/status.
+int64_t read_peak_rss_bytes();
+
+class MemorySampler {
+ public:
+  MemorySampler(std::string role, int interval_ms, size_t max_samples = 200000);
+  ~MemorySampler();
+  MemorySampler(const MemorySampler&) = delete;
+  MemorySampler& operator=(const MemorySampler&) = delete;
+
+  void start();
+  void stop();
+  // Starts phase `phase` of round `round` (round 0: set-up); ends the last one.
+  void mark(int round, std::string_view phase);
+  int64_t peak_rss() const { return peak_rss_.load(std::memory_order_relaxed); }
+  size_t num_samples() const;
+  int interval_ms() const { return interval_ms_.load(); }
+  Status write(const std::string& dir) const;
+
+  struct Sample {
+    double t_ms;
+    int64_t rss;
+    uint32_t phase;  // index into phases_
+  };
+  struct Phase {
+    double t_ms;
+    int round;
+    std::string name;
+  };
+  std::vector<Sample> samples() const;
+  std::vector<Phase> phases() const;
+
+ private:
+  void run();
+  void record(int64_t rss);
+  double now_ms() const;
+
+  std::string role_;
+  std::atomic<int> interval_ms_;
+  size_t max_samples_;
+  std::chrono::steady_clock::time_point t0_;
+  std::thread thread_;
+  std::atomic<bool> running_{false};
+  mutable std::mutex mu_;
+  std::vector<Sample> samples_;
+  std::vector<Phase> phases_;
+  std::atomic<int64_t> peak_rss_{0};
+  double peak_t_ms_ = 0;
+  uint32_t peak_phase_ = 0;
+  LedgerSnapshot ledger_at_peak_;
+};
+
+}  // namespace memfl

@@ -1,0 +1,65 @@
+#include "roles/run_dir.h"
+
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <ctime>
+#include <filesystem>
+#include <fstream>
+
+namespace memfl {
+
+namespace fs = std::filesystem;
+
+StatusOr<std::string> prepare_run_dir(const std::string& out, const ExperimentConfig& cfg) {
+  std::string dir = out;
+  if (dir.empty()) {
+    std::time_t t = std::time(nullptr);
+    std::tm tm{};
+    localtime_r(&t, &tm);
+    char stamp[32];
+    std::strftime(stamp, sizeof stamp, "%Y%m%d-%H%M%S", &tm);
+    dir = (fs::path(cfg.server.logging_output_dirname) / fmt::format("{}-{}", stamp, getpid())).string();
+  }
+  if (fs::exists(fs::path(dir) / "metrics.csv")) {
+    return invalid_argument("run directory {} already holds a run (metrics.csv); choose another --out", dir);
+  }
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (ec) return invalid_argument("cannot create run directory {}: {}", dir, ec.message());
+  return dir;
+}
+
+StatusOr<std::unique_ptr<MetricsWriter>> MetricsWriter::open(const std::string& path) {
+  FILE* f = std::fopen(path.c_str(), "w");
+  if (f == nullptr) return not_found("cannot write {}: {}", path, std::strerror(errno));
+  std::fputs(
+      "round,clients,train_loss,train_accuracy,val_loss,val_accuracy,test_loss,test_accuracy,bytes_moved,"
+      "round_seconds,peak_rss_bytes\n",
+      f);
+  std::fflush(f);
+  return std::unique_ptr<MetricsWriter>(new MetricsWriter(f));
+}
+
+MetricsWriter::~MetricsWriter() { std::fclose(f_); }
+
+Status MetricsWriter::append(const RoundMetrics& m) {
+  std::fputs(fmt::format("{},{},{:.6f},{:.6f},{:.6f},{:.6f},{:.6f},{:.6f},{},{:.3f},{}\n", m.round, m.clients,
+                         m.train_loss, m.train_accuracy, m.val_loss, m.val_accuracy, m.test_loss, m.test_accuracy,
+                         m.bytes_moved, m.round_seconds, m.peak_rss_bytes)
+                 .c_str(),
+             f_);
+  if (std::fflush(f_) != 0) return internal_error("writing metrics.csv failed: {}", std::strerror(errno));
+  return Status::Ok();
+}
+
+Status write_text_file(const std::string& path, const std::string& text) {
+  std::ofstream out(path);
+  if (!out) return not_found("cannot write {}", path);
+  out << text;
+  return out ? Status::Ok() : internal_error("writing {} failed", path);
+}
+
+}  // namespace memfl

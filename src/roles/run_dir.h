@@ -1,0 +1,42 @@
+// The run directory: everything a run measured, written as it goes so a run
+// that fails part-way keeps what it had (config.yaml first, metrics.csv one
+// flushed row per round, memory.json at the end or on failure).
+#pragma once
+
+#include <cstdio>
+#include <string>
+
+#include "common/status.h"
+#include "config/config.h"
+
+namespace memfl {
+
+// `out` if given, else <logging_output_dirname>/<timestamp>-<pid>. Refuses a
+// directory that already holds a run (metrics.csv), so nothing is overwritten.
+StatusOr<std::string> prepare_run_dir(const std::string& out, const ExperimentConfig& cfg);
+
+struct RoundMetrics {
+  int round = 0;
+  int clients = 0;
+  double train_loss = 0, train_accuracy = 0;
+  double val_loss = 0, val_accuracy = 0;
+  double test_loss = 0, test_accuracy = 0;
+  uint64_t bytes_moved = 0;
+  double round_seconds = 0;
+  int64_t peak_rss_bytes = 0;
+};
+
+class MetricsWriter {
+ public:
+  static StatusOr<std::unique_ptr<MetricsWriter>> open(const std::string& path);
+  ~MetricsWriter();
+  Status append(const RoundMetrics& m);
+
+ private:
+  explicit MetricsWriter(FILE* f) : f_(f) {}
+  FILE* f_;
+};
+
+Status write_text_file(const std::string& path, const std::string& text);
+
+}  // namespace memfl

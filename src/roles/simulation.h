@@ -1,0 +1,36 @@
+// In-process federated simulation (`memfl run`): one ServerAgent (global
+// model arena, SyncScheduler, aggregator) and N virtual clients that take
+// turns on one worker replica. A virtual client is its partition and sample
+// count; the worker's arena receives the global model as chunks (broadcast),
+// trains in place, and streams its chunks into the aggregator (upload) — so
+// memory is global + running sum + one replica, whatever N is.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "config/config.h"
+#include "roles/run_dir.h"
+
+namespace memfl {
+
+struct SimulationResult {
+  std::vector<RoundMetrics> rounds;
+  int64_t peak_rss_bytes = 0;
+  double wall_seconds = 0;
+  size_t model_bytes = 0;
+  size_t num_params = 0;
+};
+
+struct SimulationOptions {
+  std::string run_dir;
+  bool progress = true;  // one line per round on stdout
+};
+
+StatusOr<SimulationResult> run_simulation(const ExperimentConfig& cfg, const SimulationOptions& opts);
+
+// SyncScheduler's choice of clients for `round`: all when clients_per_round is
+// 0 or num_clients, else a seeded sample without replacement (sorted).
+std::vector<int> select_clients(int num_clients, int clients_per_round, uint64_t seed, int round);
+
+}  // namespace memfl

@@ -1,0 +1,57 @@
+// Arena: the one flat, aligned buffer a model's tensors live in.
+//
+// Move-only and RAII. Large arenas are anonymous mmaps, so their pages are
+// zero, touched only when written, and returned to the kernel on free (malloc
+// would keep them in its heap); small ones come from aligned_alloc. The bytes
+// are counted in the ledger under the category given at construction.
+//
+//   Arena global(layout.total_bytes(), MemoryCategory::kModel);
+//   std::span<std::byte> w = global.bytes(entry.offset, entry.nbytes());
+#pragma once
+
+#include <cstddef>
+#include <span>
+
+#include "memory/ledger.h"
+
+namespace memfl {
+
+class Arena {
+ public:
+  Arena() = default;
+  // Zero-filled buffer of `size` bytes, aligned to 64.
+  Arena(size_t size, MemoryCategory category);
+  ~Arena();
+  Arena(const Arena&) = delete;
+  Arena& operator=(const Arena&) = delete;
+  Arena(Arena&& other) noexcept;
+  Arena& operator=(Arena&& other) noexcept;
+
+  std::byte* data() { return data_; }
+  const std::byte* data() const { return data_; }
+  size_t size() const { return size_; }
+  bool empty() const { return size_ == 0; }
+  std::span<std::byte> bytes() { return {data_, size_}; }
+  std::span<const std::byte> bytes() const { return {data_, size_}; }
+  // Bounds are the caller's bug, not input: asserted.
+  std::span<std::byte> bytes(size_t offset, size_t length);
+  std::span<const std::byte> bytes(size_t offset, size_t length) const;
+  template <typename T>
+  T* as(size_t offset) {
+    return reinterpret_cast<T*>(data_ + offset);
+  }
+  template <typename T>
+  const T* as(size_t offset) const {
+    return reinterpret_cast<const T*>(data_ + offset);
+  }
+  void zero();
+
+ private:
+  void release();
+  std::byte* data_ = nullptr;
+  size_t size_ = 0;
+  size_t mapped_ = 0;  // >0 when data_ is an mmap of this many bytes
+  MemoryCategory category_ = MemoryCategory::kOther;
+};
+
+}  // namespace memfl

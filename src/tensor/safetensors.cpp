@@ -1,0 +1,223 @@
+#include "tensor/safetensors.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <limits>
+
+#include <nlohmann/json.hpp>
+
+namespace memfl {
+
+namespace {
+// The reference implementation refuses headers above 100 MB; so do we, so a
+// lying length cannot make us allocate gigabytes for JSON.
+constexpr uint64_t kMaxHeaderBytes = 100'000'000;
+
+bool mul_overflows(size_t a, size_t b, size_t* out) { return __builtin_mul_overflow(a, b, out); }
+}  // namespace
+
+SafetensorsFile::~SafetensorsFile() {
+  if (map_ != nullptr) munmap(map_, map_size_);
+}
+
+const SafetensorsTensor* SafetensorsFile::find(std::string_view name) const {
+  for (const auto& t : tensors_) {
+    if (t.name == name) return &t;
+  }
+  return nullptr;
+}
+
+StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::open(const std::string& path) {
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return not_found("{}: cannot open: {}", path, std::strerror(errno));
+  struct stat st {};
+  if (fstat(fd, &st) != 0) {
+    ::close(fd);
+    return not_found("{}: cannot stat: {}", path, std::strerror(errno));
+  }
+  const size_t file_size = static_cast<size_t>(st.st_size);
+  std::unique_ptr<SafetensorsFile> file(new SafetensorsFile());
+  file->path_ = path;
+  if (file_size < 8) {
+    ::close(fd);
+    return data_loss("{}: file is {} bytes, shorter than the 8-byte header length", path, file_size);
+  }
+  void* map = mmap(nullptr, file_size, PROT_READ, MAP_PRIVATE, fd, 0);
+  ::close(fd);
+  if (map == MAP_FAILED) return internal_error("{}: mmap failed: {}", path, std::strerror(errno));
+  file->map_ = map;
+  file->map_size_ = file_size;
+  const auto* base = static_cast<const std::byte*>(map);
+
+  uint64_t header_len = 0;
+  for (int i = 7; i >= 0; --i) header_len = (header_len << 8) | static_cast<uint8_t>(base[i]);
+  if (header_len > kMaxHeaderBytes) {
+    return data_loss("{}: header length {} exceeds the {}-byte limit", path, header_len, kMaxHeaderBytes);
+  }
+  if (header_len > file_size - 8) {
+    return data_loss("{}: header length {} runs past the end of the {}-byte file (truncated?)", path,
+                     header_len, file_size);
+  }
+  const size_t data_start = 8 + header_len;
+  const size_t data_size = file_size - data_start;
+  nlohmann::json header;
+  try {
+    header = nlohmann::json::parse(reinterpret_cast<const char*>(base + 8),
+                                   reinterpret_cast<const char*>(base + data_start));
+  } catch (const nlohmann::json::exception& e) {
+    return data_loss("{}: header is not valid JSON: {}", path, e.what());
+  }
+  if (!header.is_object()) return data_loss("{}: header is not a JSON object", path);
+
+  struct Span {
+    size_t begin, end;
+    size_t index;
+  };
+  std::vector<Span> spans;
+  for (auto it = header.begin(); it != header.end(); ++it) {
+    const std::string& name = it.key();
+    const auto& v = it.value();
+    if (name == "__metadata__") {
+      if (!v.is_object()) return data_loss("{}: __metadata__ is not an object", path);
+      for (auto m = v.begin(); m != v.end(); ++m) {
+        if (!m.value().is_string()) return data_loss("{}: __metadata__.{} is not a string", path, m.key());
+        file->metadata_[m.key()] = m.value().get<std::string>();
+      }
+      continue;
+    }
+    if (!v.is_object() || !v.contains("dtype") || !v.contains("shape") || !v.contains("data_offsets")) {
+      return data_loss("{}: tensor '{}' lacks dtype, shape or data_offsets", path, name);
+    }
+    if (!v["dtype"].is_string()) return data_loss("{}: tensor '{}' dtype is not a string", path, name);
+    auto dtype = dtype_from_safetensors_name(v["dtype"].get<std::string>());
+    if (!dtype) {
+      return data_loss("{}: tensor '{}' has unsupported dtype '{}' (supported: F32 BF16 F16 I64 I32 U8)", path, name,
+                       v["dtype"].get<std::string>());
+    }
+    SafetensorsTensor t;
+    t.name = name;
+    t.dtype = *dtype;
+    if (!v["shape"].is_array()) return data_loss("{}: tensor '{}' shape is not an array", path, name);
+    size_t numel = 1;
+    for (const auto& d : v["shape"]) {
+      if (!d.is_number_unsigned()) return data_loss("{}: tensor '{}' has a non-natural dimension", path, name);
+      auto dim = d.get<uint64_t>();
+      if (dim > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()) || mul_overflows(numel, dim, &numel)) {
+        return data_loss("{}: tensor '{}' shape overflows", path, name);
+      }
+      t.shape.push_back(static_cast<int64_t>(dim));
+    }
+    const auto& off = v["data_offsets"];
+    if (!off.is_array() || off.size() != 2 || !off[0].is_number_unsigned() || !off[1].is_number_unsigned()) {
+      return data_loss("{}: tensor '{}' data_offsets is not [begin, end]", path, name);
+    }
+    const uint64_t b = off[0].get<uint64_t>(), e = off[1].get<uint64_t>();
+    size_t nbytes = 0;
+    if (mul_overflows(numel, dtype_size(*dtype), &nbytes)) return data_loss("{}: tensor '{}' size overflows", path, name);
+    if (b > e) return data_loss("{}: tensor '{}' data_offsets [{}, {}] are reversed", path, name, b, e);
+    if (e - b != nbytes) {
+      return data_loss("{}: tensor '{}' claims {} bytes in data_offsets but shape and dtype need {}", path, name,
+                       e - b, nbytes);
+    }
+    if (e > data_size) {
+      return data_loss("{}: tensor '{}' ends at data byte {} but the file holds only {} data bytes (truncated?)",
+                       path, name, e, data_size);
+    }
+    t.data = {base + data_start + b, nbytes};
+    spans.push_back({b, e, file->tensors_.size()});
+    file->tensors_.push_back(std::move(t));
+  }
+  // The format forbids holes and overlaps: the tensors tile the data exactly.
+  std::sort(spans.begin(), spans.end(), [](const Span& a, const Span& b) { return a.begin < b.begin; });
+  size_t expect = 0;
+  for (const auto& s : spans) {
+    if (s.begin != expect) {
+      return data_loss("{}: tensor '{}' starts at data byte {} where {} was expected (hole or overlap)", path,
+                       file->tensors_[s.index].name, s.begin, expect);
+    }
+    expect = s.end;
+  }
+  if (expect != data_size) {
+    return data_loss("{}: tensors cover {} data bytes but the file holds {}", path, expect, data_size);
+  }
+  std::vector<SafetensorsTensor> ordered;
+  ordered.reserve(spans.size());
+  for (const auto& s : spans) ordered.push_back(std::move(file->tensors_[s.index]));
+  file->tensors_ = std::move(ordered);
+  return file;
+}
+
+StatusOr<Layout> SafetensorsFile::layout() const {
+  LayoutBuilder b;
+  for (const auto& t : tensors_) b.add(t.name, t.dtype, t.shape);
+  return std::move(b).build();
+}
+
+Status SafetensorsFile::load_into(const Layout& layout, Arena& arena) const {
+  if (arena.size() < layout.total_bytes()) {
+    return failed_precondition("{}: arena of {} bytes is smaller than the layout's {}", path_, arena.size(),
+                               layout.total_bytes());
+  }
+  for (const auto& t : tensors_) {
+    if (layout.find(t.name) == nullptr) return invalid_argument("{}: tensor '{}' is not in the model", path_, t.name);
+  }
+  for (const auto& e : layout.entries()) {
+    const SafetensorsTensor* t = find(e.name);
+    if (t == nullptr) return invalid_argument("{}: tensor '{}' is missing", path_, e.name);
+    if (t->dtype != e.dtype) {
+      return invalid_argument("{}: tensor '{}' is {} in the file but {} in the model", path_, e.name,
+                              dtype_name(t->dtype), dtype_name(e.dtype));
+    }
+    if (t->shape != e.shape) {
+      return invalid_argument("{}: tensor '{}' has shape [{}] in the file but [{}] in the model", path_, e.name,
+                              fmt::join(t->shape, ","), fmt::join(e.shape, ","));
+    }
+    std::memcpy(arena.data() + e.offset, t->data.data(), t->data.size());
+  }
+  return Status::Ok();
+}
+
+Status write_safetensors(const std::string& path, const Layout& layout, const Arena& arena,
+                         const std::map<std::string, std::string>& metadata) {
+  nlohmann::ordered_json header = nlohmann::ordered_json::object();
+  if (!metadata.empty()) header["__metadata__"] = metadata;
+  size_t pos = 0;
+  for (const auto& e : layout.entries()) {
+    header[e.name] = {{"dtype", dtype_safetensors_name(e.dtype)},
+                      {"shape", e.shape},
+                      {"data_offsets", {pos, pos + e.nbytes()}}};
+    pos += e.nbytes();
+  }
+  std::string text = header.dump();
+  while ((8 + text.size()) % 8 != 0) text.push_back(' ');  // keeps the data 8-byte aligned
+  const std::string tmp = path + ".tmp";
+  FILE* f = std::fopen(tmp.c_str(), "wb");
+  if (f == nullptr) return not_found("{}: cannot write: {}", tmp, std::strerror(errno));
+  uint8_t len[8];
+  uint64_t n = text.size();
+  for (int i = 0; i < 8; ++i) len[i] = static_cast<uint8_t>(n >> (8 * i));
+  bool ok = std::fwrite(len, 1, 8, f) == 8 && std::fwrite(text.data(), 1, text.size(), f) == text.size();
+  for (const auto& e : layout.entries()) {
+    if (!ok) break;
+    ok = std::fwrite(arena.data() + e.offset, 1, e.nbytes(), f) == e.nbytes();
+  }
+  ok = (std::fflush(f) == 0) && ok;
+  ok = (std::fclose(f) == 0) && ok;
+  if (!ok) {
+    std::remove(tmp.c_str());
+    return internal_error("{}: write failed: {}", path, std::strerror(errno));
+  }
+  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
+    return internal_error("{}: rename from {} failed: {}", path, tmp, std::strerror(errno));
+  }
+  return Status::Ok();
+}
+
+}  // namespace memfl

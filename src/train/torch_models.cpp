@@ -1,0 +1,163 @@
+#include "train/torch_models.h"
+
+namespace memfl::torch_internal {
+
+namespace {
+
+// APPFL's CNN: two 5×5 convolutions with max-pooling, then two linear layers.
+struct CNN : Net {
+  CNN(int64_t channels, int64_t pixels, int64_t classes) {
+    conv1 = register_module("conv1", torch::nn::Conv2d(torch::nn::Conv2dOptions(channels, 32, 5)));
+    conv2 = register_module("conv2", torch::nn::Conv2d(torch::nn::Conv2dOptions(32, 64, 5)));
+    const int64_t side = ((pixels - 4) / 2 - 4) / 2;
+    fc1 = register_module("fc1", torch::nn::Linear(64 * side * side, 512));
+    fc2 = register_module("fc2", torch::nn::Linear(512, classes));
+  }
+  torch::Tensor forward(torch::Tensor x) override {
+    x = torch::max_pool2d(torch::relu(conv1->forward(x)), 2);
+    x = torch::max_pool2d(torch::relu(conv2->forward(x)), 2);
+    x = torch::relu(fc1->forward(x.flatten(1)));
+    return fc2->forward(x);
+  }
+  torch::nn::Conv2d conv1{nullptr}, conv2{nullptr};
+  torch::nn::Linear fc1{nullptr}, fc2{nullptr};
+};
+
+struct MLP : Net {
+  MLP(int64_t in, int64_t hidden, int64_t classes) {
+    fc1 = register_module("fc1", torch::nn::Linear(in, hidden));
+    fc2 = register_module("fc2", torch::nn::Linear(hidden, hidden));
+    fc3 = register_module("fc3", torch::nn::Linear(hidden, classes));
+  }
+  torch::Tensor forward(torch::Tensor x) override {
+    x = torch::relu(fc1->forward(x.flatten(1)));
+    x = torch::relu(fc2->forward(x));
+    return fc3->forward(x);
+  }
+  torch::nn::Linear fc1{nullptr}, fc2{nullptr}, fc3{nullptr};
+};
+
+// ResNet-18 for 32×32 inputs (He et al. 2016, CIFAR variant: 3×3 stem, no
+// max-pool), with BatchNorm, as APPFL's resnet.py.
+struct BasicBlock : torch::nn::Module {
+  BasicBlock(int64_t in, int64_t out, int64_t stride) {
+    conv1 = register_module(
+        "conv1", torch::nn::Conv2d(torch::nn::Conv2dOptions(in, out, 3).stride(stride).padding(1).bias(false)));
+    bn1 = register_module("bn1", torch::nn::BatchNorm2d(out));
+    conv2 = register_module("conv2",
+                            torch::nn::Conv2d(torch::nn::Conv2dOptions(out, out, 3).stride(1).padding(1).bias(false)));
+    bn2 = register_module("bn2", torch::nn::BatchNorm2d(out));
+    shortcut = register_module("shortcut", torch::nn::Sequential());
+    if (stride != 1 || in != out) {
+      shortcut->push_back(torch::nn::Conv2d(torch::nn::Conv2dOptions(in, out, 1).stride(stride).bias(false)));
+      shortcut->push_back(torch::nn::BatchNorm2d(out));
+    }
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    auto y = torch::relu(bn1->forward(conv1->forward(x)));
+    y = bn2->forward(conv2->forward(y));
+    auto s = shortcut->is_empty() ? x : shortcut->forward(x);
+    return torch::relu(y + s);
+  }
+  torch::nn::Conv2d conv1{nullptr}, conv2{nullptr};
+  torch::nn::BatchNorm2d bn1{nullptr}, bn2{nullptr};
+  torch::nn::Sequential shortcut{nullptr};
+};
+
+struct ResNet18 : Net {
+  ResNet18(int64_t channels, int64_t classes) {
+    conv1 = register_module(
+        "conv1", torch::nn::Conv2d(torch::nn::Conv2dOptions(channels, 64, 3).stride(1).padding(1).bias(false)));
+    bn1 = register_module("bn1", torch::nn::BatchNorm2d(64));
+    int64_t in = 64;
+    const int64_t widths[4] = {64, 128, 256, 512};
+    for (int l = 0; l < 4; ++l) {
+      auto seq = torch::nn::Sequential();
+      for (int b = 0; b < 2; ++b) {
+        const int64_t stride = (b == 0 && l > 0) ? 2 : 1;
+        seq->push_back(std::make_shared<BasicBlock>(in, widths[l], stride));
+        in = widths[l];
+      }
+      layers[l] = register_module("layer" + std::to_string(l + 1), seq);
+    }
+    linear = register_module("linear", torch::nn::Linear(512, classes));
+  }
+  torch::Tensor forward(torch::Tensor x) override {
+    x = torch::relu(bn1->forward(conv1->forward(x)));
+    for (auto& layer : layers) x = layer->forward(x);
+    x = torch::adaptive_avg_pool2d(x, {1, 1}).flatten(1);
+    return linear->forward(x);
+  }
+  torch::nn::Conv2d conv1{nullptr};
+  torch::nn::BatchNorm2d bn1{nullptr};
+  torch::nn::Sequential layers[4];
+  torch::nn::Linear linear{nullptr};
+};
+
+}  // namespace
+
+StatusOr<std::shared_ptr<Net>> make_model(const ModelConfig& m, const InputSpec& in) {
+  if (m.model_name == "CNN") {
+    if (in.height != in.width) return invalid_argument("model CNN needs square inputs, got {}×{}", in.height, in.width);
+    if (in.height < 16) return invalid_argument("model CNN needs inputs of at least 16×16, got {}", in.height);
+    return std::shared_ptr<Net>(std::make_shared<CNN>(in.channels, in.height, in.num_classes));
+  }
+  if (m.model_name == "MLP") {
+    return std::shared_ptr<Net>(
+        std::make_shared<MLP>(in.channels * in.height * in.width, m.hidden_size, in.num_classes));
+  }
+  if (m.model_name == "ResNet18") {
+    return std::shared_ptr<Net>(std::make_shared<ResNet18>(in.channels, in.num_classes));
+  }
+  return invalid_argument("unknown model '{}'; known models: {}", m.model_name, fmt::join(known_model_names(), ", "));
+}
+
+StatusOr<DType> dtype_of(torch::ScalarType t) {
+  switch (t) {
+    case torch::kFloat32: return DType::kF32;
+    case torch::kBFloat16: return DType::kBF16;
+    case torch::kFloat16: return DType::kF16;
+    case torch::kInt64: return DType::kI64;
+    case torch::kInt32: return DType::kI32;
+    case torch::kUInt8: return DType::kU8;
+    default: return invalid_argument("tensor dtype {} has no arena dtype", c10::toString(t));
+  }
+}
+
+torch::ScalarType scalar_type_of(DType d) {
+  switch (d) {
+    case DType::kF32: return torch::kFloat32;
+    case DType::kBF16: return torch::kBFloat16;
+    case DType::kF16: return torch::kFloat16;
+    case DType::kI64: return torch::kInt64;
+    case DType::kI32: return torch::kInt32;
+    case DType::kU8: return torch::kUInt8;
+  }
+  return torch::kFloat32;
+}
+
+StatusOr<BoundModel> bind_to_arena(Net& net) {
+  std::vector<std::pair<std::string, torch::Tensor>> tensors;
+  for (auto& kv : net.named_parameters(true)) tensors.emplace_back(kv.key(), kv.value());
+  for (auto& kv : net.named_buffers(true)) tensors.emplace_back(kv.key(), kv.value());
+  LayoutBuilder b;
+  for (auto& [name, t] : tensors) {
+    MEMFL_ASSIGN_OR_RETURN(DType d, dtype_of(t.scalar_type()));
+    b.add(name, d, t.sizes().vec());
+  }
+  BoundModel bound;
+  MEMFL_ASSIGN_OR_RETURN(bound.layout, std::move(b).build());
+  bound.arena = Arena(bound.layout.total_bytes(), MemoryCategory::kModel);
+  torch::NoGradGuard no_grad;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const LayoutEntry& e = bound.layout.entries()[i];
+    auto& t = tensors[i].second;
+    torch::Tensor view = torch::from_blob(bound.arena.data() + e.offset, t.sizes(),
+                                          torch::TensorOptions().dtype(t.scalar_type()));
+    view.copy_(t);
+    t.set_data(view);  // the module now computes on the arena's bytes
+  }
+  return bound;
+}
+
+}  // namespace memfl::torch_internal

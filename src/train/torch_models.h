@@ -1,0 +1,34 @@
+// The model registry (libtorch side) and the binding of a module's tensors to
+// an arena. Only the trainer plugin includes this.
+#pragma once
+
+#include <torch/torch.h>
+
+#include "config/config.h"
+#include "tensor/arena.h"
+#include "tensor/layout.h"
+#include "train/trainer_backend.h"
+
+namespace memfl::torch_internal {
+
+// Every registry model is a module with a forward over N×C×H×W batches.
+struct Net : torch::nn::Module {
+  virtual torch::Tensor forward(torch::Tensor x) = 0;
+};
+
+// Builds `model.model_name` for `input`; unknown names fail with the list.
+StatusOr<std::shared_ptr<Net>> make_model(const ModelConfig& model, const InputSpec& input);
+
+StatusOr<DType> dtype_of(torch::ScalarType t);
+torch::ScalarType scalar_type_of(DType d);
+
+// Moves every parameter and buffer of `net` into one arena (in
+// named_parameters, then named_buffers order) and makes the module's tensors
+// views of it (set_data), so the arena *is* the model.
+struct BoundModel {
+  Layout layout;
+  Arena arena;
+};
+StatusOr<BoundModel> bind_to_arena(Net& net);
+
+}  // namespace memfl::torch_internal

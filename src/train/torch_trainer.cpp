@@ -1,0 +1,244 @@
+// VanillaTrainer on libtorch: the plugin's TrainerBackend and ModelReplica.
+#include <algorithm>
+#include <numeric>
+#include <random>
+
+#include "memory/ledger.h"
+#include "train/torch_models.h"
+
+namespace memfl::torch_internal {
+
+namespace {
+
+// Fills `x` (B×C×H×W float) and `y` (B int64) from uint8 samples, normalised
+// with the data set's mean and std; batches are built on the fly so the data
+// set stays uint8 once per process.
+void fill_batch(const ImageDataset& data, std::span<const uint32_t> idx, torch::Tensor& x, torch::Tensor& y) {
+  const size_t sb = data.sample_bytes();
+  const int64_t b = static_cast<int64_t>(idx.size());
+  x = torch::empty({b, data.channels, data.height, data.width}, torch::kFloat32);
+  y = torch::empty({b}, torch::kInt64);
+  float* xp = x.data_ptr<float>();
+  int64_t* yp = y.data_ptr<int64_t>();
+  const float scale = 1.0f / (255.0f * data.std);
+  const float shift = data.mean / data.std;
+  for (int64_t i = 0; i < b; ++i) {
+    const uint8_t* s = data.sample(idx[static_cast<size_t>(i)]);
+    float* dst = xp + static_cast<size_t>(i) * sb;
+    for (size_t j = 0; j < sb; ++j) dst[j] = static_cast<float>(s[j]) * scale - shift;
+    yp[i] = data.labels[idx[static_cast<size_t>(i)]];
+  }
+}
+
+int64_t tensor_bytes(const torch::Tensor& t) {
+  return t.defined() ? static_cast<int64_t>(t.numel() * t.element_size()) : 0;
+}
+
+class TorchReplica final : public ModelReplica {
+ public:
+  TorchReplica(std::shared_ptr<Net> net, BoundModel bound, torch::Device device)
+      : net_(std::move(net)), bound_(std::move(bound)), device_(device) {
+    if (device_.is_cuda()) net_->to(device_);  // the arena stays the host copy
+  }
+  const Layout& layout() const override { return bound_.layout; }
+  Arena& arena() override { return bound_.arena; }
+
+  StatusOr<TrainResult> train(const ImageDataset& data, std::span<const uint32_t> train_idx,
+                              std::span<const uint32_t> val_idx, const TrainConfig& cfg, uint64_t seed) override {
+    try {
+      return train_impl(data, train_idx, val_idx, cfg, seed);
+    } catch (const std::exception& e) {
+      return internal_error("training failed in libtorch: {}", e.what());
+    }
+  }
+
+  StatusOr<EvalResult> evaluate(const ImageDataset& data, std::span<const uint32_t> idx, int batch_size) override {
+    try {
+      sync_to_device();
+      return evaluate_impl(data, idx, batch_size);
+    } catch (const std::exception& e) {
+      return internal_error("evaluation failed in libtorch: {}", e.what());
+    }
+  }
+
+ private:
+  // On CUDA the module's tensors live on the GPU and the arena is their host
+  // copy: copy in before use, out after training. On CPU both are no-ops,
+  // since the module's tensors are views of the arena.
+  std::vector<torch::Tensor> all_tensors() {
+    std::vector<torch::Tensor> ts;
+    for (auto& p : net_->parameters(true)) ts.push_back(p);
+    for (auto& b : net_->buffers(true)) ts.push_back(b);
+    return ts;
+  }
+  torch::Tensor host_view(size_t i, const torch::Tensor& like) {
+    const auto& e = bound_.layout.entries()[i];
+    return torch::from_blob(bound_.arena.data() + e.offset, like.sizes(),
+                            torch::TensorOptions().dtype(like.scalar_type()));
+  }
+  void sync_to_device() {
+    if (!device_.is_cuda()) return;
+    torch::NoGradGuard g;
+    auto ts = all_tensors();
+    for (size_t i = 0; i < ts.size(); ++i) ts[i].copy_(host_view(i, ts[i]));
+  }
+  void sync_to_host() {
+    if (!device_.is_cuda()) return;
+    torch::NoGradGuard g;
+    auto ts = all_tensors();
+    for (size_t i = 0; i < ts.size(); ++i) host_view(i, ts[i]).copy_(ts[i]);
+  }
+
+  TrainResult train_impl(const ImageDataset& data, std::span<const uint32_t> train_idx,
+                         std::span<const uint32_t> val_idx, const TrainConfig& cfg, uint64_t seed) {
+    sync_to_device();
+    torch::manual_seed(seed);
+    net_->train();
+    std::unique_ptr<torch::optim::Optimizer> opt;
+    const auto& o = cfg.optim;
+    if (o.optim == "Adam") {
+      opt = std::make_unique<torch::optim::Adam>(
+          net_->parameters(),
+          torch::optim::AdamOptions(o.lr).betas({o.beta1, o.beta2}).eps(o.eps).weight_decay(o.weight_decay));
+    } else {
+      opt = std::make_unique<torch::optim::SGD>(
+          net_->parameters(),
+          torch::optim::SGDOptions(o.lr).momentum(o.momentum).weight_decay(o.weight_decay).nesterov(o.nesterov));
+    }
+    std::vector<uint32_t> order(train_idx.begin(), train_idx.end());
+    std::mt19937_64 rng(seed);
+    const size_t bs = static_cast<size_t>(cfg.train_batch_size);
+    const int64_t max_steps = cfg.mode == "step" ? cfg.num_local_steps : INT64_MAX;
+    const int epochs = cfg.mode == "step" ? INT32_MAX : cfg.num_local_epochs;
+    TrainResult r;
+    double loss_sum = 0;
+    int64_t correct = 0;
+    torch::Tensor x, y;
+    for (int ep = 0; ep < epochs && r.num_steps < max_steps; ++ep) {
+      if (cfg.train_data_shuffle) std::shuffle(order.begin(), order.end(), rng);
+      for (size_t b = 0; b < order.size() && r.num_steps < max_steps; b += bs) {
+        const size_t n = std::min(bs, order.size() - b);
+        fill_batch(data, std::span<const uint32_t>(order).subspan(b, n), x, y);
+        x = x.to(device_);
+        y = y.to(device_);
+        opt->zero_grad();
+        auto logits = net_->forward(x);
+        auto loss = torch::nn::functional::cross_entropy(logits, y);
+        loss.backward();
+        opt->step();
+        loss_sum += loss.item<double>() * static_cast<double>(n);
+        correct += logits.argmax(1).eq(y).sum().item<int64_t>();
+        r.num_samples += static_cast<int64_t>(n);
+        r.num_steps++;
+      }
+    }
+    if (r.num_samples > 0) {
+      r.train_loss = loss_sum / static_cast<double>(r.num_samples);
+      r.train_accuracy = static_cast<double>(correct) / static_cast<double>(r.num_samples);
+    }
+    // What training cost on top of the model, for the ledger and reports.
+    for (auto& p : net_->parameters()) r.gradient_bytes += tensor_bytes(p.grad());
+    r.optimizer_bytes = optimizer_state_bytes(*opt, o.optim);
+    auto& ledger = Ledger::instance();
+    ledger.set(MemoryCategory::kGradients, r.gradient_bytes);
+    ledger.set(MemoryCategory::kOptimizer, r.optimizer_bytes);
+    // Nothing of this client survives its turn: drop gradients and the optimizer.
+    for (auto& p : net_->parameters()) p.mutable_grad() = torch::Tensor();
+    opt.reset();
+    ledger.set(MemoryCategory::kGradients, 0);
+    ledger.set(MemoryCategory::kOptimizer, 0);
+    sync_to_host();
+    if (cfg.do_validation && !val_idx.empty()) {
+      EvalResult v = evaluate_impl(data, val_idx, cfg.val_batch_size);
+      r.val_loss = v.loss;
+      r.val_accuracy = v.accuracy;
+      r.has_validation = true;
+    }
+    return r;
+  }
+
+  static int64_t optimizer_state_bytes(torch::optim::Optimizer& opt, const std::string& kind) {
+    int64_t bytes = 0;
+    for (auto& kv : opt.state()) {
+      if (kind == "Adam") {
+        auto& s = static_cast<torch::optim::AdamParamState&>(*kv.second);
+        bytes += tensor_bytes(s.exp_avg()) + tensor_bytes(s.exp_avg_sq()) + tensor_bytes(s.max_exp_avg_sq());
+      } else {
+        auto& s = static_cast<torch::optim::SGDParamState&>(*kv.second);
+        bytes += tensor_bytes(s.momentum_buffer());
+      }
+    }
+    return bytes;
+  }
+
+  EvalResult evaluate_impl(const ImageDataset& data, std::span<const uint32_t> idx, int batch_size) {
+    torch::NoGradGuard no_grad;
+    net_->eval();
+    EvalResult r;
+    double loss_sum = 0;
+    int64_t correct = 0;
+    torch::Tensor x, y;
+    const size_t bs = static_cast<size_t>(batch_size);
+    for (size_t b = 0; b < idx.size(); b += bs) {
+      const size_t n = std::min(bs, idx.size() - b);
+      fill_batch(data, idx.subspan(b, n), x, y);
+      x = x.to(device_);
+      y = y.to(device_);
+      auto logits = net_->forward(x);
+      loss_sum += torch::nn::functional::cross_entropy(
+                      logits, y, torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum))
+                      .item<double>();
+      correct += logits.argmax(1).eq(y).sum().item<int64_t>();
+      r.num_samples += static_cast<int64_t>(n);
+    }
+    if (r.num_samples > 0) {
+      r.loss = loss_sum / static_cast<double>(r.num_samples);
+      r.accuracy = static_cast<double>(correct) / static_cast<double>(r.num_samples);
+    }
+    return r;
+  }
+
+  std::shared_ptr<Net> net_;
+  BoundModel bound_;
+  torch::Device device_;
+};
+
+class TorchBackend final : public TrainerBackend {
+ public:
+  std::vector<std::string> model_names() const override { return {"CNN", "MLP", "ResNet18"}; }
+
+  StatusOr<std::unique_ptr<ModelReplica>> create_replica(const ModelConfig& model, const InputSpec& input,
+                                                          const std::string& device, uint64_t seed) override {
+    try {
+      torch::Device dev(torch::kCPU);
+      if (device == "cuda") {
+        if (!torch::cuda::is_available()) {
+          return failed_precondition("device: cuda was asked for but libtorch sees no CUDA device");
+        }
+        dev = torch::Device(torch::kCUDA);
+      }
+      torch::manual_seed(seed);  // same seed, same initial global model
+      MEMFL_ASSIGN_OR_RETURN(auto net, make_model(model, input));
+      MEMFL_ASSIGN_OR_RETURN(auto bound, bind_to_arena(*net));
+      return std::unique_ptr<ModelReplica>(std::make_unique<TorchReplica>(std::move(net), std::move(bound), dev));
+    } catch (const std::exception& e) {
+      return internal_error("building model {} failed in libtorch: {}", model.model_name, e.what());
+    }
+  }
+
+  void set_num_threads(int threads) override { torch::set_num_threads(threads); }
+
+  std::string version() const override {
+    return fmt::format("libtorch {}.{}.{}", TORCH_VERSION_MAJOR, TORCH_VERSION_MINOR, TORCH_VERSION_PATCH);
+  }
+};
+
+}  // namespace
+
+}  // namespace memfl::torch_internal
+
+extern "C" memfl::TrainerBackend* memfl_trainer_backend() {
+  // Leaked on purpose: libtorch's own static teardown order is not ours to race.
+  static auto* backend = new memfl::torch_internal::TorchBackend();
+  return backend;
+}

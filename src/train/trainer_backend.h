@@ -1,0 +1,85 @@
+// The boundary between memfl and libtorch. Everything that needs a network
+// (build a model, train, evaluate) sits behind TrainerBackend, implemented by
+// libmemfl_torch.so and loaded with dlopen only when a config trains or
+// evaluates: a server or a DummyTrainer client never maps libtorch (whose
+// static initialisers alone cost ~43 MB of heap).
+//
+//   MEMFL_ASSIGN_OR_RETURN(TrainerBackend* backend, load_trainer_backend());
+//   MEMFL_ASSIGN_OR_RETURN(auto replica, backend->create_replica(cfg.model, input_shape, seed));
+//   // replica->arena() holds the parameters; libtorch uses them in place.
+#pragma once
+
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+#include "config/config.h"
+#include "data/dataset.h"
+#include "tensor/arena.h"
+#include "tensor/layout.h"
+
+namespace memfl {
+
+struct InputSpec {
+  int64_t channels = 1, height = 28, width = 28;
+  int num_classes = 10;
+};
+
+struct TrainResult {
+  double train_loss = 0;
+  double train_accuracy = 0;
+  int64_t num_samples = 0;  // samples seen in training (what FedAvg weighs by)
+  int64_t num_steps = 0;
+  double val_loss = 0;
+  double val_accuracy = 0;
+  bool has_validation = false;
+  int64_t gradient_bytes = 0;
+  int64_t optimizer_bytes = 0;
+};
+
+struct EvalResult {
+  double loss = 0;
+  double accuracy = 0;
+  int64_t num_samples = 0;
+};
+
+// A libtorch module whose parameters and buffers are views into arena().
+// Writing a new model into the arena (a broadcast) changes the module;
+// reading the arena (an upload) reads the trained weights. One replica serves
+// every virtual client in turn, so no client keeps a model between rounds.
+class ModelReplica {
+ public:
+  virtual ~ModelReplica() = default;
+  virtual const Layout& layout() const = 0;
+  virtual Arena& arena() = 0;
+  // Trains on `train_indices` of `data` (a fresh optimizer each call, as
+  // APPFL's VanillaTrainer does), then validates on `val_indices`.
+  virtual StatusOr<TrainResult> train(const ImageDataset& data, std::span<const uint32_t> train_indices,
+                                      std::span<const uint32_t> val_indices, const TrainConfig& cfg,
+                                      uint64_t seed) = 0;
+  virtual StatusOr<EvalResult> evaluate(const ImageDataset& data, std::span<const uint32_t> indices,
+                                        int batch_size) = 0;
+};
+
+class TrainerBackend {
+ public:
+  virtual ~TrainerBackend() = default;
+  virtual std::vector<std::string> model_names() const = 0;
+  // Builds the model (seeded init) with its tensors moved into an arena.
+  virtual StatusOr<std::unique_ptr<ModelReplica>> create_replica(const ModelConfig& model, const InputSpec& input,
+                                                                  const std::string& device, uint64_t seed) = 0;
+  virtual void set_num_threads(int threads) = 0;
+  virtual std::string version() const = 0;
+};
+
+// Finds libmemfl_torch.so (MEMFL_PLUGIN_DIR, else next to the executable),
+// loads it once and returns its backend. Fails with a message naming the path
+// tried when it is missing.
+StatusOr<TrainerBackend*> load_trainer_backend();
+
+}  // namespace memfl
+
+// The plugin's one exported symbol.
+extern "C" memfl::TrainerBackend* memfl_trainer_backend();
