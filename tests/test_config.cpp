@@ -1,0 +1,104 @@
+#include <gtest/gtest.h>
+
+#include <fstream>
+
+#include "config/config.h"
+#include "default_config.h"
+#include "test_util.h"
+
+namespace memfl {
+namespace {
+
+std::string error_of(const std::string& yaml, const std::vector<std::string>& sets = {}) {
+  auto c = load_config_text(yaml, "exp.yaml", sets);
+  EXPECT_FALSE(c.ok()) << yaml;
+  if (c.ok()) return "";
+  EXPECT_EQ(c.status().code(), StatusCode::kInvalidArgument);
+  return c.status().message();
+}
+
+#define EXPECT_HAS(haystack, needle) EXPECT_NE((haystack).find(needle), std::string::npos) << (haystack)
+
+TEST(Config, EmbeddedDefaultIsTheShippedFileAndValid) {
+  auto c = load_config_text(kDefaultConfigYaml, kDefaultConfigName);
+  ASSERT_TRUE(c.ok()) << c.status().to_string();
+  EXPECT_EQ(c->server.num_clients, 10);
+  EXPECT_EQ(c->model.model_name, "CNN");
+  EXPECT_EQ(c->data.dataset_name, "FashionMNIST");
+  EXPECT_EQ(c->server.aggregator, "FedAvgAggregator");
+  EXPECT_DOUBLE_EQ(c->train.optim.lr, 0.05);
+  std::ifstream in(std::string(MEMFL_SOURCE_DIR_FOR_TESTS) + "/configs/fedavg_fmnist_cnn.yaml");
+  std::string file((std::istreambuf_iterator<char>(in)), {});
+  EXPECT_EQ(file, kDefaultConfigYaml);
+}
+
+TEST(Config, EmptyConfigTakesDefaultsAndResolvesEveryKey) {
+  auto c = load_config_text("", "empty.yaml");
+  ASSERT_TRUE(c.ok());
+  EXPECT_EQ(c->train.mode, "epoch");
+  EXPECT_HAS(c->resolved_yaml, "num_global_epochs: 5");
+  EXPECT_HAS(c->resolved_yaml, "client_weights_mode: equal");
+  // The resolved config loads again to the same values.
+  auto again = load_config_text(c->resolved_yaml, "resolved.yaml");
+  ASSERT_TRUE(again.ok()) << again.status().to_string();
+  EXPECT_EQ(again->resolved_yaml, c->resolved_yaml);
+}
+
+TEST(Config, UnknownKeyNamesKeyFileLineAndSuggestion) {
+  std::string e = error_of("server_configs:\n  num_clinets: 4\n");
+  EXPECT_HAS(e, "exp.yaml:2");
+  EXPECT_HAS(e, "unknown key 'server_configs.num_clinets'");
+  EXPECT_HAS(e, "did you mean 'server_configs.num_clients'");
+  // A key put in the wrong section is pointed to its place.
+  e = error_of("server_configs:\n  optim: Adam\n");
+  EXPECT_HAS(e, "did you mean 'client_configs.train_configs.optim'");
+  EXPECT_HAS(error_of("bogus: 1\n"), "unknown key 'bogus'");
+}
+
+TEST(Config, WrongTypesAndValuesNameTheKey) {
+  EXPECT_HAS(error_of("server_configs:\n  num_clients: ten\n"), "key 'server_configs.num_clients' must be a integer");
+  EXPECT_HAS(error_of("server_configs:\n  num_clients: 2.5\n"), "server_configs.num_clients");
+  EXPECT_HAS(error_of("server_configs:\n  num_clients: 0\n"), "must lie in [1,");
+  EXPECT_HAS(error_of("client_configs:\n  train_configs:\n    optim: RMSprop\n"), "must be one of [SGD, Adam]");
+  EXPECT_HAS(error_of("client_configs:\n  train_configs:\n    mode: epochs\n"), "client_configs.train_configs.mode");
+  EXPECT_HAS(error_of("client_configs:\n  model_configs:\n    model_name: VGG\n"), "one of [CNN, MLP, ResNet18]");
+  EXPECT_HAS(error_of("client_configs:\n  train_configs:\n    do_validation: maybe\n"), "must be a boolean");
+  EXPECT_HAS(error_of("client_configs:\n  train_configs:\n    optim_args:\n      betas: [0.9]\n"), "list of 2");
+  EXPECT_HAS(error_of("server_configs: 3\n"), "must be a mapping");
+  EXPECT_HAS(error_of("server_configs:\n  num_clients: 4\n  clients_per_round: 5\n"),
+             "'server_configs.clients_per_round' (5) exceeds server_configs.num_clients (4)");
+  EXPECT_HAS(error_of("server_configs: [1, 2\n"), "exp.yaml:");
+}
+
+TEST(Config, SetOverridesWinAndAreChecked) {
+  auto c = load_config_text("server_configs:\n  num_clients: 4\n", "exp.yaml",
+                            {"server_configs.num_clients=7", "client_configs.train_configs.optim_args.lr=0.2",
+                             "client_configs.train_configs.optim_args.betas=[0.8, 0.99]"});
+  ASSERT_TRUE(c.ok()) << c.status().to_string();
+  EXPECT_EQ(c->server.num_clients, 7);
+  EXPECT_DOUBLE_EQ(c->train.optim.lr, 0.2);
+  EXPECT_DOUBLE_EQ(c->train.optim.beta1, 0.8);
+  EXPECT_HAS(error_of("", {"server_configs.num_client=3"}), "--set: unknown key 'server_configs.num_client'");
+  EXPECT_HAS(error_of("", {"server_configs.num_clients"}), "expected key.path=value");
+  std::string e = error_of("", {"server_configs.num_clients=-1"});
+  EXPECT_HAS(e, "--set");
+  EXPECT_HAS(e, "server_configs.num_clients");
+}
+
+TEST(Config, MissingFileIsNamed) {
+  auto c = load_config_file("/nonexistent/exp.yaml");
+  ASSERT_FALSE(c.ok());
+  EXPECT_EQ(c.status().code(), StatusCode::kNotFound);
+  EXPECT_HAS(c.status().message(), "/nonexistent/exp.yaml");
+}
+
+TEST(Config, EveryKeyIsDescribed) {
+  const std::string d = describe_config_keys();
+  for (const char* k : {"server_configs.aggregator_kwargs.client_weights_mode", "client_configs.train_configs.mode",
+                        "server_configs.comm_configs.model_chunk_size"}) {
+    EXPECT_HAS(d, k);
+  }
+}
+
+}  // namespace
+}  // namespace memfl

@@ -1,0 +1,204 @@
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+
+#include "aggregate/fedavg_aggregator.h"
+#include "comm/chunk.h"
+#include "test_util.h"
+
+namespace memfl {
+namespace {
+
+// A layout with every dtype the aggregator handles, sizes that are not
+// multiples of anything, and an integer buffer like BatchNorm's counter.
+Layout mixed_layout(DType float_dtype) {
+  LayoutBuilder b;
+  b.add("conv1.weight", float_dtype, {8, 3, 3, 3})
+      .add("conv1.bias", float_dtype, {7})
+      .add("bn.num_batches_tracked", DType::kI64, {})
+      .add("fc.weight", float_dtype, {13, 11})
+      .add("fc.bias", float_dtype, {1});
+  return std::move(b).build().value();
+}
+
+// The plain weighted mean, in double, of the client arenas.
+double reference(const std::vector<Arena>& clients, const std::vector<double>& w, const LayoutEntry& e, size_t i) {
+  double s = 0, ws = 0;
+  for (size_t c = 0; c < clients.size(); ++c) {
+    s += w[c] * testing::element_as_double(clients[c], e, i);
+    ws += w[c];
+  }
+  return s / ws;
+}
+
+struct Case {
+  DType dtype;
+  size_t chunk;  // 0 = larger than the model
+};
+
+class FedAvgChunks : public ::testing::TestWithParam<Case> {};
+
+TEST_P(FedAvgChunks, EqualsWeightedMeanForAnyChunkSize) {
+  const Case c = GetParam();
+  Layout layout = mixed_layout(c.dtype);
+  const size_t chunk = c.chunk == 0 ? layout.total_bytes() + 1000 : c.chunk;
+  for (auto mode : {ClientWeightsMode::kEqual, ClientWeightsMode::kSampleSize}) {
+    std::vector<Arena> clients;
+    const std::vector<double> samples = {100, 250, 37};
+    for (int k = 0; k < 3; ++k) {
+      clients.emplace_back(layout.total_bytes(), MemoryCategory::kModel);
+      testing::fill_random(layout, clients.back(), 11 + k);
+    }
+    FedAvgAggregator agg(layout, mode);
+    // Two rounds: the second must not see the first's sum.
+    for (int round = 1; round <= 2; ++round) {
+      ASSERT_TRUE(agg.begin_round(round).ok());
+      for (int k = 0; k < 3; ++k) {
+        auto up = agg.open_update("client_" + std::to_string(k), samples[k]);
+        ASSERT_TRUE(up.ok());
+        auto sent = stream_arena(layout, clients[k], chunk, **up);
+        ASSERT_TRUE(sent.ok()) << sent.status().to_string();
+        ASSERT_TRUE((*up)->commit().ok());
+      }
+      Arena global(layout.total_bytes(), MemoryCategory::kModel);
+      ASSERT_TRUE(agg.finalize(global).ok());
+      EXPECT_EQ(agg.num_committed(), 3);
+      std::vector<double> w = mode == ClientWeightsMode::kEqual ? std::vector<double>{1, 1, 1} : samples;
+      for (const auto& e : layout.entries()) {
+        for (size_t i = 0; i < e.numel(); ++i) {
+          const double want = reference(clients, w, e, i);
+          const double got = testing::element_as_double(global, e, i);
+          double tol;
+          switch (e.dtype) {
+            case DType::kF32: tol = 1e-5 * (1 + std::abs(want)); break;            // fp32 rounding
+            case DType::kBF16: tol = std::abs(want) * 0x1p-8 + 1e-6; break;       // half a bf16 ulp + f32 sum
+            case DType::kF16: tol = std::abs(want) * 0x1p-11 + 6e-8 + 1e-6; break;
+            default: tol = 0.5 + 1e-9; break;                                      // rounded to an integer
+          }
+          ASSERT_NEAR(got, want, tol) << e.name << "[" << i << "] chunk " << chunk << " round " << round;
+        }
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    ChunkSizesAndDtypes, FedAvgChunks,
+    ::testing::Values(Case{DType::kF32, 1}, Case{DType::kF32, 7}, Case{DType::kF32, 6}, Case{DType::kF32, 64},
+                      Case{DType::kF32, 1000}, Case{DType::kF32, 0}, Case{DType::kBF16, 1}, Case{DType::kBF16, 7},
+                      Case{DType::kBF16, 3}, Case{DType::kBF16, 0}, Case{DType::kF16, 7}, Case{DType::kF16, 0}),
+    [](const auto& p) {
+      return std::string(dtype_name(p.param.dtype)) + "_chunk_" +
+             (p.param.chunk == 0 ? std::string("larger_than_model") : std::to_string(p.param.chunk));
+    });
+
+class FedAvgStreams : public ::testing::Test {
+ protected:
+  Layout layout = mixed_layout(DType::kF32);
+  Arena model{layout.total_bytes(), MemoryCategory::kModel};
+  FedAvgAggregator agg{layout, ClientWeightsMode::kEqual};
+  void SetUp() override {
+    testing::fill_random(layout, model, 3);
+    ASSERT_TRUE(agg.begin_round(1).ok());
+  }
+  ChunkHeader header(size_t off, size_t len) {
+    return {layout.hash(), off, len, chunk_checksum(model.bytes(off, len))};
+  }
+};
+
+TEST_F(FedAvgStreams, RejectsBadChecksumHashOffsetAndLength) {
+  auto up = agg.open_update("client_9", 10);
+  ASSERT_TRUE(up.ok());
+  ChunkHeader h = header(0, 16);
+  h.checksum ^= 1;
+  Status s = (*up)->accept(h, model.bytes(0, 16));
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.message().find("client_9"), std::string::npos);
+  EXPECT_NE(s.message().find("checksum"), std::string::npos);
+
+  auto check = [&](ChunkHeader hh, std::span<const std::byte> p, const char* expect) {
+    auto u = agg.open_update("client_8", 10);
+    ASSERT_TRUE(u.ok());
+    Status st = (*u)->accept(hh, p);
+    ASSERT_FALSE(st.ok()) << expect;
+    EXPECT_NE(st.message().find(expect), std::string::npos) << st.message();
+  };
+  ChunkHeader wrong_hash = header(0, 16);
+  wrong_hash.layout_hash ^= 0xff;
+  check(wrong_hash, model.bytes(0, 16), "layout hash");
+  check(header(16, 16), model.bytes(16, 16), "offset 16 where 0 was expected");
+  ChunkHeader len = header(0, 16);
+  len.length = 17;
+  check(len, model.bytes(0, 16), "header says 17 bytes but 16 arrived");
+  ChunkHeader past{layout.hash(), 0, layout.total_bytes() + 8, 0};
+  std::vector<std::byte> big(layout.total_bytes() + 8);
+  check(past, big, "outside");
+}
+
+TEST_F(FedAvgStreams, BrokenStreamAfterCountedBytesForcesARedo) {
+  auto ok = agg.open_update("client_0", 10);
+  ASSERT_TRUE(stream_arena(layout, model, 64, **ok).ok());
+  ASSERT_TRUE((*ok)->commit().ok());
+  {
+    auto broken = agg.open_update("client_1", 10);
+    ASSERT_TRUE((*broken)->accept(header(0, 64), model.bytes(0, 64)).ok());
+    Status s = (*broken)->commit();  // incomplete
+    ASSERT_FALSE(s.ok());
+    EXPECT_NE(s.message().find("ended after 64 of"), std::string::npos) << s.message();
+  }
+  Arena global(layout.total_bytes(), MemoryCategory::kModel);
+  std::memset(global.data(), 0x5a, global.size());
+  Status s = agg.finalize(global);
+  ASSERT_FALSE(s.ok());
+  EXPECT_EQ(s.code(), StatusCode::kAborted);
+  EXPECT_NE(s.message().find("client_1"), std::string::npos) << s.message();
+  for (size_t i = 0; i < global.size(); ++i) ASSERT_EQ(global.data()[i], std::byte{0x5a});  // untouched
+}
+
+TEST_F(FedAvgStreams, StreamAbortedBeforeAnyByteLeavesTheAggregateClean) {
+  { auto dropped = agg.open_update("client_1", 10); }  // peer vanished after its metadata
+  auto up = agg.open_update("client_0", 10);
+  ASSERT_TRUE(stream_arena(layout, model, 100, **up).ok());
+  ASSERT_TRUE((*up)->commit().ok());
+  Arena global(layout.total_bytes(), MemoryCategory::kModel);
+  ASSERT_TRUE(agg.finalize(global).ok());
+  for (const auto& e : layout.entries()) {
+    EXPECT_EQ(std::memcmp(global.data() + e.offset, model.data() + e.offset, e.nbytes()), 0) << e.name;
+  }
+}
+
+TEST_F(FedAvgStreams, FinalizeWithoutUpdatesFailsAndKeepsGlobal) {
+  Arena global(layout.total_bytes(), MemoryCategory::kModel);
+  Status s = agg.finalize(global);
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.message().find("no client update completed"), std::string::npos);
+}
+
+TEST_F(FedAvgStreams, RejectsBadSampleCounts) {
+  FedAvgAggregator weighted(layout, ClientWeightsMode::kSampleSize);
+  ASSERT_TRUE(weighted.begin_round(1).ok());
+  EXPECT_FALSE(weighted.open_update("client_2", 0).ok());
+  EXPECT_FALSE(weighted.open_update("client_2", -5).ok());
+  EXPECT_FALSE(weighted.open_update("client_2", std::nan("")).ok());
+}
+
+TEST(ArenaWriter, ReceivesAModelAndRejectsAShortOne) {
+  Layout layout = mixed_layout(DType::kBF16);
+  Arena src(layout.total_bytes(), MemoryCategory::kModel), dst(layout.total_bytes(), MemoryCategory::kModel);
+  testing::fill_random(layout, src, 5);
+  ArenaWriter w(layout, dst, "server");
+  auto n = stream_arena(layout, src, 7, w);
+  ASSERT_TRUE(n.ok());
+  EXPECT_EQ(*n, layout.total_bytes());
+  ASSERT_TRUE(w.finish().ok());
+  EXPECT_EQ(std::memcmp(src.data(), dst.data(), layout.total_bytes()), 0);
+  ArenaWriter w2(layout, dst, "server");
+  ASSERT_TRUE(w2.accept({layout.hash(), 0, 7, chunk_checksum(src.bytes(0, 7))}, src.bytes(0, 7)).ok());
+  Status s = w2.finish();
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.message().find("from server ended after 7"), std::string::npos) << s.message();
+}
+
+}  // namespace
+}  // namespace memfl

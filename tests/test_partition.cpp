@@ -1,0 +1,130 @@
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <random>
+#include <set>
+
+#include "data/dataset.h"
+#include "data/partition.h"
+
+namespace memfl {
+namespace {
+
+std::vector<uint8_t> labels(size_t n, int classes, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::vector<uint8_t> l(n);
+  for (auto& x : l) x = static_cast<uint8_t>(rng() % static_cast<uint64_t>(classes));
+  return l;
+}
+
+void expect_exact_cover(const std::vector<std::vector<uint32_t>>& parts, size_t n) {
+  std::vector<int> seen(n, 0);
+  for (const auto& p : parts) {
+    EXPECT_FALSE(p.empty());
+    for (uint32_t i : p) {
+      ASSERT_LT(i, n);
+      seen[i]++;
+    }
+  }
+  for (size_t i = 0; i < n; ++i) ASSERT_EQ(seen[i], 1) << "sample " << i;
+}
+
+class Partitions : public ::testing::TestWithParam<PartitionStrategy> {};
+
+TEST_P(Partitions, CoverEverySampleExactlyOnce) {
+  for (int clients : {1, 3, 10, 37}) {
+    auto l = labels(5003, 10, 1);
+    PartitionSpec spec{GetParam(), clients, 0.3, 2, 99};
+    auto parts = partition_indices(l, 10, spec);
+    ASSERT_TRUE(parts.ok()) << parts.status().to_string();
+    ASSERT_EQ(parts->size(), static_cast<size_t>(clients));
+    expect_exact_cover(*parts, l.size());
+    // And after the train/validation split too.
+    auto split = split_train_val(*parts, 0.1, 5);
+    std::vector<std::vector<uint32_t>> flat;
+    for (auto& c : split) {
+      EXPECT_FALSE(c.train.empty());
+      flat.push_back(c.train);
+      flat.back().insert(flat.back().end(), c.val.begin(), c.val.end());
+    }
+    expect_exact_cover(flat, l.size());
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(AllStrategies, Partitions,
+                         ::testing::Values(PartitionStrategy::kIid, PartitionStrategy::kDirichlet,
+                                           PartitionStrategy::kClassShards),
+                         [](const auto& p) { return std::string(partition_strategy_name(p.param)); });
+
+std::set<int> classes_of(const std::vector<uint32_t>& idx, const std::vector<uint8_t>& l) {
+  std::set<int> s;
+  for (uint32_t i : idx) s.insert(l[i]);
+  return s;
+}
+
+TEST(Partition, ClassShardsGiveFewClassesPerClient) {
+  auto l = labels(6000, 10, 2);
+  auto parts = partition_indices(l, 10, {PartitionStrategy::kClassShards, 10, 0, 2, 3});
+  ASSERT_TRUE(parts.ok());
+  for (const auto& p : *parts) EXPECT_LE(classes_of(p, l).size(), 4u);  // 2 shards, each spans ≤2 classes
+}
+
+TEST(Partition, SmallDirichletAlphaSkewsLabels) {
+  auto l = labels(10000, 10, 3);
+  auto skewed = partition_indices(l, 10, {PartitionStrategy::kDirichlet, 10, 0.05, 2, 4});
+  auto iid = partition_indices(l, 10, {PartitionStrategy::kIid, 10, 0, 2, 4});
+  ASSERT_TRUE(skewed.ok() && iid.ok());
+  // Largest share of one class in a client, averaged over clients.
+  auto dominance = [&](const std::vector<std::vector<uint32_t>>& parts) {
+    double sum = 0;
+    for (const auto& p : parts) {
+      std::vector<int> count(10);
+      for (uint32_t i : p) count[l[i]]++;
+      sum += static_cast<double>(*std::max_element(count.begin(), count.end())) / static_cast<double>(p.size());
+    }
+    return sum / static_cast<double>(parts.size());
+  };
+  EXPECT_GT(dominance(*skewed), 0.5);
+  EXPECT_LT(dominance(*iid), 0.2);
+}
+
+TEST(Partition, IsDeterministicForASeed) {
+  auto l = labels(1000, 10, 4);
+  PartitionSpec spec{PartitionStrategy::kDirichlet, 5, 0.5, 2, 17};
+  EXPECT_EQ(*partition_indices(l, 10, spec), *partition_indices(l, 10, spec));
+}
+
+TEST(Partition, RejectsMoreClientsThanSamples) {
+  auto l = labels(5, 10, 5);
+  auto parts = partition_indices(l, 10, {PartitionStrategy::kIid, 6, 0, 2, 1});
+  ASSERT_FALSE(parts.ok());
+  EXPECT_NE(parts.status().message().find("5 training samples cannot be split among 6 clients"), std::string::npos);
+}
+
+TEST(Dataset, SyntheticCifarIsSeededAndShaped) {
+  auto a = make_synthetic_cifar10(50, 10, 7), b = make_synthetic_cifar10(50, 10, 7);
+  EXPECT_EQ(a.train.pixels, b.train.pixels);
+  EXPECT_EQ(a.train.pixels.size(), 50u * 3 * 32 * 32);
+  EXPECT_EQ(a.test.size(), 10u);
+  EXPECT_NE(make_synthetic_cifar10(50, 10, 8).train.pixels, a.train.pixels);
+}
+
+TEST(Dataset, MissingFashionMnistNamesThePackage) {
+  auto d = load_fashion_mnist("/nonexistent/fmnist");
+  ASSERT_FALSE(d.ok());
+  EXPECT_EQ(d.status().code(), StatusCode::kNotFound);
+  EXPECT_NE(d.status().message().find("dataset-fashion-mnist"), std::string::npos);
+}
+
+TEST(Dataset, ReadsTheDebianPackagesGzippedFiles) {
+  auto d = load_fashion_mnist("", 1000, 500);
+  ASSERT_TRUE(d.ok()) << d.status().to_string();
+  EXPECT_EQ(d->train.size(), 1000u);
+  EXPECT_EQ(d->test.size(), 500u);
+  EXPECT_EQ(d->train.height, 28);
+  std::set<int> cls(d->train.labels.begin(), d->train.labels.end());
+  EXPECT_EQ(cls.size(), 10u);
+}
+
+}  // namespace
+}  // namespace memfl

@@ -1,0 +1,205 @@
+// End-to-end: the CLI, the dlopen'd libtorch plugin, real Fashion-MNIST.
+#include <gtest/gtest.h>
+
+#include <sys/wait.h>
+
+#include <array>
+#include <numeric>
+#include <set>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
+
+#include "config/config.h"
+#include "data/dataset.h"
+#include "tensor/safetensors.h"
+#include "test_util.h"
+#include "train/trainer_backend.h"
+
+namespace memfl {
+namespace {
+
+struct Result {
+  int exit_code;
+  std::string output;
+};
+
+Result memfl_cli(const std::string& args) {
+  const std::string cmd = std::string(MEMFL_BINARY) + " " + args + " 2>&1";
+  FILE* p = popen(cmd.c_str(), "r");
+  std::string out;
+  std::array<char, 4096> buf{};
+  while (size_t n = fread(buf.data(), 1, buf.size(), p)) out.append(buf.data(), n);
+  int status = pclose(p);
+  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, out};
+}
+
+std::vector<std::vector<std::string>> read_csv(const std::string& path) {
+  std::ifstream in(path);
+  std::vector<std::vector<std::string>> rows;
+  std::string line;
+  while (std::getline(in, line)) {
+    std::vector<std::string> row;
+    std::stringstream ss(line);
+    std::string cell;
+    while (std::getline(ss, cell, ',')) row.push_back(cell);
+    rows.push_back(row);
+  }
+  return rows;
+}
+
+constexpr const char* kSmallRun =
+    "--set server_configs.num_clients=3 --set server_configs.num_global_epochs=2 "
+    "--set client_configs.data_configs.dataset_kwargs.max_train_samples=3000 "
+    "--set client_configs.data_configs.dataset_kwargs.max_test_samples=1000 "
+    "--set client_configs.train_configs.num_threads=1 --set server_configs.comm_configs.model_chunk_size=7777 -q";
+
+TEST(Training, ThreeClientsTwoRoundsBeatChance) {
+  testing::TempDir tmp;
+  const std::string out = tmp.file("run");
+  Result r = memfl_cli(std::string("run ") + kSmallRun + " --out " + out);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+
+  auto rows = read_csv(out + "/metrics.csv");
+  ASSERT_EQ(rows.size(), 3u) << "header + 2 rounds";
+  ASSERT_EQ(rows[0][7], "test_accuracy");
+  const double acc1 = std::stod(rows[1][7]), acc2 = std::stod(rows[2][7]);
+  EXPECT_GT(acc2, 0.3) << "10 classes: chance is 0.1";
+  EXPECT_GT(std::stod(rows[2][8]), 0.0) << "bytes moved";
+  (void)acc1;
+
+  // The memory timeline has the phases of both rounds and a peak.
+  std::ifstream in(out + "/memory.json");
+  auto mem = nlohmann::json::parse(in);
+  std::set<std::string> phases;
+  for (const auto& p : mem["phases"]) phases.insert(p["phase"].get<std::string>());
+  for (const char* p : {"broadcast", "train", "upload", "aggregate", "evaluate"}) EXPECT_TRUE(phases.count(p)) << p;
+  EXPECT_GT(mem["peak_rss_bytes"].get<int64_t>(), 0);
+
+  // The checkpoint is a valid safetensors file of the CNN, named as libtorch names it.
+  auto ckpt = SafetensorsFile::open(out + "/global_model.safetensors");
+  ASSERT_TRUE(ckpt.ok()) << ckpt.status().to_string();
+  EXPECT_NE((*ckpt)->find("conv1.weight"), nullptr);
+  EXPECT_EQ((*ckpt)->metadata().at("round"), "2");
+  EXPECT_TRUE(std::ifstream(out + "/config.yaml").good());
+  auto parts = read_csv(out + "/partition.csv");
+  EXPECT_EQ(parts.size(), 4u);
+
+  // A run directory that already holds a run is not overwritten.
+  Result again = memfl_cli(std::string("run ") + kSmallRun + " --out " + out);
+  EXPECT_EQ(again.exit_code, 2);
+  EXPECT_NE(again.output.find("already holds a run"), std::string::npos) << again.output;
+}
+
+TEST(Training, BadConfigFailsBeforeAnyWork) {
+  testing::TempDir tmp;
+  const std::string cfg = tmp.file("bad.yaml");
+  std::ofstream(cfg) << "server_configs:\n  num_clients: 3\n  aggregator: FedProx\n";
+  Result r = memfl_cli("run " + cfg + " --out " + tmp.file("run"));
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("bad.yaml:3"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("server_configs.aggregator"), std::string::npos) << r.output;
+  EXPECT_FALSE(std::filesystem::exists(tmp.file("run"))) << "nothing was started";
+
+  Result m = memfl_cli("run --set client_configs.model_configs.model_name=Transformer");
+  EXPECT_EQ(m.exit_code, 2);
+  EXPECT_NE(m.output.find("CNN, MLP, ResNet18"), std::string::npos) << m.output;
+
+  // model_kwargs that contradict the data set are named.
+  Result k = memfl_cli(std::string("run ") + kSmallRun +
+                       " --set client_configs.model_configs.model_kwargs.num_channel=3 --out " + tmp.file("k"));
+  EXPECT_EQ(k.exit_code, 2);
+  EXPECT_NE(k.output.find("model_kwargs.num_channel"), std::string::npos) << k.output;
+
+  Result d = memfl_cli(std::string("run ") + kSmallRun +
+                       " --set client_configs.data_configs.dataset_path=/nonexistent --out " + tmp.file("d"));
+  EXPECT_EQ(d.exit_code, 3);
+  EXPECT_NE(d.output.find("dataset-fashion-mnist"), std::string::npos) << d.output;
+}
+
+TEST(Training, CliHelpAndUsageErrors) {
+  Result h = memfl_cli("--help");
+  EXPECT_EQ(h.exit_code, 0);
+  EXPECT_NE(h.output.find("Exit codes"), std::string::npos);
+  Result rh = memfl_cli("run --help");
+  EXPECT_EQ(rh.exit_code, 0);
+  EXPECT_NE(rh.output.find("--set"), std::string::npos);
+  EXPECT_EQ(memfl_cli("no-such-command").exit_code, 2);
+}
+
+class Plugin : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    auto b = load_trainer_backend();
+    ASSERT_TRUE(b.ok()) << b.status().to_string();
+    backend = *b;
+    backend->set_num_threads(1);
+  }
+  TrainerBackend* backend = nullptr;
+};
+
+TEST_F(Plugin, KnowsTheModelsTheConfigAccepts) {
+  EXPECT_EQ(backend->model_names(), known_model_names());
+  ModelConfig m;
+  m.model_name = "Nope";
+  auto r = backend->create_replica(m, {}, "cpu", 1);
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("known models: CNN, MLP, ResNet18"), std::string::npos);
+}
+
+TEST_F(Plugin, ParametersAreViewsIntoTheArena) {
+  auto data = make_synthetic_cifar10(64, 64, 3);
+  std::vector<uint32_t> idx(64);
+  std::iota(idx.begin(), idx.end(), 0u);
+  for (const char* name : {"CNN", "MLP", "ResNet18"}) {
+    ModelConfig m;
+    m.model_name = name;
+    auto rep = backend->create_replica(m, {3, 32, 32, 10}, "cpu", 5);
+    ASSERT_TRUE(rep.ok()) << rep.status().to_string();
+    auto& replica = **rep;
+    // Writing zeros into the arena changes the module itself: every logit
+    // becomes 0, so the loss is exactly ln(10).
+    replica.arena().zero();
+    auto ev = replica.evaluate(data.test, idx, 32);
+    ASSERT_TRUE(ev.ok()) << ev.status().to_string();
+    EXPECT_NEAR(ev->loss, std::log(10.0), 1e-5) << name;
+  }
+  ModelConfig r18;
+  r18.model_name = "ResNet18";
+  auto rep = backend->create_replica(r18, {3, 32, 32, 10}, "cpu", 5);
+  ASSERT_TRUE(rep.ok());
+  const auto* nbt = (*rep)->layout().find("layer1.0.bn1.num_batches_tracked");
+  ASSERT_NE(nbt, nullptr) << "BatchNorm buffers are in the arena too";
+  EXPECT_EQ(nbt->dtype, DType::kI64);
+  EXPECT_NEAR(static_cast<double>((*rep)->layout().num_params()), 11.17e6, 0.05e6);
+}
+
+TEST_F(Plugin, TrainingChangesTheArenaInPlace) {
+  auto data = make_synthetic_cifar10(256, 64, 4);
+  std::vector<uint32_t> idx(256);
+  std::iota(idx.begin(), idx.end(), 0u);
+  ModelConfig m;
+  m.model_name = "MLP";
+  auto rep = backend->create_replica(m, {3, 32, 32, 10}, "cpu", 9);
+  ASSERT_TRUE(rep.ok());
+  std::vector<std::byte> before((*rep)->arena().bytes().begin(), (*rep)->arena().bytes().end());
+  TrainConfig tc;
+  tc.mode = "step";
+  tc.num_local_steps = 5;
+  tc.optim.optim = "Adam";
+  tc.optim.lr = 1e-3;
+  auto tr = (*rep)->train(data.train, idx, std::span<const uint32_t>(idx).subspan(0, 32), tc, 1);
+  ASSERT_TRUE(tr.ok()) << tr.status().to_string();
+  EXPECT_EQ(tr->num_steps, 5);
+  EXPECT_EQ(tr->num_samples, 5 * 64);
+  EXPECT_TRUE(tr->has_validation);
+  EXPECT_EQ(tr->optimizer_bytes, 2 * static_cast<int64_t>((*rep)->layout().payload_bytes()));  // Adam: two moments
+  EXPECT_NE(std::memcmp(before.data(), (*rep)->arena().data(), before.size()), 0);
+}
+
+}  // namespace
+}  // namespace memfl

@@ -84,6 +84,8 @@ class [[nodiscard]] StatusOr {
   T* operator->() { return &value(); }
   const T* operator->() const { return &value(); }
   T& operator*() & { return value(); }
+  const T& operator*() const& { return value(); }
+  T&& operator*() && { return std::move(*this).value(); }
 
  private:
   std::variant<Status, T> v_;

@@ -287,14 +287,17 @@ StatusOr<Value> convert(const KeySpec& k, const YAML::Node& n, const std::string
 }
 
 YAML::Node lookup(const YAML::Node& root, const std::string& path) {
-  YAML::Node cur = YAML::Clone(root);
+  // Node::operator= would assign through to the tree (yaml-cpp's reference
+  // semantics); reset() rebinds, and keeps the marks (line numbers).
+  YAML::Node cur;
+  cur.reset(root);
   std::stringstream ss(path);
   std::string part;
   while (std::getline(ss, part, '.')) {
     if (!cur.IsMap()) return YAML::Node(YAML::NodeType::Undefined);
     YAML::Node next = cur[part];
     if (!next.IsDefined()) return YAML::Node(YAML::NodeType::Undefined);
-    cur = next;
+    cur.reset(next);
   }
   return cur;
 }
