@@ -39,7 +39,8 @@ test-asan: deps
 
 bench: build
 	./$(BUILD)/memfl_bench --benchmark_out=$(BUILD)/bench.json --benchmark_out_format=json
-	@echo "wrote $(BUILD)/bench.json"
+	bash bench/memory_scaling.sh $(BUILD) > $(BUILD)/bench_memory.json
+	@echo "wrote $(BUILD)/bench.json (aggregation micro-benchmarks) and $(BUILD)/bench_memory.json (peak RSS vs model size and clients)"
 
 format:
 	clang-format -i $$(git ls-files 'src/*.cpp' 'src/*.h' 'tests/*.cpp' 'bench/*.cpp')
