@@ -1,5 +1,6 @@
 #include "aggregate/fedavg_aggregator.h"
 
+#include <cassert>
 #include <cmath>
 #include <cstring>
 
@@ -24,7 +25,8 @@ class FedAvgAggregator::Stream final : public UpdateStream {
     if (!done_) abort();
   }
 
-  Status accept(const ChunkHeader& h, std::span<const std::byte> payload) override {
+  using UpdateStream::accept;
+  Status accept(const ChunkHeader& h, Payload payload) override {
     if (done_) return failed_precondition("update from {}: chunk after commit", client_id_);
     Status s = verify_chunk(h, payload, agg_.layout_, next_offset_, client_id_);
     if (!s.ok()) {
@@ -32,7 +34,11 @@ class FedAvgAggregator::Stream final : public UpdateStream {
       return s;
     }
     std::lock_guard lock(agg_.mu_);
-    agg_.fold(h.offset, payload, weight_, carry_);
+    size_t at = h.offset;
+    for (auto part : payload) {  // pieces may cut elements anywhere: fold carries them
+      agg_.fold(at, part, weight_, carry_);
+      at += part.size();
+    }
     next_offset_ += h.length;
     return Status::Ok();
   }
@@ -79,10 +85,33 @@ FedAvgAggregator::FedAvgAggregator(const Layout& layout, ClientWeightsMode mode)
   sum_ = Arena(acc, MemoryCategory::kAggregation);
 }
 
+FedAvgAggregator::FedAvgAggregator(const Layout& layout, ClientWeightsMode mode, Arena& in_place)
+    : layout_(layout), mode_(mode) {
+  assert(can_sum_in_place(layout) && in_place.size() >= layout.total_bytes());
+  for (const auto& e : layout.entries()) acc_offsets_.push_back(e.offset);
+  in_place_ = &in_place;
+}
+
+bool FedAvgAggregator::can_sum_in_place(const Layout& layout) {
+  for (const auto& e : layout.entries()) {
+    if (acc_element_size(e.dtype) != dtype_size(e.dtype)) return false;
+  }
+  return true;
+}
+
+bool FedAvgAggregator::tainted() const {
+  std::lock_guard lock(mu_);
+  return !tainted_by_.empty();
+}
+
 Status FedAvgAggregator::begin_round(int round) {
   std::lock_guard lock(mu_);
   if (open_streams_ > 0) return failed_precondition("begin_round({}) while {} updates are open", round, open_streams_);
-  if (round_ >= 0) sum_.zero();  // a fresh arena is already zero; don't touch its pages twice
+  if (in_place_ != nullptr) {
+    in_place_->zero();  // the global model becomes the running sum
+  } else if (round_ >= 0) {
+    sum_.zero();  // a fresh arena is already zero; don't touch its pages twice
+  }
   round_ = round;
   total_weight_ = 0;
   committed_ = 0;
@@ -148,7 +177,7 @@ void FedAvgAggregator::fold(size_t offset, std::span<const std::byte> payload, d
 void FedAvgAggregator::fold_elements(const LayoutEntry& e, size_t acc_offset, size_t first, const std::byte* src,
                                      size_t count, double w) {
   if (dtype_is_float(e.dtype)) {
-    float* acc = sum_.as<float>(acc_offset) + first;
+    float* acc = reinterpret_cast<float*>(this->acc(acc_offset)) + first;
     const float wf = static_cast<float>(w);
     switch (e.dtype) {
       case DType::kF32:
@@ -164,7 +193,7 @@ void FedAvgAggregator::fold_elements(const LayoutEntry& e, size_t acc_offset, si
     }
     return;
   }
-  double* acc = sum_.as<double>(acc_offset) + first;
+  double* acc = reinterpret_cast<double*>(this->acc(acc_offset)) + first;
   switch (e.dtype) {
     case DType::kI64:
       for (size_t i = 0; i < count; ++i) acc[i] += w * static_cast<double>(load<int64_t>(src + 8 * i));
@@ -192,13 +221,18 @@ Status FedAvgAggregator::finalize(Arena& global) {
     return failed_precondition("round {}: no client update completed; the global model is unchanged", round_);
   }
   if (global.size() < layout_.total_bytes()) return failed_precondition("finalize: global arena too small");
+  if (in_place_ != nullptr && in_place_ != &global) {
+    return failed_precondition("finalize: the sum lives in another arena than the one given");
+  }
+  // In place, each element is read (sum) and written (mean) at the same
+  // address with the same width, so the loops below are safe either way.
   const auto& entries = layout_.entries();
   for (size_t k = 0; k < entries.size(); ++k) {
     const LayoutEntry& e = entries[k];
     const size_t n = e.numel();
     std::byte* dst = global.data() + e.offset;
     if (dtype_is_float(e.dtype)) {
-      const float* acc = sum_.as<float>(acc_offsets_[k]);
+      const float* acc = reinterpret_cast<const float*>(this->acc(acc_offsets_[k]));
       const float inv = static_cast<float>(1.0 / total_weight_);
       switch (e.dtype) {
         case DType::kF32: {
@@ -219,7 +253,7 @@ Status FedAvgAggregator::finalize(Arena& global) {
         default: break;
       }
     } else {
-      const double* acc = sum_.as<double>(acc_offsets_[k]);
+      const double* acc = reinterpret_cast<const double*>(this->acc(acc_offsets_[k]));
       for (size_t i = 0; i < n; ++i) {
         const double v = std::nearbyint(acc[i] / total_weight_);
         switch (e.dtype) {

@@ -28,12 +28,24 @@ enum class ClientWeightsMode { kEqual, kSampleSize };
 class FedAvgAggregator final : public Aggregator {
  public:
   FedAvgAggregator(const Layout& layout, ClientWeightsMode mode);
+  // The running sum lives in `in_place` (the server's global arena) instead
+  // of an arena of its own, so the server holds one model-sized buffer. Only
+  // possible when every accumulator element is as wide as its model element
+  // (f32 and i64 entries); see sums_in_place(). The caller must have finished
+  // broadcasting `in_place` before begin_round(), which zeroes it, and keeps
+  // the pre-round checkpoint as the undo.
+  FedAvgAggregator(const Layout& layout, ClientWeightsMode mode, Arena& in_place);
+  // Whether a layout's running sum can share the model's bytes.
+  static bool can_sum_in_place(const Layout& layout);
+  bool sums_in_place() const { return in_place_ != nullptr; }
   std::string_view name() const override { return "FedAvgAggregator"; }
   Status begin_round(int round) override;
   StatusOr<std::unique_ptr<UpdateStream>> open_update(const std::string& client_id, double sample_count) override;
   Status finalize(Arena& global) override;
   int num_committed() const override;
   size_t state_bytes() const override { return sum_.size(); }
+  // Whether a stream broke after some of its bytes were folded this round.
+  bool tainted() const;
 
  private:
   class Stream;
@@ -46,8 +58,10 @@ class FedAvgAggregator final : public Aggregator {
 
   const Layout& layout_;
   ClientWeightsMode mode_;
-  std::vector<size_t> acc_offsets_;  // per entry, byte offset into sum_
+  std::byte* acc(size_t offset) { return (in_place_ != nullptr ? in_place_->data() : sum_.data()) + offset; }
+  std::vector<size_t> acc_offsets_;  // per entry, byte offset into the sum
   Arena sum_;
+  Arena* in_place_ = nullptr;
   mutable std::mutex mu_;
   int round_ = -1;
   double total_weight_ = 0;

@@ -1,5 +1,6 @@
 #include "comm/chunk.h"
 
+#define XXH_STATIC_LINKING_ONLY  // XXH3_state_t on the stack
 #include <xxhash.h>
 
 #include <algorithm>
@@ -9,14 +10,30 @@ namespace memfl {
 
 uint64_t chunk_checksum(std::span<const std::byte> payload) { return XXH3_64bits(payload.data(), payload.size()); }
 
-Status verify_chunk(const ChunkHeader& h, std::span<const std::byte> payload, const Layout& layout,
-                    uint64_t expected_offset, std::string_view peer) {
+uint64_t chunk_checksum(Payload payload) {
+  if (payload.size() == 1) return chunk_checksum(payload[0]);
+  XXH3_state_t state;  // on the stack: no allocation per chunk
+  XXH3_INITSTATE(&state);
+  XXH3_64bits_reset(&state);
+  for (auto part : payload) XXH3_64bits_update(&state, part.data(), part.size());
+  return XXH3_64bits_digest(&state);
+}
+
+size_t payload_size(Payload payload) {
+  size_t n = 0;
+  for (auto part : payload) n += part.size();
+  return n;
+}
+
+Status verify_chunk(const ChunkHeader& h, Payload payload, const Layout& layout, uint64_t expected_offset,
+                    std::string_view peer) {
+  const size_t size = payload_size(payload);
   if (h.layout_hash != layout.hash()) {
     return data_loss("chunk from {}: layout hash {:016x} does not match the model's {:016x}", peer, h.layout_hash,
                      layout.hash());
   }
-  if (h.length != payload.size()) {
-    return data_loss("chunk from {}: header says {} bytes but {} arrived", peer, h.length, payload.size());
+  if (h.length != size) {
+    return data_loss("chunk from {}: header says {} bytes but {} arrived", peer, h.length, size);
   }
   if (h.length == 0) return data_loss("chunk from {}: empty chunk at offset {}", peer, h.offset);
   if (h.offset > layout.total_bytes() || h.length > layout.total_bytes() - h.offset) {
@@ -50,9 +67,13 @@ StatusOr<uint64_t> stream_arena(const Layout& layout, const Arena& arena, size_t
   return sent;
 }
 
-Status ArenaWriter::accept(const ChunkHeader& h, std::span<const std::byte> payload) {
+Status ArenaWriter::accept(const ChunkHeader& h, Payload payload) {
   MEMFL_RETURN_IF_ERROR(verify_chunk(h, payload, layout_, next_offset_, peer_));
-  std::memcpy(arena_.data() + h.offset, payload.data(), payload.size());
+  size_t at = h.offset;
+  for (auto part : payload) {
+    std::memcpy(arena_.data() + at, part.data(), part.size());
+    at += part.size();
+  }
   next_offset_ += h.length;
   return Status::Ok();
 }

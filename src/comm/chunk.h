@@ -25,19 +25,29 @@ struct ChunkHeader {
   uint64_t checksum = 0;  // xxh3-64 of the payload
 };
 
+// A chunk's payload as it arrived: one span when it came from an arena,
+// several when a transport received it in pieces (gRPC slices). Receivers
+// read the pieces in place; nobody glues them into one buffer.
+using Payload = std::span<const std::span<const std::byte>>;
+
 uint64_t chunk_checksum(std::span<const std::byte> payload);
+uint64_t chunk_checksum(Payload payload);
+size_t payload_size(Payload payload);
 
 // Checks a chunk from `peer` against the layout it must belong to and the
 // offset the stream is at (chunks of one stream arrive in order; a gap, an
 // overlap or a repeat is an error). Messages name the peer.
-Status verify_chunk(const ChunkHeader& header, std::span<const std::byte> payload, const Layout& layout,
-                    uint64_t expected_offset, std::string_view peer);
+Status verify_chunk(const ChunkHeader& header, Payload payload, const Layout& layout, uint64_t expected_offset,
+                    std::string_view peer);
 
 // Where chunks go: an arena, the aggregator's running sum, a socket.
 class ChunkSink {
  public:
   virtual ~ChunkSink() = default;
-  virtual Status accept(const ChunkHeader& header, std::span<const std::byte> payload) = 0;
+  virtual Status accept(const ChunkHeader& header, Payload payload) = 0;
+  Status accept(const ChunkHeader& header, std::span<const std::byte> payload) {
+    return accept(header, Payload(&payload, 1));
+  }
 };
 
 // Sends `arena` (the whole of `layout.total_bytes()`) to `sink` in chunks of
@@ -50,7 +60,8 @@ class ArenaWriter final : public ChunkSink {
  public:
   ArenaWriter(const Layout& layout, Arena& arena, std::string peer)
       : layout_(layout), arena_(arena), peer_(std::move(peer)) {}
-  Status accept(const ChunkHeader& header, std::span<const std::byte> payload) override;
+  using ChunkSink::accept;
+  Status accept(const ChunkHeader& header, Payload payload) override;
   // Fails unless the whole model arrived.
   Status finish() const;
   uint64_t received() const { return next_offset_; }

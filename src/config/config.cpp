@@ -11,7 +11,7 @@
 namespace memfl {
 
 const std::vector<std::string>& known_model_names() {
-  static const std::vector<std::string> names = {"CNN", "MLP", "ResNet18"};
+  static const std::vector<std::string> names = {"CNN", "MLP", "ResNet18", "synthetic"};
   return names;
 }
 
@@ -60,8 +60,9 @@ constexpr double kInf = std::numeric_limits<double>::infinity();
 const std::vector<KeySpec>& schema() {
   static const std::vector<KeySpec> keys = {
       // client_configs.train_configs
-      {"client_configs.train_configs.trainer", Type::kString, "VanillaTrainer", {"VanillaTrainer"}, -kInf, kInf,
-       "local trainer", S(train.trainer)},
+      {"client_configs.train_configs.trainer", Type::kString, "VanillaTrainer", {"VanillaTrainer", "DummyTrainer"},
+       -kInf, kInf, "local trainer (DummyTrainer: no training, for transfer and memory measurements)",
+       S(train.trainer)},
       {"client_configs.train_configs.mode", Type::kString, "epoch", {"epoch", "step"}, -kInf, kInf,
        "train for num_local_epochs epochs or num_local_steps batches", S(train.mode)},
       {"client_configs.train_configs.num_local_epochs", Type::kInt, "1", {}, 1, 1e6, "epochs per round (mode: epoch)",
@@ -102,6 +103,10 @@ const std::vector<KeySpec>& schema() {
       // client_configs.model_configs
       {"client_configs.model_configs.model_name", Type::kString, "CNN", known_model_names(), -kInf, kInf,
        "model from the registry", S(model.model_name)},
+      {"client_configs.model_configs.model_kwargs.num_params", Type::kInt, "1048576", {}, 1, 1e12,
+       "synthetic model: parameters", I(model.num_params)},
+      {"client_configs.model_configs.model_kwargs.dtype", Type::kString, "f32", {"f32", "bf16", "f16"}, -kInf, kInf,
+       "synthetic model: dtype", S(model.dtype)},
       {"client_configs.model_configs.model_kwargs.num_channel", Type::kInt, "0", {}, 0, 1024,
        "input channels (0 = from the data set)", I(model.num_channel)},
       {"client_configs.model_configs.model_kwargs.num_pixel", Type::kInt, "0", {}, 0, 65536,
@@ -153,10 +158,28 @@ const std::vector<KeySpec>& schema() {
        "evaluate the global model on the test set every round", B(server.do_server_eval)},
       {"server_configs.eval_batch_size", Type::kInt, "64", {}, 1, 1e6, "server evaluation batch size",
        I(server.eval_batch_size)},
-      {"server_configs.comm_configs.use_model_chunking", Type::kBool, "true", {}, -kInf, kInf,
-       "move models in chunks of model_chunk_size (false = one chunk)", B(server.use_model_chunking)},
-      {"server_configs.comm_configs.model_chunk_size", Type::kInt, "1048576", {}, 1, 9.2e18, "bytes per chunk",
-       I(server.model_chunk_size)},
+      {"server_configs.round_timeout_s", Type::kInt, "600", {}, 1, 1e7,
+       "a round whose clients have not all finished by then ends with those that did", I(server.round_timeout_s)},
+      {"server_configs.memory_mode", Type::kString, "streaming", {"streaming", "naive"}, -kInf, kInf,
+       "naive: hold every client's serialised model, average at the end (for comparison)", S(server.memory_mode)},
+      {"server_configs.comm_configs.grpc_configs.use_model_chunking", Type::kBool, "true", {}, -kInf, kInf,
+       "move models in chunks of model_chunk_size (false = one chunk); every transport", B(server.use_model_chunking)},
+      {"server_configs.comm_configs.grpc_configs.model_chunk_size", Type::kInt, "1048576", {}, 1, 2147483647,
+       "bytes per chunk; every transport", I(server.model_chunk_size)},
+      {"server_configs.comm_configs.grpc_configs.server_uri", Type::kString, "127.0.0.1:50051", {}, -kInf, kInf,
+       "host:port the server listens on and clients dial (port 0: any free port)", S(server.server_uri)},
+      {"server_configs.comm_configs.grpc_configs.max_message_size", Type::kInt, "0", {}, 0, 2147483647,
+       "gRPC message limit in bytes (0 = model_chunk_size + 64 KiB)", I(server.max_message_size)},
+      {"server_configs.comm_configs.grpc_configs.use_ssl", Type::kBool, "false", {}, -kInf, kInf, "TLS",
+       B(server.use_ssl)},
+      {"server_configs.comm_configs.grpc_configs.server_cert", Type::kString, "\"\"", {}, -kInf, kInf,
+       "server certificate (PEM) for TLS", S(server.server_cert)},
+      {"server_configs.comm_configs.grpc_configs.server_key", Type::kString, "\"\"", {}, -kInf, kInf,
+       "server private key (PEM) for TLS", S(server.server_key)},
+      {"server_configs.comm_configs.grpc_configs.root_cert", Type::kString, "\"\"", {}, -kInf, kInf,
+       "root certificate (PEM) clients trust for TLS", S(server.root_cert)},
+      {"server_configs.comm_configs.grpc_configs.auth_token", Type::kString, "\"\"", {}, -kInf, kInf,
+       "token clients must present at Register (empty = none)", S(server.auth_token)},
       // memory_configs
       {"memory_configs.sample_interval_ms", Type::kInt, "5", {}, 1, 60000, "RSS sampling period",
        I(memory.sample_interval_ms)},
@@ -319,6 +342,16 @@ void assign(YAML::Node& root, const std::string& path, const YAML::Node& value) 
 }
 
 Status cross_checks(const ExperimentConfig& c, const std::string& source) {
+  if (c.model.model_name == "synthetic" && c.train.trainer != "DummyTrainer") {
+    return invalid_argument("{}: model_name 'synthetic' has no network to train; set "
+                            "'client_configs.train_configs.trainer' to DummyTrainer",
+                            source);
+  }
+  if (c.server.use_ssl && (c.server.server_cert.empty() || c.server.server_key.empty() || c.server.root_cert.empty())) {
+    return invalid_argument("{}: 'server_configs.comm_configs.grpc_configs.use_ssl' needs server_cert, server_key "
+                            "and root_cert",
+                            source);
+  }
   if (c.server.clients_per_round > c.server.num_clients) {
     return invalid_argument("{}: key 'server_configs.clients_per_round' ({}) exceeds server_configs.num_clients ({})",
                             source, c.server.clients_per_round, c.server.num_clients);

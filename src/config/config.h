@@ -39,7 +39,9 @@ struct TrainConfig {
 };
 
 struct ModelConfig {
-  std::string model_name = "CNN";
+  std::string model_name = "CNN";  // a registry model, or "synthetic"
+  int64_t num_params = 1 << 20;    // synthetic
+  std::string dtype = "f32";       // synthetic: f32 | bf16 | f16
   // 0 = take it from the data set; otherwise must agree with it.
   int num_channel = 0, num_pixel = 0, num_classes = 0;
   int hidden_size = 200;  // MLP
@@ -68,8 +70,17 @@ struct ServerConfig {
   std::string device = "cpu";
   std::string logging_output_dirname = "runs";
   uint64_t seed = 42;
+  // comm_configs.grpc_configs (APPFL's names); the chunk settings apply to
+  // every transport, in-process included.
   bool use_model_chunking = true;
   int64_t model_chunk_size = 1 << 20;
+  std::string server_uri = "127.0.0.1:50051";
+  int64_t max_message_size = 0;  // 0 = chunk size + headroom
+  bool use_ssl = false;
+  std::string server_cert, server_key, root_cert;  // PEM files
+  std::string auth_token;
+  int round_timeout_s = 600;
+  std::string memory_mode = "streaming";  // streaming | naive
   bool do_server_eval = true;
   int eval_batch_size = 64;
 };

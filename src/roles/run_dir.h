@@ -23,6 +23,10 @@ struct RoundMetrics {
   double test_loss = 0, test_accuracy = 0;
   uint64_t bytes_moved = 0;
   double round_seconds = 0;
+  // Transfer phases: wall seconds from the first byte to the last of all
+  // clients' downloads (broadcast) and uploads, and the bytes each moved.
+  double download_seconds = 0, upload_seconds = 0;
+  uint64_t bytes_down = 0, bytes_up = 0;
   int64_t peak_rss_bytes = 0;
 };
 

@@ -1,0 +1,88 @@
+#include "roles/client_work.h"
+
+#include <thread>
+
+#include "model/synthetic.h"
+
+namespace memfl {
+
+bool is_synthetic(const ExperimentConfig& cfg) { return cfg.model.model_name == "synthetic"; }
+
+bool needs_torch(const ExperimentConfig& cfg) {
+  // A network's initial weights come from its libtorch init, on every role.
+  return !is_synthetic(cfg);
+}
+
+StatusOr<DatasetSplits> load_data(const ExperimentConfig& cfg) {
+  const auto& d = cfg.data;
+  if (d.dataset_name == "SyntheticCIFAR10") {
+    return make_synthetic_cifar10(static_cast<size_t>(d.num_train_samples), static_cast<size_t>(d.num_test_samples),
+                                  cfg.server.seed);
+  }
+  return load_fashion_mnist(d.dataset_path, static_cast<size_t>(d.max_train_samples),
+                            static_cast<size_t>(d.max_test_samples));
+}
+
+StatusOr<InputSpec> input_spec(const ExperimentConfig& cfg, const ImageDataset& train) {
+  InputSpec in{train.channels, train.height, train.width, train.num_classes};
+  const auto& m = cfg.model;
+  const std::string prefix = "client_configs.model_configs.model_kwargs";
+  if (m.num_channel != 0 && m.num_channel != in.channels) {
+    return invalid_argument("{}: key '{}.num_channel' is {} but {} has {} channel(s)", cfg.source, prefix,
+                            m.num_channel, train.name, in.channels);
+  }
+  if (m.num_pixel != 0 && (m.num_pixel != in.height || m.num_pixel != in.width)) {
+    return invalid_argument("{}: key '{}.num_pixel' is {} but {} images are {}×{}", cfg.source, prefix, m.num_pixel,
+                            train.name, in.height, in.width);
+  }
+  if (m.num_classes != 0 && m.num_classes != in.num_classes) {
+    return invalid_argument("{}: key '{}.num_classes' is {} but {} has {} classes", cfg.source, prefix, m.num_classes,
+                            train.name, in.num_classes);
+  }
+  return in;
+}
+
+StatusOr<std::vector<ClientPartition>> make_partitions(const ExperimentConfig& cfg, const ImageDataset& train) {
+  PartitionStrategy strategy = PartitionStrategy::kIid;
+  if (cfg.data.partition_strategy == "dirichlet") strategy = PartitionStrategy::kDirichlet;
+  if (cfg.data.partition_strategy == "class_shards") strategy = PartitionStrategy::kClassShards;
+  PartitionSpec ps{strategy, cfg.server.num_clients, cfg.data.alpha, cfg.data.shards_per_client, cfg.server.seed};
+  MEMFL_ASSIGN_OR_RETURN(auto parts, partition_indices(train.labels, train.num_classes, ps));
+  return split_train_val(std::move(parts), cfg.data.val_ratio, cfg.server.seed);
+}
+
+StatusOr<LocalModel> make_local_model(const ExperimentConfig& cfg, const InputSpec& input, bool fill,
+                                      uint64_t seed) {
+  LocalModel m;
+  if (is_synthetic(cfg)) {
+    MEMFL_ASSIGN_OR_RETURN(m.layout_, synthetic_layout(cfg.model.num_params, *dtype_from_name(cfg.model.dtype)));
+    m.arena_ = Arena(m.layout_.total_bytes(), MemoryCategory::kModel);
+    if (fill) fill_synthetic(m.layout_, m.arena_, seed);
+    return m;
+  }
+  MEMFL_ASSIGN_OR_RETURN(TrainerBackend * backend, load_trainer_backend());
+  const int threads = cfg.train.num_threads > 0 ? cfg.train.num_threads
+                                                : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  backend->set_num_threads(threads);
+  MEMFL_ASSIGN_OR_RETURN(m.replica_, backend->create_replica(cfg.model, input, cfg.train.device, seed));
+  return m;
+}
+
+uint64_t client_train_seed(uint64_t seed, int round, int client) {
+  return seed * 1000003ULL + static_cast<uint64_t>(round) * 1009ULL + static_cast<uint64_t>(client);
+}
+
+StatusOr<TrainResult> local_update(LocalModel& model, const ExperimentConfig& cfg, const DatasetSplits* data,
+                                   const ClientPartition* part, int round, int client) {
+  if (cfg.train.trainer == "DummyTrainer" || model.replica() == nullptr) return TrainResult{};
+  if (data == nullptr || part == nullptr) return failed_precondition("VanillaTrainer needs a data set and a partition");
+  return model.replica()->train(data->train, part->train, part->val, cfg.train,
+                                client_train_seed(cfg.server.seed, round, client));
+}
+
+double update_sample_count(const ExperimentConfig& cfg, const ClientPartition* part) {
+  if (cfg.train.trainer == "DummyTrainer" || part == nullptr) return 1.0;
+  return static_cast<double>(part->train.size());
+}
+
+}  // namespace memfl

@@ -1,0 +1,58 @@
+// What every role that holds a model shares, whatever the transport: loading
+// the data set and a client's partition, building the model (a registry model
+// through the libtorch plugin, or a synthetic layout without it), and the
+// local training step with its seed. The in-process simulation, the gRPC
+// client and the gRPC server all go through here, so the same seed gives the
+// same model on every transport.
+#pragma once
+
+#include <memory>
+#include <vector>
+
+#include "config/config.h"
+#include "data/dataset.h"
+#include "data/partition.h"
+#include "train/trainer_backend.h"
+
+namespace memfl {
+
+// A role's model: the arena and its layout, and the libtorch replica behind
+// them when the model is a network.
+class LocalModel {
+ public:
+  const Layout& layout() const { return replica_ ? replica_->layout() : layout_; }
+  Arena& arena() { return replica_ ? replica_->arena() : arena_; }
+  ModelReplica* replica() { return replica_.get(); }
+
+ private:
+  friend StatusOr<LocalModel> make_local_model(const ExperimentConfig&, const InputSpec&, bool, uint64_t);
+  std::unique_ptr<ModelReplica> replica_;
+  Layout layout_;
+  Arena arena_;
+};
+
+bool is_synthetic(const ExperimentConfig& cfg);
+// Whether a role needs libtorch (the model is a network, not synthetic).
+bool needs_torch(const ExperimentConfig& cfg);
+
+StatusOr<DatasetSplits> load_data(const ExperimentConfig& cfg);
+// model_kwargs that contradict the data set are config errors, named as such.
+StatusOr<InputSpec> input_spec(const ExperimentConfig& cfg, const ImageDataset& train);
+StatusOr<std::vector<ClientPartition>> make_partitions(const ExperimentConfig& cfg, const ImageDataset& train);
+
+// Builds the model. `fill` asks a synthetic model for seeded values (the
+// initial global model); a receiver leaves it zero, to be overwritten.
+StatusOr<LocalModel> make_local_model(const ExperimentConfig& cfg, const InputSpec& input, bool fill, uint64_t seed);
+
+// The seed of client `client`'s local training in `round`.
+uint64_t client_train_seed(uint64_t seed, int round, int client);
+
+// One local update: VanillaTrainer trains the replica in place; DummyTrainer
+// leaves the model as received (it measures transfers, not learning).
+StatusOr<TrainResult> local_update(LocalModel& model, const ExperimentConfig& cfg, const DatasetSplits* data,
+                                   const ClientPartition* part, int round, int client);
+
+// The sample count a client reports with its update (FedAvg's weight).
+double update_sample_count(const ExperimentConfig& cfg, const ClientPartition* part);
+
+}  // namespace memfl
