@@ -12,6 +12,10 @@
 #include "roles/run_dir.h"
 #include "roles/simulation.h"
 #include "tensor/safetensors.h"
+#ifdef MEMFL_HAVE_GRPC
+#include "roles/bench_transfer.h"
+#include "roles/grpc_roles.h"
+#endif
 
 namespace {
 
@@ -64,6 +68,39 @@ int main(int argc, char** argv) {
   app.add_subcommand("config-keys", "List every config key with its type, default and meaning");
   app.add_subcommand("list-models", "List the models of the registry");
 
+#ifdef MEMFL_HAVE_GRPC
+  int client_id = -1, num_clients = 0;
+  auto* server = app.add_subcommand("server", "Run the federated server over gRPC");
+  server->add_option("CONFIG", config_path, "YAML config (default: the embedded default)");
+  server->add_option("--out", out_dir, "run directory");
+  server->add_option("--set", sets, "override a config key (repeatable)");
+  server->add_flag("-q,--quiet", quiet, "no per-round progress lines");
+  auto* client = app.add_subcommand("client", "Run one federated client over gRPC");
+  client->add_option("CONFIG", config_path, "YAML config: how to reach the server (the server sends the experiment)");
+  client->add_option("--client-id", client_id, "this client's id, 0..num_clients-1")->required();
+  client->add_option("--out", out_dir, "run directory");
+  client->add_option("--set", sets, "override a config key (repeatable)");
+  client->add_flag("-q,--quiet", quiet, "quiet");
+  auto* launch = app.add_subcommand("launch", "Start a server and N client processes here, gather their run dirs");
+  launch->add_option("CONFIG", config_path, "YAML config (default: the embedded default)");
+  launch->add_option("--clients", num_clients, "number of client processes")->required();
+  launch->add_option("--out", out_dir, "run directory (server/, client_0/, ...)");
+  launch->add_option("--set", sets, "override a config key (repeatable)");
+  launch->add_flag("-q,--quiet", quiet, "no per-round progress lines");
+  auto* bench = app.add_subcommand("bench", "Benchmarks");
+  auto* transfer = bench->add_subcommand("transfer", "Peak RSS per role and GB/s per direction, DummyTrainer");
+  memfl::TransferBenchOptions tb;
+  transfer->add_option("--transport", tb.transport, "grpc")->capture_default_str();
+  transfer->add_option("--model-mb", tb.model_mb, "model size in MiB")->capture_default_str();
+  transfer->add_option("--clients", tb.clients, "client processes")->capture_default_str();
+  transfer->add_option("--dtype", tb.dtype, "f32 | bf16 | f16")->capture_default_str();
+  transfer->add_option("--chunk-mb", tb.chunk_mb, "chunk size in MiB")->capture_default_str();
+  transfer->add_option("--memory-mode", tb.memory_mode, "streaming | naive")->capture_default_str();
+  transfer->add_option("--json", tb.json_out, "write the JSON here too");
+  transfer->add_option("--keep", tb.run_dir, "keep the run directory here");
+  bench->require_subcommand(1);
+#endif
+
   std::string st_path;
   auto* inspect = app.add_subcommand("inspect", "Print the tensors of a safetensors file");
   inspect->add_option("FILE", st_path, "a .safetensors file")->required();
@@ -110,6 +147,46 @@ int main(int argc, char** argv) {
     fmt::print("# {} — valid\n{}", cfg->source, cfg->resolved_yaml);
     return kExitOk;
   }
+
+#ifdef MEMFL_HAVE_GRPC
+  if (app.got_subcommand("bench")) {
+    auto r = memfl::run_bench_transfer(tb);
+    if (!r.ok()) return fail(r.status());
+    fmt::print("{}", *r);
+    return kExitOk;
+  }
+  if (app.got_subcommand("launch")) {
+    std::string path = config_path;
+    std::string dir = out_dir.empty() ? fmt::format("runs/launch-{}", getpid()) : out_dir;
+    if (path.empty()) {  // the clients and server read the embedded default from a file
+      std::filesystem::create_directories(dir);
+      path = dir + "/config.yaml";
+      memfl::Status w = memfl::write_text_file(path, memfl::kDefaultConfigYaml);
+      if (!w.ok()) return fail(w);
+    }
+    auto cfg = load(path, sets);  // fail before starting any process
+    if (!cfg.ok()) return fail(cfg.status());
+    memfl::Status st = memfl::run_launch(path, sets, num_clients, dir, !quiet);
+    if (!st.ok()) return fail(st);
+    fmt::print("launch: server and {} clients finished — {}\n", num_clients, dir);
+    return kExitOk;
+  }
+  if (app.got_subcommand("server") || app.got_subcommand("client")) {
+    auto cfg = load(config_path, sets);
+    if (!cfg.ok()) return fail(cfg.status());
+    const bool is_server = app.got_subcommand("server");
+    std::string dir = out_dir;
+    if (dir.empty()) dir = fmt::format("runs/{}-{}", is_server ? "server" : "client_" + std::to_string(client_id), getpid());
+    std::filesystem::create_directories(dir);
+    spdlog::set_pattern(fmt::format("[%H:%M:%S.%e] [{}] [%l] %v", is_server ? "server" : "client_" + std::to_string(client_id)));
+    memfl::Status st = memfl::write_text_file(dir + "/config.yaml", cfg->resolved_yaml);
+    if (st.ok()) {
+      st = is_server ? memfl::run_grpc_server(*cfg, {dir, !quiet}) : memfl::run_grpc_client(*cfg, client_id, {dir, !quiet});
+    }
+    if (!st.ok()) return fail(st);
+    return kExitOk;
+  }
+#endif
 
   // run
   auto cfg = load(config_path, sets);

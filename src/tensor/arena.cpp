@@ -18,7 +18,10 @@ constexpr size_t kMmapThreshold = 1u << 20;
 Arena::Arena(size_t size, MemoryCategory category) : size_(size), category_(category) {
   if (size == 0) return;
   if (size >= kMmapThreshold) {
-    void* p = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    // MAP_POPULATE: the pages are faulted in here, in one batch, rather than
+    // one fault at a time in the middle of the first download (which halved
+    // its throughput); an arena is written whole anyway.
+    void* p = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
     if (p == MAP_FAILED) throw std::bad_alloc();
     data_ = static_cast<std::byte*>(p);
     mapped_ = size;

@@ -19,7 +19,7 @@
 
 #include "comm/chunk.h"
 #include "common/status.h"
-#include "memfl.pb.h"
+#include "proto/memfl.pb.h"
 
 namespace memfl {
 

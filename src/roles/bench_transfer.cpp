@@ -1,0 +1,127 @@
+// `memfl bench transfer`: a server and N DummyTrainer clients of a synthetic
+// model, 2 rounds, and what each role's peak RSS and each direction's
+// throughput were. Measures transfer and aggregation memory with no training
+// in the way.
+#include "roles/bench_transfer.h"
+
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <unistd.h>
+
+#include <nlohmann/json.hpp>
+
+#include "roles/grpc_roles.h"
+#include "tensor/dtype.h"
+#include "roles/run_dir.h"
+
+namespace memfl {
+
+namespace fs = std::filesystem;
+
+namespace {
+nlohmann::json read_json(const fs::path& p) {
+  std::ifstream in(p);
+  return nlohmann::json::parse(in);
+}
+}  // namespace
+
+StatusOr<std::string> run_bench_transfer(const TransferBenchOptions& o) {
+  if (o.transport != "grpc") {
+    return invalid_argument("--transport {}: this build has the grpc transport only", o.transport);
+  }
+  const auto dtype = dtype_from_name(o.dtype);
+  if (!dtype || !dtype_is_float(*dtype)) return invalid_argument("--dtype must be f32, bf16 or f16, got '{}'", o.dtype);
+  if (o.model_mb <= 0 || o.clients < 1 || o.chunk_mb <= 0) {
+    return invalid_argument("--model-mb, --clients and --chunk-mb must be positive");
+  }
+  const int64_t model_bytes = static_cast<int64_t>(o.model_mb * (1 << 20));
+  const int64_t num_params = model_bytes / static_cast<int64_t>(dtype_size(*dtype));
+  const int64_t chunk = static_cast<int64_t>(o.chunk_mb * (1 << 20));
+  const std::string dir = o.run_dir.empty() ? fmt::format("/tmp/memfl_bench_transfer_{}", getpid()) : o.run_dir;
+  std::error_code ec;
+  fs::remove_all(dir, ec);
+  fs::create_directories(dir);
+  const std::string config = (fs::path(dir) / "bench.yaml").string();
+  MEMFL_RETURN_IF_ERROR(write_text_file(config, fmt::format(R"(client_configs:
+  train_configs:
+    trainer: DummyTrainer
+  model_configs:
+    model_name: synthetic
+    model_kwargs:
+      num_params: {}
+      dtype: {}
+server_configs:
+  num_clients: {}
+  num_global_epochs: 2
+  do_server_eval: false
+  memory_mode: {}
+  round_timeout_s: 600
+  comm_configs:
+    grpc_configs:
+      server_uri: 127.0.0.1:0
+      model_chunk_size: {}
+)",
+                                                             num_params, o.dtype, o.clients, o.memory_mode, chunk)));
+  MEMFL_RETURN_IF_ERROR(run_launch(config, {}, o.clients, dir, false));
+
+  auto server = read_json(fs::path(dir) / "server" / "summary.json");
+  nlohmann::ordered_json j;
+  j["transport"] = o.transport;
+  j["memory_mode"] = o.memory_mode;
+  j["dtype"] = o.dtype;
+  j["model_bytes"] = server["model_bytes"];
+  j["clients"] = o.clients;
+  j["chunk_bytes"] = chunk;
+  j["server_peak_rss_bytes"] = server["peak_rss_bytes"];
+  j["server_baseline_rss_bytes"] = server["baseline_rss_bytes"];
+  int64_t client_peak = 0, client_baseline = 0;
+  for (int i = 0; i < o.clients; ++i) {
+    auto c = read_json(fs::path(dir) / fmt::format("client_{}", i) / "summary.json");
+    client_peak = std::max(client_peak, c["peak_rss_bytes"].get<int64_t>());
+    client_baseline = std::max(client_baseline, c["baseline_rss_bytes"].get<int64_t>());
+  }
+  j["client_peak_rss_bytes"] = client_peak;
+  j["client_baseline_rss_bytes"] = client_baseline;
+  // Rounds from the server's metrics.csv.
+  std::ifstream csv(fs::path(dir) / "server" / "metrics.csv");
+  std::string line;
+  std::getline(csv, line);
+  double round_s = 0, down_gbps = 0, up_gbps = 0;
+  int n = 0;
+  nlohmann::json rounds = nlohmann::json::array();
+  while (std::getline(csv, line)) {
+    std::vector<std::string> f;
+    std::stringstream ss(line);
+    std::string cell;
+    while (std::getline(ss, cell, ',')) f.push_back(cell);
+    if (f.size() < 15) continue;
+    const double rs = std::stod(f[9]), ds = std::stod(f[11]), us = std::stod(f[12]);
+    const double bd = std::stod(f[13]), bu = std::stod(f[14]);
+    const double dg = ds > 0 ? bd / ds / 1e9 : 0, ug = us > 0 ? bu / us / 1e9 : 0;
+    rounds.push_back({{"round_seconds", rs}, {"download_gbps", dg}, {"upload_gbps", ug}});
+    round_s += rs;
+    down_gbps += dg;
+    up_gbps += ug;
+    ++n;
+  }
+  if (n == 0) return internal_error("{}: the server recorded no round", dir);
+  j["round_seconds"] = round_s / n;
+  j["download_gbps"] = down_gbps / n;
+  j["upload_gbps"] = up_gbps / n;
+  j["rounds"] = rounds;
+  const double m = j["model_bytes"].get<double>();
+  const double slack = 64.0 * (1 << 20);
+  j["server_peak_over_model"] = j["server_peak_rss_bytes"].get<double>() / m;
+  j["client_peak_over_model"] = static_cast<double>(client_peak) / m;
+  // The goal: peak ≤ 1.05 × model + 64 MiB per role.
+  j["server_within_bound"] = j["server_peak_rss_bytes"].get<double>() <= 1.05 * m + slack;
+  j["client_within_bound"] = static_cast<double>(client_peak) <= 1.05 * m + slack;
+  j["run_dir"] = dir;
+  const std::string text = j.dump(2) + "\n";
+  if (!o.json_out.empty()) MEMFL_RETURN_IF_ERROR(write_text_file(o.json_out, text));
+  if (o.run_dir.empty()) fs::remove_all(dir, ec);
+  return text;
+}
+
+}  // namespace memfl

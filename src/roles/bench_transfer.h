@@ -1,0 +1,25 @@
+// `memfl bench transfer`: peak RSS per role and throughput per direction of
+// a real server + N client processes moving a synthetic model (DummyTrainer).
+#pragma once
+
+#include <string>
+
+#include "common/status.h"
+
+namespace memfl {
+
+struct TransferBenchOptions {
+  std::string transport = "grpc";
+  double model_mb = 256;  // MiB
+  int clients = 2;
+  std::string dtype = "f32";
+  double chunk_mb = 1;  // MiB
+  std::string memory_mode = "streaming";
+  std::string json_out;
+  std::string run_dir;  // kept when given, else a temporary directory
+};
+
+// Runs the benchmark and returns its JSON (also written to json_out).
+StatusOr<std::string> run_bench_transfer(const TransferBenchOptions& opts);
+
+}  // namespace memfl

@@ -1,0 +1,211 @@
+// ClientAgent over gRPC: register, get the configuration, then per round get
+// the global model (chunks straight into the local arena), train, and upload
+// (chunks straight from the arena).
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <thread>
+
+#include <grpcpp/grpcpp.h>
+#include <grpcpp/support/sync_stream.h>
+#include <nlohmann/json.hpp>
+#include <spdlog/spdlog.h>
+
+#include "comm/grpc/wire.h"
+#include "memory/sampler.h"
+#include "roles/client_work.h"
+#include "roles/grpc_roles.h"
+#include "roles/run_dir.h"
+
+namespace memfl {
+
+namespace fs = std::filesystem;
+void tune_malloc_for_streaming();
+
+namespace {
+
+using Stream = grpc::ClientReaderWriter<Frame, Frame>;
+
+Status read_server_message(Stream& stream, const std::string& peer, DecodedFrame* d, wire::ServerMessage* msg) {
+  Frame frame;
+  if (!stream.Read(&frame)) return Status(StatusCode::kUnavailable, fmt::format("server {} closed the stream", peer));
+  MEMFL_RETURN_IF_ERROR(decode_frame(frame, kServerChunkField, peer, d, msg));
+  if (!d->is_chunk && msg->has_error()) return failed_precondition("server {}: {}", peer, msg->error().message());
+  return Status::Ok();
+}
+
+Status write(Stream& stream, const google::protobuf::MessageLite& msg, const std::string& peer) {
+  if (!stream.Write(encode_message(msg))) {
+    return Status(StatusCode::kUnavailable, fmt::format("server {} closed the stream", peer));
+  }
+  return Status::Ok();
+}
+
+std::string read_file(const std::string& path) {
+  std::ifstream in(path);
+  return {std::istreambuf_iterator<char>(in), {}};
+}
+
+}  // namespace
+
+Status run_grpc_client(const ExperimentConfig& local, int client_id, const RoleOptions& opts) {
+  tune_malloc_for_streaming();
+  const std::string role = fmt::format("client_{}", client_id);
+  MemorySampler sampler(role, local.memory.sample_interval_ms);
+  sampler.start();
+  struct WriteOnExit {
+    MemorySampler& s;
+    const std::string& dir;
+    ~WriteOnExit() {
+      s.stop();
+      Status st = s.write(dir);
+      if (!st.ok()) spdlog::error("{}", st.message());
+    }
+  } write_on_exit{sampler, opts.run_dir};
+  sampler.mark(0, "setup");
+  const int64_t baseline_rss = read_rss_bytes();
+
+  const auto& lc = local.server;
+  const std::string peer = lc.server_uri;
+  std::shared_ptr<grpc::ChannelCredentials> creds = grpc::InsecureChannelCredentials();
+  if (lc.use_ssl) {
+    grpc::SslCredentialsOptions ssl;
+    ssl.pem_root_certs = read_file(lc.root_cert);
+    if (ssl.pem_root_certs.empty()) {
+      return not_found("server_configs.comm_configs.grpc_configs.root_cert: cannot read {}", lc.root_cert);
+    }
+    creds = grpc::SslCredentials(ssl);
+  }
+  grpc::ChannelArguments args;
+  const int limit = max_message_bytes(lc.model_chunk_size, lc.max_message_size);
+  args.SetMaxReceiveMessageSize(limit);
+  args.SetMaxSendMessageSize(limit);
+  auto channel = grpc::CreateCustomChannel(lc.server_uri, creds, args);
+  if (!channel->WaitForConnected(std::chrono::system_clock::now() + std::chrono::seconds(30))) {
+    return Status(StatusCode::kUnavailable, fmt::format("cannot connect to server {} within 30 s", peer));
+  }
+  grpc::ClientContext ctx;
+  grpc::internal::RpcMethod method(kSessionMethod, grpc::internal::RpcMethod::BIDI_STREAMING, channel);
+  std::unique_ptr<Stream> stream(grpc::internal::ClientReaderWriterFactory<Frame, Frame>::Create(channel.get(), method,
+                                                                                                  &ctx));
+  DecodedFrame d;
+  wire::ServerMessage msg;
+  wire::ClientMessage out;
+  out.mutable_register_()->set_client_id(std::to_string(client_id));
+  out.mutable_register_()->set_token(lc.auth_token);
+  MEMFL_RETURN_IF_ERROR(write(*stream, out, peer));
+  MEMFL_RETURN_IF_ERROR(read_server_message(*stream, peer, &d, &msg));
+  if (d.is_chunk || !msg.has_register_reply()) return data_loss("server {}: expected a RegisterReply", peer);
+  if (!msg.register_reply().accepted()) {
+    return Status(StatusCode::kFailedPrecondition,
+                  fmt::format("server {} refused {}: {}", peer, role, msg.register_reply().message()));
+  }
+
+  // The server's configuration is the experiment; the local one only says
+  // how to reach the server.
+  out.Clear();
+  out.mutable_get_configuration();
+  MEMFL_RETURN_IF_ERROR(write(*stream, out, peer));
+  MEMFL_RETURN_IF_ERROR(read_server_message(*stream, peer, &d, &msg));
+  if (d.is_chunk || !msg.has_configuration()) return data_loss("server {}: expected a Configuration", peer);
+  MEMFL_ASSIGN_OR_RETURN(ExperimentConfig cfg,
+                         load_config_text(msg.configuration().config_yaml(), "configuration from server " + peer));
+  if (cfg.train.num_threads == 0) cfg.train.num_threads = 1;  // clients share the machine's cores
+
+  std::optional<DatasetSplits> data;
+  std::vector<ClientPartition> parts;
+  InputSpec input;
+  if (!is_synthetic(cfg)) {
+    MEMFL_ASSIGN_OR_RETURN(data, load_data(cfg));
+    MEMFL_ASSIGN_OR_RETURN(input, input_spec(cfg, data->train));
+    MEMFL_ASSIGN_OR_RETURN(parts, make_partitions(cfg, data->train));
+  }
+  const ClientPartition* part = parts.empty() ? nullptr : &parts[static_cast<size_t>(client_id)];
+  const int64_t before_model_rss = read_rss_bytes();
+  MEMFL_ASSIGN_OR_RETURN(LocalModel model, make_local_model(cfg, input, /*fill=*/false, cfg.server.seed));
+  const Layout& layout = model.layout();
+  const size_t chunk =
+      cfg.server.use_model_chunking ? static_cast<size_t>(cfg.server.model_chunk_size) : layout.total_bytes();
+  std::atomic<int64_t> inflight{0};
+  int rounds = 0;
+
+  while (true) {
+    out.Clear();
+    out.mutable_get_global_model();
+    MEMFL_RETURN_IF_ERROR(write(*stream, out, peer));
+    MEMFL_RETURN_IF_ERROR(read_server_message(*stream, peer, &d, &msg));
+    if (d.is_chunk || !msg.has_model_begin()) return data_loss("server {}: expected ModelBegin", peer);
+    const auto begin = msg.model_begin();
+    if (begin.finished()) break;
+    if (begin.layout_hash() != layout.hash() || begin.total_bytes() != layout.total_bytes()) {
+      return data_loss("server {}: its model (layout {:016x}, {} bytes) is not this client's (layout {:016x}, {} bytes)",
+                       peer, begin.layout_hash(), begin.total_bytes(), layout.hash(), layout.total_bytes());
+    }
+    const int round = begin.round();
+    sampler.mark(round, "broadcast");
+    // Our previous upload's slices must be released before the arena is overwritten.
+    while (inflight.load() > 0) std::this_thread::sleep_for(std::chrono::microseconds(100));
+    ArenaWriter into(layout, model.arena(), "server " + peer);
+    while (true) {
+      MEMFL_RETURN_IF_ERROR(read_server_message(*stream, peer, &d, &msg));
+      if (!d.is_chunk) {
+        if (msg.has_model_end()) break;
+        return data_loss("server {}: unexpected message during the model download", peer);
+      }
+      MEMFL_RETURN_IF_ERROR(into.accept(d.header, d.payload()));
+    }
+    MEMFL_RETURN_IF_ERROR(into.finish());
+    out.Clear();
+    out.mutable_model_received();
+    MEMFL_RETURN_IF_ERROR(write(*stream, out, peer));
+
+    sampler.mark(round, "train");
+    MEMFL_ASSIGN_OR_RETURN(TrainResult tr, local_update(model, cfg, data ? &*data : nullptr, part, round, client_id));
+
+    sampler.mark(round, "upload");
+    out.Clear();
+    auto* md = out.mutable_update_metadata();
+    md->set_round(round);
+    md->set_sample_count(update_sample_count(cfg, part));
+    (*md->mutable_metrics())["train_loss"] = tr.train_loss;
+    (*md->mutable_metrics())["val_accuracy"] = tr.val_accuracy;
+    MEMFL_RETURN_IF_ERROR(write(*stream, out, peer));
+    for (size_t off = 0; off < layout.total_bytes(); off += chunk) {
+      const size_t len = std::min(chunk, layout.total_bytes() - off);
+      auto bytes = model.arena().bytes(off, len);
+      ChunkHeader h{layout.hash(), off, len, chunk_checksum(bytes)};
+      if (!stream->Write(encode_chunk_frame(kClientChunkField, h, bytes, &inflight))) {
+        return Status(StatusCode::kUnavailable, fmt::format("server {} closed the stream during the upload", peer));
+      }
+    }
+    out.Clear();
+    out.mutable_update_end();
+    MEMFL_RETURN_IF_ERROR(write(*stream, out, peer));
+    MEMFL_RETURN_IF_ERROR(read_server_message(*stream, peer, &d, &msg));
+    if (d.is_chunk || !msg.has_update_ack()) return data_loss("server {}: expected UpdateAck", peer);
+    if (!msg.update_ack().accepted()) {
+      return Status(StatusCode::kAborted,
+                    fmt::format("server {} rejected the update of {}: {}", peer, role, msg.update_ack().message()));
+    }
+    ++rounds;
+    sampler.mark(round, "idle");
+  }
+  out.Clear();
+  out.mutable_bye();
+  (void)write(*stream, out, peer);
+  stream->WritesDone();
+  grpc::Status fin = stream->Finish();
+  (void)fin;  // the server may already have shut down; the rounds are what counts
+
+  nlohmann::ordered_json summary;
+  summary["role"] = role;
+  summary["rounds"] = rounds;
+  summary["model_bytes"] = layout.payload_bytes();
+  summary["baseline_rss_bytes"] = baseline_rss;
+  summary["before_model_rss_bytes"] = before_model_rss;
+  summary["peak_rss_bytes"] = std::max(sampler.peak_rss(), read_peak_rss_bytes());
+  MEMFL_RETURN_IF_ERROR(write_text_file((fs::path(opts.run_dir) / "summary.json").string(), summary.dump(2) + "\n"));
+  return Status::Ok();
+}
+
+}  // namespace memfl
