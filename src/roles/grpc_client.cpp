@@ -80,6 +80,8 @@ Status run_grpc_client(const ExperimentConfig& local, int client_id, const RoleO
   const int limit = max_message_bytes(lc.model_chunk_size, lc.max_message_size);
   args.SetMaxReceiveMessageSize(limit);
   args.SetMaxSendMessageSize(limit);
+  args.SetInt(GRPC_ARG_HTTP2_BDP_PROBE, 0);  // see the server: flow control is the backpressure
+  args.SetInt(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, stream_window_bytes(lc.model_chunk_size));
   auto channel = grpc::CreateCustomChannel(lc.server_uri, creds, args);
   if (!channel->WaitForConnected(std::chrono::system_clock::now() + std::chrono::seconds(30))) {
     return Status(StatusCode::kUnavailable, fmt::format("cannot connect to server {} within 30 s", peer));

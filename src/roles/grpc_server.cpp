@@ -572,6 +572,11 @@ Status ServerAgent::run() {
   const int limit = max_message_bytes(sc.model_chunk_size, sc.max_message_size);
   builder.SetMaxReceiveMessageSize(limit);
   builder.SetMaxSendMessageSize(limit);
+  // Flow control is the backpressure: a client waiting for its turn to fold
+  // may have only a few chunks in the server's buffers. HTTP/2's BDP probing
+  // would grow the window far past that (≈150 MiB buffered at 1 GiB models).
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_BDP_PROBE, 0);
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, stream_window_bytes(sc.model_chunk_size));
   builder.RegisterService(&service);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (!server || port == 0) {

@@ -1,5 +1,6 @@
 #include "comm/grpc/wire.h"
 
+#include <algorithm>
 #include <cstring>
 
 namespace memfl {
@@ -191,6 +192,10 @@ int max_message_bytes(int64_t chunk_size, int64_t configured) {
   const int64_t need = std::max<int64_t>(chunk_size + (64 << 10), static_cast<int64_t>(kMaxControlMessageBytes));
   const int64_t v = configured > 0 ? std::max(configured, need) : need;
   return static_cast<int>(std::min<int64_t>(v, INT32_MAX));
+}
+
+int stream_window_bytes(int64_t chunk_size) {
+  return static_cast<int>(std::clamp<int64_t>(2 * (chunk_size + 1024), 1 << 20, 256 << 20));
 }
 
 }  // namespace memfl

@@ -66,6 +66,9 @@ Status decode_bytes(std::span<const uint8_t> bytes, int chunk_field, std::string
 
 // gRPC message limits both sides set from the chunk size (see server.cpp).
 int max_message_bytes(int64_t chunk_size, int64_t configured);
+// The HTTP/2 stream window both sides ask for: two chunks in flight, at
+// least 1 MiB, so a stream keeps the pipe full without buffering a model.
+int stream_window_bytes(int64_t chunk_size);
 
 }  // namespace memfl
 
