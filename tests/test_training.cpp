@@ -18,40 +18,12 @@
 #include "config/config.h"
 #include "data/dataset.h"
 #include "tensor/safetensors.h"
+#include "cli_util.h"
 #include "test_util.h"
 #include "train/trainer_backend.h"
 
 namespace memfl {
 namespace {
-
-struct Result {
-  int exit_code;
-  std::string output;
-};
-
-Result memfl_cli(const std::string& args) {
-  const std::string cmd = std::string(MEMFL_BINARY) + " " + args + " 2>&1";
-  FILE* p = popen(cmd.c_str(), "r");
-  std::string out;
-  std::array<char, 4096> buf{};
-  while (size_t n = fread(buf.data(), 1, buf.size(), p)) out.append(buf.data(), n);
-  int status = pclose(p);
-  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, out};
-}
-
-std::vector<std::vector<std::string>> read_csv(const std::string& path) {
-  std::ifstream in(path);
-  std::vector<std::vector<std::string>> rows;
-  std::string line;
-  while (std::getline(in, line)) {
-    std::vector<std::string> row;
-    std::stringstream ss(line);
-    std::string cell;
-    while (std::getline(ss, cell, ',')) row.push_back(cell);
-    rows.push_back(row);
-  }
-  return rows;
-}
 
 constexpr const char* kSmallRun =
     "--set server_configs.num_clients=3 --set server_configs.num_global_epochs=2 "

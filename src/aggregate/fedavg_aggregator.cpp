@@ -214,7 +214,7 @@ Status FedAvgAggregator::finalize(Arena& global) {
   if (!tainted_by_.empty()) {
     return Status(StatusCode::kAborted,
                   fmt::format("round {}: the update of {} broke after part of it was counted; "
-                              "the global model is unchanged and the round must be redone",
+                              "the round must be redone",
                               round_, tainted_by_));
   }
   if (committed_ == 0 || total_weight_ <= 0) {

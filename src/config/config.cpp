@@ -168,6 +168,8 @@ const std::vector<KeySpec>& schema() {
        "bytes per chunk; every transport", I(server.model_chunk_size)},
       {"server_configs.comm_configs.grpc_configs.server_uri", Type::kString, "127.0.0.1:50051", {}, -kInf, kInf,
        "host:port the server listens on and clients dial (port 0: any free port)", S(server.server_uri)},
+      {"server_configs.comm_configs.grpc_configs.connect_timeout_s", Type::kInt, "30", {}, 1, 1e6,
+       "how long a client tries to reach the server", I(server.connect_timeout_s)},
       {"server_configs.comm_configs.grpc_configs.max_message_size", Type::kInt, "0", {}, 0, 2147483647,
        "gRPC message limit in bytes (0 = model_chunk_size + 64 KiB)", I(server.max_message_size)},
       {"server_configs.comm_configs.grpc_configs.use_ssl", Type::kBool, "false", {}, -kInf, kInf, "TLS",

@@ -80,6 +80,7 @@ struct ServerConfig {
   std::string server_cert, server_key, root_cert;  // PEM files
   std::string auth_token;
   int round_timeout_s = 600;
+  int connect_timeout_s = 30;
   std::string memory_mode = "streaming";  // streaming | naive
   bool do_server_eval = true;
   int eval_batch_size = 64;

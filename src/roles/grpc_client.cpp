@@ -48,7 +48,19 @@ std::string read_file(const std::string& path) {
 
 }  // namespace
 
+// Fault injection for the integration tests: MEMFL_FAULT=<kind> makes client
+// MEMFL_FAULT_CLIENT (default 0) misbehave in its first upload, as a broken or
+// hostile peer would. Kinds: disconnect_mid_upload, bad_checksum,
+// wrong_layout_hash, offset_past_end, extra_bytes, wrong_token.
+std::string injected_fault(int client_id) {
+  const char* kind = std::getenv("MEMFL_FAULT");
+  const char* who = std::getenv("MEMFL_FAULT_CLIENT");
+  if (kind == nullptr || std::atoi(who != nullptr ? who : "0") != client_id) return "";
+  return kind;
+}
+
 Status run_grpc_client(const ExperimentConfig& local, int client_id, const RoleOptions& opts) {
+  const std::string fault = injected_fault(client_id);
   tune_malloc_for_streaming();
   const std::string role = fmt::format("client_{}", client_id);
   MemorySampler sampler(role, local.memory.sample_interval_ms);
@@ -83,8 +95,10 @@ Status run_grpc_client(const ExperimentConfig& local, int client_id, const RoleO
   args.SetInt(GRPC_ARG_HTTP2_BDP_PROBE, 0);  // see the server: flow control is the backpressure
   args.SetInt(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, stream_window_bytes(lc.model_chunk_size));
   auto channel = grpc::CreateCustomChannel(lc.server_uri, creds, args);
-  if (!channel->WaitForConnected(std::chrono::system_clock::now() + std::chrono::seconds(30))) {
-    return Status(StatusCode::kUnavailable, fmt::format("cannot connect to server {} within 30 s", peer));
+  if (!channel->WaitForConnected(std::chrono::system_clock::now() + std::chrono::seconds(lc.connect_timeout_s))) {
+    return Status(StatusCode::kUnavailable,
+                  fmt::format("cannot connect to server {} within {} s{}", peer, lc.connect_timeout_s,
+                              lc.use_ssl ? " (TLS: does root_cert sign the server's certificate?)" : ""));
   }
   grpc::ClientContext ctx;
   grpc::internal::RpcMethod method(kSessionMethod, grpc::internal::RpcMethod::BIDI_STREAMING, channel);
@@ -94,7 +108,7 @@ Status run_grpc_client(const ExperimentConfig& local, int client_id, const RoleO
   wire::ServerMessage msg;
   wire::ClientMessage out;
   out.mutable_register_()->set_client_id(std::to_string(client_id));
-  out.mutable_register_()->set_token(lc.auth_token);
+  out.mutable_register_()->set_token(fault == "wrong_token" ? lc.auth_token + "-wrong" : lc.auth_token);
   MEMFL_RETURN_IF_ERROR(write(*stream, out, peer));
   MEMFL_RETURN_IF_ERROR(read_server_message(*stream, peer, &d, &msg));
   if (d.is_chunk || !msg.has_register_reply()) return data_loss("server {}: expected a RegisterReply", peer);
@@ -172,10 +186,20 @@ Status run_grpc_client(const ExperimentConfig& local, int client_id, const RoleO
     (*md->mutable_metrics())["train_loss"] = tr.train_loss;
     (*md->mutable_metrics())["val_accuracy"] = tr.val_accuracy;
     MEMFL_RETURN_IF_ERROR(write(*stream, out, peer));
-    for (size_t off = 0; off < layout.total_bytes(); off += chunk) {
+    size_t index = 0;
+    for (size_t off = 0; off < layout.total_bytes(); off += chunk, ++index) {
       const size_t len = std::min(chunk, layout.total_bytes() - off);
       auto bytes = model.arena().bytes(off, len);
       ChunkHeader h{layout.hash(), off, len, chunk_checksum(bytes)};
+      const bool inject = !fault.empty() && rounds == 0 && (index == 1 || off + len >= layout.total_bytes());
+      if (inject && fault == "disconnect_mid_upload") {
+        ctx.TryCancel();
+        return Status(StatusCode::kAborted, "injected fault: disconnected in the middle of the upload");
+      }
+      if (inject && fault == "bad_checksum") h.checksum ^= 1;
+      if (inject && fault == "wrong_layout_hash") h.layout_hash ^= 1;
+      if (inject && fault == "offset_past_end") h.offset = layout.total_bytes() + 8;
+      if (inject && fault == "extra_bytes") h.length = len - 1;  // more bytes than the header announces
       if (!stream->Write(encode_chunk_frame(kClientChunkField, h, bytes, &inflight))) {
         return Status(StatusCode::kUnavailable, fmt::format("server {} closed the stream during the upload", peer));
       }

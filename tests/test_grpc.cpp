@@ -1,0 +1,198 @@
+// Integration tests over gRPC on 127.0.0.1: real server and client processes
+// started through `memfl launch`, as users run them.
+#include <gtest/gtest.h>
+
+#include <unistd.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+
+#include "cli_util.h"
+#include "model/synthetic.h"
+#include "tensor/safetensors.h"
+#include "test_util.h"
+
+namespace memfl {
+namespace {
+
+namespace fs = std::filesystem;
+
+// The tensors of two safetensors files, byte for byte.
+::testing::AssertionResult same_model(const std::string& a, const std::string& b) {
+  auto fa = SafetensorsFile::open(a);
+  auto fb = SafetensorsFile::open(b);
+  if (!fa.ok()) return ::testing::AssertionFailure() << fa.status().to_string();
+  if (!fb.ok()) return ::testing::AssertionFailure() << fb.status().to_string();
+  if ((*fa)->tensors().size() != (*fb)->tensors().size()) return ::testing::AssertionFailure() << "tensor counts differ";
+  for (const auto& t : (*fa)->tensors()) {
+    const auto* u = (*fb)->find(t.name);
+    if (u == nullptr) return ::testing::AssertionFailure() << t.name << " missing in " << b;
+    if (t.data.size() != u->data.size() || std::memcmp(t.data.data(), u->data.data(), t.data.size()) != 0) {
+      return ::testing::AssertionFailure() << t.name << " differs between " << a << " and " << b;
+    }
+  }
+  return ::testing::AssertionSuccess();
+}
+
+std::string synthetic_config(const testing::TempDir& tmp, int clients, int64_t params, int64_t chunk,
+                             const std::string& extra = "") {
+  const std::string path = tmp.file("synthetic.yaml");
+  std::ofstream(path) << "client_configs:\n  train_configs:\n    trainer: DummyTrainer\n"
+                      << "  model_configs:\n    model_name: synthetic\n    model_kwargs:\n      num_params: " << params
+                      << "\nserver_configs:\n  num_clients: " << clients
+                      << "\n  num_global_epochs: 2\n  round_timeout_s: 30\n" << extra
+                      << "  comm_configs:\n    grpc_configs:\n      server_uri: 127.0.0.1:0\n      model_chunk_size: "
+                      << chunk << "\n";
+  return path;
+}
+
+int rows(const std::string& csv) { return static_cast<int>(read_csv(csv).size()) - 1; }
+
+TEST(Grpc, CnnRunEqualsTheInProcessRunBitForBit) {
+  testing::TempDir tmp;
+  const std::string sets =
+      " --set server_configs.num_clients=3 --set server_configs.num_global_epochs=2"
+      " --set client_configs.data_configs.dataset_kwargs.max_train_samples=1500"
+      " --set client_configs.data_configs.dataset_kwargs.max_test_samples=500"
+      " --set client_configs.train_configs.num_threads=1"
+      " --set server_configs.comm_configs.grpc_configs.model_chunk_size=100000 -q";
+  Result inproc = memfl_cli("run" + sets + " --out " + tmp.file("inproc"));
+  ASSERT_EQ(inproc.exit_code, 0) << inproc.output;
+  Result grpc = memfl_cli("launch --clients 3" + sets + " --out " + tmp.file("grpc"));
+  ASSERT_EQ(grpc.exit_code, 0) << grpc.output;
+  EXPECT_TRUE(same_model(tmp.file("inproc/global_model.safetensors"), tmp.file("grpc/server/global_model.safetensors")));
+  // Each role wrote its own files into the run directory.
+  for (const char* role : {"server", "client_0", "client_1", "client_2"}) {
+    EXPECT_TRUE(fs::exists(tmp.file(std::string("grpc/") + role + "/memory.json"))) << role;
+  }
+  EXPECT_EQ(rows(tmp.file("grpc/server/metrics.csv")), 2);
+  auto acc = std::stod(read_csv(tmp.file("grpc/server/metrics.csv"))[2][7]);
+  EXPECT_GT(acc, 0.3);
+}
+
+class GrpcChunks : public ::testing::TestWithParam<int64_t> {};
+
+TEST_P(GrpcChunks, SyntheticRunEqualsInProcessAndNaive) {
+  testing::TempDir tmp;
+  const int64_t params = 2500;  // 10 000 bytes: 7-byte chunks are ~1 430 messages per transfer
+  const std::string cfg = synthetic_config(tmp, 2, params, GetParam());
+  ASSERT_EQ(memfl_cli("run " + cfg + " -q --out " + tmp.file("inproc")).exit_code, 0);
+  Result g = memfl_cli("launch " + cfg + " --clients 2 -q --out " + tmp.file("grpc"));
+  ASSERT_EQ(g.exit_code, 0) << g.output;
+  EXPECT_TRUE(same_model(tmp.file("inproc/global_model.safetensors"), tmp.file("grpc/server/global_model.safetensors")));
+  Result n = memfl_cli("launch " + cfg + " --clients 2 -q --set server_configs.memory_mode=naive --out " +
+                       tmp.file("naive"));
+  ASSERT_EQ(n.exit_code, 0) << n.output;
+  EXPECT_TRUE(same_model(tmp.file("inproc/global_model.safetensors"), tmp.file("naive/server/global_model.safetensors")));
+}
+
+INSTANTIATE_TEST_SUITE_P(SevenBytesAndLargerThanModel, GrpcChunks, ::testing::Values(7, 4096, 1 << 20),
+                         [](const auto& p) { return "chunk_" + std::to_string(p.param); });
+
+// Every fault of a hostile or broken client: the faulty client is dropped,
+// the round is redone from the pre-round checkpoint (or completes without it,
+// when nothing of its update was counted), and the global model is not
+// corrupted. DummyTrainer clients return the model they got, so the FedAvg
+// of the two healthy ones is the initial model exactly.
+class GrpcFaults : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(GrpcFaults, FaultyClientNeverCorruptsTheGlobalModel) {
+  testing::TempDir tmp;
+  const int64_t params = 3000;
+  const std::string cfg = synthetic_config(tmp, 3, params, 1000);
+  setenv("MEMFL_FAULT", GetParam().c_str(), 1);
+  setenv("MEMFL_FAULT_CLIENT", "2", 1);
+  Result r = memfl_cli("launch " + cfg + " --clients 3 -q --out " + tmp.file("run"));
+  unsetenv("MEMFL_FAULT");
+  unsetenv("MEMFL_FAULT_CLIENT");
+  EXPECT_NE(r.exit_code, 0) << "the faulty client fails";
+  EXPECT_NE(r.output.find("client_2 exited"), std::string::npos) << r.output;
+  auto metrics = read_csv(tmp.file("run/server/metrics.csv"));
+  ASSERT_EQ(metrics.size(), 3u) << "both rounds completed";
+  EXPECT_EQ(metrics[1][1], "2") << "round 1 aggregated the two healthy clients";
+  EXPECT_EQ(metrics[2][1], "2");
+
+  auto layout = synthetic_layout(params, DType::kF32);
+  Arena initial(layout->total_bytes(), MemoryCategory::kModel);
+  fill_synthetic(*layout, initial, 42);
+  ASSERT_TRUE(write_safetensors(tmp.file("initial.safetensors"), *layout, initial).ok());
+  EXPECT_TRUE(same_model(tmp.file("initial.safetensors"), tmp.file("run/server/global_model.safetensors")));
+}
+
+INSTANTIATE_TEST_SUITE_P(Injected, GrpcFaults,
+                         ::testing::Values("disconnect_mid_upload", "bad_checksum", "wrong_layout_hash",
+                                           "offset_past_end", "extra_bytes"),
+                         [](const auto& p) { return p.param; });
+
+TEST(GrpcSecurity, WrongTokenIsRefusedAndTheRoundGoesOn) {
+  testing::TempDir tmp;
+  const std::string cfg2 = synthetic_config(tmp, 2, 1000, 1000);
+  setenv("MEMFL_FAULT", "wrong_token", 1);
+  setenv("MEMFL_FAULT_CLIENT", "1", 1);
+  Result r = memfl_cli("launch " + cfg2 + " --clients 2 -q --set server_configs.round_timeout_s=3"
+                       " --set server_configs.comm_configs.grpc_configs.auth_token=s3cret --out " + tmp.file("run"));
+  unsetenv("MEMFL_FAULT");
+  unsetenv("MEMFL_FAULT_CLIENT");
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.output.find("wrong token"), std::string::npos) << r.output;
+  auto metrics = read_csv(tmp.file("run/server/metrics.csv"));
+  ASSERT_EQ(metrics.size(), 3u) << r.output;
+  EXPECT_EQ(metrics[1][1], "1") << "the round went on with the client that presented the token";
+}
+
+TEST(GrpcSecurity, TlsWithASelfSignedPair) {
+  testing::TempDir tmp;
+  const std::string cert = tmp.file("server.pem"), key = tmp.file("server.key");
+  const std::string openssl = "openssl req -x509 -newkey rsa:2048 -nodes -days 1 -subj /CN=localhost"
+                              " -addext subjectAltName=DNS:localhost,IP:127.0.0.1 -keyout " +
+                              key + " -out " + cert + " 2>/dev/null";
+  ASSERT_EQ(std::system(openssl.c_str()), 0) << "openssl (Debian package openssl) makes the test pair";
+  const std::string cfg = synthetic_config(tmp, 2, 5000, 4096);
+  const std::string tls = " --set server_configs.comm_configs.grpc_configs.use_ssl=true"
+                          " --set server_configs.comm_configs.grpc_configs.server_cert=" + cert +
+                          " --set server_configs.comm_configs.grpc_configs.server_key=" + key +
+                          " --set server_configs.comm_configs.grpc_configs.root_cert=" + cert;
+  Result r = memfl_cli("launch " + cfg + " --clients 2 -q" + tls + " --out " + tmp.file("tls"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(rows(tmp.file("tls/server/metrics.csv")), 2);
+  ASSERT_EQ(memfl_cli("run " + cfg + " -q --out " + tmp.file("inproc")).exit_code, 0);
+  EXPECT_TRUE(same_model(tmp.file("inproc/global_model.safetensors"), tmp.file("tls/server/global_model.safetensors")));
+  // A client that trusts another root cannot talk to this server.
+  const std::string other = tmp.file("other.pem"), other_key = tmp.file("other.key");
+  ASSERT_EQ(std::system(("openssl req -x509 -newkey rsa:2048 -nodes -days 1 -subj /CN=localhost -keyout " + other_key +
+                         " -out " + other + " 2>/dev/null")
+                            .c_str()),
+            0);
+  const std::string server_dir = tmp.file("server");
+  ASSERT_EQ(std::system((std::string(MEMFL_BINARY) + " server " + cfg + " -q" + tls +
+                         " --set server_configs.num_clients=1 --set server_configs.round_timeout_s=4 --out " +
+                         server_dir + " > " + tmp.file("server.log") + " 2>&1 &")
+                            .c_str()),
+            0);
+  std::string port;
+  for (int i = 0; i < 200 && port.empty(); ++i) {
+    std::ifstream in(server_dir + "/port");
+    if (in) std::getline(in, port);
+    if (port.empty()) usleep(50000);
+  }
+  ASSERT_FALSE(port.empty());
+  Result bad = memfl_cli("client " + cfg + " --client-id 0 -q" + tls +
+                         " --set server_configs.comm_configs.grpc_configs.root_cert=" + other +
+                         " --set server_configs.comm_configs.grpc_configs.connect_timeout_s=2"
+                         " --set server_configs.comm_configs.grpc_configs.server_uri=127.0.0.1:" + port +
+                         " --out " + tmp.file("bad"));
+  EXPECT_NE(bad.exit_code, 0) << bad.output;
+  EXPECT_NE(bad.output.find("cannot connect"), std::string::npos) << bad.output;
+  Result missing = memfl_cli("client " + cfg + " --client-id 0 -q" + tls +
+                             " --set server_configs.comm_configs.grpc_configs.root_cert=/nonexistent.pem --out " +
+                             tmp.file("missing"));
+  EXPECT_EQ(missing.exit_code, 3) << missing.output;
+  EXPECT_NE(missing.output.find("root_cert"), std::string::npos) << missing.output;
+  // The server gives up on the client that never came, with a message.
+  for (int i = 0; i < 200 && !fs::exists(server_dir + "/summary.json"); ++i) usleep(50000);
+  EXPECT_TRUE(fs::exists(server_dir + "/summary.json"));
+}
+
+}  // namespace
+}  // namespace memfl
