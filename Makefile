@@ -8,7 +8,7 @@ CMAKE_FLAGS ?=
 export CCACHE_SLOPPINESS = pch_defines,time_macros,include_file_mtime,include_file_ctime
 export CCACHE_DIR ?= $(HOME)/.cache/ccache
 
-.PHONY: deps configure build demo test test-unit test-asan bench format clean
+.PHONY: deps configure build demo test test-unit test-asan bench fuzz format clean
 
 deps:
 	@bash scripts/install-deps.sh
@@ -40,7 +40,19 @@ test-asan: deps
 bench: build
 	./$(BUILD)/memfl_bench --benchmark_out=$(BUILD)/bench.json --benchmark_out_format=json
 	bash bench/memory_scaling.sh $(BUILD) > $(BUILD)/bench_memory.json
-	@echo "wrote $(BUILD)/bench.json (aggregation micro-benchmarks) and $(BUILD)/bench_memory.json (peak RSS vs model size and clients)"
+	bash bench/transfer_sweep.sh $(BUILD) > $(BUILD)/bench_transfer.json
+	@echo "wrote $(BUILD)/bench.json (aggregation micro-benchmarks), $(BUILD)/bench_memory.json (in-process peak RSS vs model size and clients), $(BUILD)/bench_transfer.json (gRPC sweep)"
+
+# Fuzz the wire decoder for FUZZ_SECONDS (clang + libFuzzer, ASan+UBSan).
+# Crashing inputs land in fuzz/corpus (commit them: the tests replay it).
+FUZZ_SECONDS ?= 60
+fuzz: deps
+	CC=clang CXX=clang++ cmake -S . -B build-fuzz -G Ninja -DCMAKE_BUILD_TYPE=Debug -DMEMFL_SANITIZE=ON \
+	  -DMEMFL_FUZZ=ON -DMEMFL_WITH_TORCH=OFF -DMEMFL_WITH_TESTS=OFF -DMEMFL_WITH_BENCH=OFF
+	cmake --build build-fuzz -j $(JOBS) --target chunk_decoder_fuzzer
+	mkdir -p build-fuzz/corpus
+	./build-fuzz/chunk_decoder_fuzzer -max_total_time=$(FUZZ_SECONDS) -artifact_prefix=fuzz/corpus/crash- \
+	  build-fuzz/corpus fuzz/corpus
 
 format:
 	clang-format -i $$(git ls-files 'src/*.cpp' 'src/*.h' 'tests/*.cpp' 'bench/*.cpp')
