@@ -11,6 +11,8 @@
 #include "default_config.h"
 #include "roles/run_dir.h"
 #include "roles/simulation.h"
+#include "memory/alloc_tracker.h"
+#include "report/report.h"
 #include "tensor/safetensors.h"
 #ifdef MEMFL_HAVE_GRPC
 #include "roles/bench_transfer.h"
@@ -38,6 +40,15 @@ int fail(const memfl::Status& s) {
   return exit_code_for(s);
 }
 
+// --profile / memory_configs.profile: the tracker streams into DIR/profile.bin.
+void start_profiler(const memfl::ExperimentConfig& cfg, const std::string& dir, const std::string& role) {
+  if (!cfg.memory.profile) return;
+  if (!memfl::alloc_tracker_start(dir + "/profile.bin", role, static_cast<size_t>(cfg.memory.profile_threshold))) {
+    fmt::print(stderr, "memfl: warning: the allocation tracker is not available in this build (sanitizers?) or {} "
+                       "cannot be written; running without it\n", dir + "/profile.bin");
+  }
+}
+
 memfl::StatusOr<memfl::ExperimentConfig> load(const std::string& path, const std::vector<std::string>& sets) {
   if (path.empty()) return memfl::load_config_text(memfl::kDefaultConfigYaml, memfl::kDefaultConfigName, sets);
   return memfl::load_config_file(path, sets);
@@ -60,6 +71,8 @@ int main(int argc, char** argv) {
   run->add_option("--out", out_dir, "run directory (default: <logging_output_dirname>/<timestamp>-<pid>)");
   run->add_option("--set", sets, "override a config key: --set server_configs.num_global_epochs=2 (repeatable)");
   run->add_flag("-q,--quiet", quiet, "no per-round progress lines");
+  bool profile = false;
+  run->add_flag("--profile", profile, "record allocations with stacks (profile.bin; see memfl report)");
 
   auto* validate = app.add_subcommand("validate", "Check a config and print it with every default resolved");
   validate->add_option("CONFIG", config_path, "YAML config (default: the embedded default)");
@@ -75,18 +88,21 @@ int main(int argc, char** argv) {
   server->add_option("--out", out_dir, "run directory");
   server->add_option("--set", sets, "override a config key (repeatable)");
   server->add_flag("-q,--quiet", quiet, "no per-round progress lines");
+  server->add_flag("--profile", profile, "record allocations with stacks (profile.bin)");
   auto* client = app.add_subcommand("client", "Run one federated client over gRPC");
   client->add_option("CONFIG", config_path, "YAML config: how to reach the server (the server sends the experiment)");
   client->add_option("--client-id", client_id, "this client's id, 0..num_clients-1")->required();
   client->add_option("--out", out_dir, "run directory");
   client->add_option("--set", sets, "override a config key (repeatable)");
   client->add_flag("-q,--quiet", quiet, "quiet");
+  client->add_flag("--profile", profile, "record allocations with stacks (profile.bin)");
   auto* launch = app.add_subcommand("launch", "Start a server and N client processes here, gather their run dirs");
   launch->add_option("CONFIG", config_path, "YAML config (default: the embedded default)");
   launch->add_option("--clients", num_clients, "number of client processes")->required();
   launch->add_option("--out", out_dir, "run directory (server/, client_0/, ...)");
   launch->add_option("--set", sets, "override a config key (repeatable)");
   launch->add_flag("-q,--quiet", quiet, "no per-round progress lines");
+  launch->add_flag("--profile", profile, "profile every process (profile.bin in each run dir)");
   auto* bench = app.add_subcommand("bench", "Benchmarks");
   auto* transfer = bench->add_subcommand("transfer", "Peak RSS per role and GB/s per direction, DummyTrainer");
   memfl::TransferBenchOptions tb;
@@ -100,6 +116,14 @@ int main(int argc, char** argv) {
   transfer->add_option("--keep", tb.run_dir, "keep the run directory here");
   bench->require_subcommand(1);
 #endif
+
+  std::string report_dir, compare_out;
+  std::vector<std::string> compare_dirs;
+  auto* report = app.add_subcommand("report", "Write RUN_DIR/report/index.html (+ summary.txt, CSV, folded stacks)");
+  report->add_option("RUN_DIR", report_dir, "a run directory")->required();
+  auto* compare = app.add_subcommand("compare", "Compare runs: peaks with % change, timelines, differential flamegraphs");
+  compare->add_option("RUNS", compare_dirs, "run directories; the first is the baseline")->required()->expected(2, -1);
+  compare->add_option("--out", compare_out, "output directory (default: <first run>/compare)");
 
   std::string st_path;
   auto* inspect = app.add_subcommand("inspect", "Print the tensors of a safetensors file");
@@ -118,6 +142,19 @@ int main(int argc, char** argv) {
     return kExitUsage;
   }
 
+  if (profile) sets.push_back("memory_configs.profile=true");
+  if (app.got_subcommand("report")) {
+    auto r = memfl::write_report(report_dir);
+    if (!r.ok()) return fail(r.status());
+    fmt::print("report: {}/index.html\n", *r);
+    return kExitOk;
+  }
+  if (app.got_subcommand("compare")) {
+    auto r = memfl::write_comparison(compare_dirs, compare_out.empty() ? compare_dirs[0] + "/compare" : compare_out);
+    if (!r.ok()) return fail(r.status());
+    fmt::print("comparison: {}/index.html\n", *r);
+    return kExitOk;
+  }
   if (app.got_subcommand("config-keys")) {
     fmt::print("{}", memfl::describe_config_keys());
     return kExitOk;
@@ -180,9 +217,12 @@ int main(int argc, char** argv) {
     std::filesystem::create_directories(dir);
     spdlog::set_pattern(fmt::format("[%H:%M:%S.%e] [{}] [%l] %v", is_server ? "server" : "client_" + std::to_string(client_id)));
     memfl::Status st = memfl::write_text_file(dir + "/config.yaml", cfg->resolved_yaml);
+    const std::string role = is_server ? "server" : "client_" + std::to_string(client_id);
+    start_profiler(*cfg, dir, role);
     if (st.ok()) {
       st = is_server ? memfl::run_grpc_server(*cfg, {dir, !quiet}) : memfl::run_grpc_client(*cfg, client_id, {dir, !quiet});
     }
+    memfl::alloc_tracker_stop();
     if (!st.ok()) return fail(st);
     return kExitOk;
   }
@@ -198,7 +238,9 @@ int main(int argc, char** argv) {
   if (!st.ok()) return fail(st);
   spdlog::set_pattern("[%H:%M:%S.%e] [%l] %v");
   spdlog::info("run directory {}", *dir);
+  start_profiler(*cfg, *dir, "simulation");
   auto result = memfl::run_simulation(*cfg, {*dir, !quiet});
+  memfl::alloc_tracker_stop();
   if (!result.ok()) {
     fmt::print(stderr, "memfl: run failed; what was measured so far is in {}\n", *dir);
     return fail(result.status());

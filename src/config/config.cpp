@@ -185,6 +185,10 @@ const std::vector<KeySpec>& schema() {
       // memory_configs
       {"memory_configs.sample_interval_ms", Type::kInt, "5", {}, 1, 60000, "RSS sampling period",
        I(memory.sample_interval_ms)},
+      {"memory_configs.profile", Type::kBool, "false", {}, -kInf, kInf,
+       "record allocations with stacks into profile.bin (same as --profile)", B(memory.profile)},
+      {"memory_configs.profile_threshold", Type::kInt, "65536", {}, 1, 1e12,
+       "allocations at or above this many bytes get a stack; smaller ones are counted", I(memory.profile_threshold)},
   };
   return keys;
 }

@@ -88,6 +88,8 @@ struct ServerConfig {
 
 struct MemoryConfig {
   int sample_interval_ms = 5;
+  bool profile = false;                  // allocation tracker (also --profile)
+  int64_t profile_threshold = 64 << 10;  // allocations at or above this get a stack
 };
 
 struct ExperimentConfig {

@@ -10,6 +10,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "memory/alloc_tracker.h"
+
 namespace memfl {
 
 int64_t read_rss_bytes() {
@@ -96,6 +98,8 @@ void MemorySampler::mark(int round, std::string_view phase) {
     phases_.push_back({now_ms(), round, std::string(phase)});
   }
   record(rss);  // every phase starts with a sample, however short it is
+  const std::string name(phase);
+  alloc_tracker_mark(round, name.c_str());  // the profile knows the phases too
 }
 
 size_t MemorySampler::num_samples() const {
@@ -122,6 +126,7 @@ Status MemorySampler::write(const std::string& dir) const {
   j["role"] = role_;
   j["pid"] = static_cast<int64_t>(getpid());
   j["interval_ms"] = interval_ms_.load();
+  j["start_rss_bytes"] = samples_.empty() ? 0 : samples_.front().rss;
   j["peak_rss_bytes"] = peak_rss_.load();
   j["peak_t_ms"] = peak_t_ms_;
   j["peak_phase"] = {{"round", phases_[peak_phase_].round}, {"phase", phases_[peak_phase_].name}};

@@ -1,5 +1,7 @@
 #include "tensor/arena.h"
 
+#include "memory/alloc_tracker.h"
+
 #include <sys/mman.h>
 
 #include <cassert>
@@ -25,6 +27,7 @@ Arena::Arena(size_t size, MemoryCategory category) : size_(size), category_(cate
     if (p == MAP_FAILED) throw std::bad_alloc();
     data_ = static_cast<std::byte*>(p);
     mapped_ = size;
+    track_mapping(p, size);  // not malloc: tell the allocation tracker
   } else {
     size_t rounded = (size + 63) / 64 * 64;
     data_ = static_cast<std::byte*>(std::aligned_alloc(64, rounded));
@@ -39,6 +42,7 @@ Arena::~Arena() { release(); }
 void Arena::release() {
   if (data_ == nullptr) return;
   if (mapped_ > 0) {
+    untrack_mapping(data_);
     munmap(data_, mapped_);
   } else {
     std::free(data_);

@@ -1,0 +1,171 @@
+// memfl report page: renders window.MEMFL_DATA (report or comparison).
+(function () {
+  'use strict';
+  var D = window.MEMFL_DATA, app = document.getElementById('app');
+  var charts = 0, flames = 0;
+  var MiB = function (b) { return (b / 1048576).toFixed(1); };
+  function el(tag, attrs, text) {
+    var e = document.createElement(tag);
+    for (var k in (attrs || {})) e.setAttribute(k, attrs[k]);
+    if (text !== undefined) e.textContent = text;
+    return e;
+  }
+  function section(title) { app.appendChild(el('h2', {}, title)); var d = el('div'); app.appendChild(d); return d; }
+  function table(parent, head, rows, left) {
+    var t = el('table'), tr = el('tr');
+    head.forEach(function (h, i) { tr.appendChild(el('th', { class: (left || [0]).indexOf(i) >= 0 ? 'l' : '' }, h)); });
+    t.appendChild(tr);
+    rows.forEach(function (r) {
+      var tr2 = el('tr');
+      r.forEach(function (c, i) {
+        var td = el('td', { class: (left || [0]).indexOf(i) >= 0 ? 'l' : '' });
+        if (c && c.cls) { td.textContent = c.text; td.className += ' ' + c.cls; } else td.textContent = c;
+        tr2.appendChild(td);
+      });
+      t.appendChild(tr2);
+    });
+    parent.appendChild(t);
+  }
+  var COLORS = ['#1f77b4', '#d62728', '#2ca02c', '#9467bd', '#ff7f0e', '#8c564b', '#17becf', '#e377c2'];
+  var BANDS = { broadcast: 'rgba(31,119,180,.10)', train: 'rgba(44,160,44,.10)', upload: 'rgba(255,127,14,.12)',
+                aggregate: 'rgba(214,39,40,.12)', evaluate: 'rgba(148,103,189,.10)', checkpoint: 'rgba(140,86,75,.10)' };
+
+  // One timeline chart: RSS (MiB) over seconds, phase bands, the peak marked.
+  function timeline(parent, title, series, phases, peak) {
+    var box = el('div', { class: 'chart' }); parent.appendChild(box);
+    var xs = {}, names = [];
+    series.forEach(function (s) { s.t.forEach(function (t) { xs[t] = 1; }); });
+    var x = Object.keys(xs).map(Number).sort(function (a, b) { return a - b; });
+    var data = [x.map(function (t) { return t / 1000; })];
+    series.forEach(function (s) {
+      var m = {}; s.t.forEach(function (t, i) { m[t] = s.v[i] / 1048576; });
+      data.push(x.map(function (t) { return t in m ? m[t] : null; }));
+      names.push(s.name);
+    });
+    var opts = {
+      title: title, width: Math.min(1100, window.innerWidth - 60) || 900, height: 260,
+      scales: { x: { time: false } }, axes: [{ label: 'seconds' }, { label: 'MiB' }],
+      series: [{}].concat(names.map(function (n, i) { return { label: n, stroke: COLORS[i % COLORS.length], spanGaps: true, width: 1.5 }; })),
+      hooks: { draw: [function (u) {
+        var ctx = u.ctx; ctx.save();
+        (phases || []).forEach(function (p) {
+          var x0 = u.valToPos(p.start_ms / 1000, 'x', true), x1 = u.valToPos(p.end_ms / 1000, 'x', true);
+          ctx.fillStyle = BANDS[p.phase] || 'rgba(0,0,0,.03)';
+          ctx.fillRect(x0, u.bbox.top, Math.max(1, x1 - x0), u.bbox.height);
+        });
+        if (peak) {
+          var px = u.valToPos(peak.t_ms / 1000, 'x', true), py = u.valToPos(peak.bytes / 1048576, 'y', true);
+          ctx.fillStyle = '#b00020'; ctx.beginPath(); ctx.arc(px, py, 5, 0, 2 * Math.PI); ctx.fill();
+          ctx.fillText('peak ' + MiB(peak.bytes) + ' MiB', px + 8, py - 6);
+        }
+        ctx.restore();
+      }] }
+    };
+    new uPlot(opts, data, box);
+    charts++;
+  }
+
+  function flamegraph(parent, title, tree, differential) {
+    if (!tree || !tree.value) { parent.appendChild(el('p', {}, title + ': no tracked allocations')); return; }
+    parent.appendChild(el('h3', {}, title));
+    var search = el('input', { class: 'search', placeholder: 'search frames…' });
+    parent.appendChild(search);
+    var box = el('div', { class: 'flame' }); parent.appendChild(box);
+    var fg = flamegraph_lib().width(Math.min(1100, window.innerWidth - 60) || 900).cellHeight(16)
+      .label(function (d) { return d.data.name + ' — ' + MiB(d.value) + ' MiB' + (d.data.delta !== undefined ? ' (' + (d.data.delta >= 0 ? '+' : '') + MiB(d.data.delta) + ' MiB)' : ''); });
+    if (differential) {
+      // Each node's data.delta is its own change; the library sums them up
+      // the tree and colours red (grew) and blue (shrank).
+      fg.computeDelta(true);
+      if (window.flamegraph.colorMapper) fg.setColorMapper(window.flamegraph.colorMapper.differentialColorMapper);
+    }
+    d3.select(box).datum(tree).call(fg);
+    search.addEventListener('input', function () { if (search.value) fg.search(search.value); else fg.clear(); });
+    flames++;
+  }
+  function flamegraph_lib() { return (window.flamegraph && window.flamegraph.flamegraph) ? window.flamegraph.flamegraph() : window.flamegraph(); }
+
+  function report(run) {
+    var peaks = section('Peak memory per process');
+    table(peaks, ['process', 'peak RSS MiB', 'round', 'phase', '× model', 'baseline MiB', 'tracked peak MiB', 'model', 'aggregation', 'gradients', 'optimizer', 'data'],
+      run.processes.map(function (p) {
+        var L = function (c) { return p.ledger[c] ? MiB(p.ledger[c].at_rss_peak_bytes) : '-'; };
+        return [p.name, MiB(p.peak_rss_bytes), p.peak_phase.round, p.peak_phase.phase,
+          p.model_bytes ? (p.peak_rss_bytes / p.model_bytes).toFixed(2) : '-', MiB(p.baseline_rss_bytes),
+          p.profile ? MiB(p.profile.peak_tracked_bytes) : '-', L('model'), L('aggregation'), L('gradients'), L('optimizer'), L('data')];
+      }), [0, 3]);
+    var tl = section('Memory timeline per process (RSS from the kernel; bands are phases; the dot is the peak)');
+    run.processes.forEach(function (p) {
+      var s = [{ name: p.name + ' RSS', t: p.samples.t_ms, v: p.samples.rss_bytes }];
+      if (p.profile && p.profile.tracked_timeline.length) {
+        s.push({ name: 'tracked allocations', t: p.profile.tracked_timeline.map(function (e) { return e[0]; }), v: p.profile.tracked_timeline.map(function (e) { return e[1]; }) });
+      }
+      timeline(tl, p.name, s, p.phases, { t_ms: p.peak_t_ms, bytes: p.peak_rss_bytes });
+    });
+    var fl = section('High-water-mark flamegraphs (allocations live at each process\'s tracked peak; click to zoom)');
+    var any = false;
+    run.processes.forEach(function (p) {
+      if (!p.profile) return; any = true;
+      flamegraph(fl, p.name + ': ' + MiB(p.profile.peak_tracked_bytes) + ' MiB live in round ' + p.profile.peak_round + ' ' + p.profile.peak_phase, p.profile.flame, false);
+    });
+    if (!any) fl.appendChild(el('p', {}, 'No allocation profile: run with --profile (or memory_configs.profile: true).'));
+    var st = section('Top allocation sites');
+    run.processes.forEach(function (p) {
+      if (!p.profile) return;
+      st.appendChild(el('h3', {}, p.name));
+      table(st, ['site', 'total MiB', 'count', 'live at peak MiB'], p.profile.top_sites.map(function (s) { return [s.site, MiB(s.total_bytes), s.count, MiB(s.at_peak_bytes)]; }));
+    });
+    var rm = section('Rounds');
+    run.processes.forEach(function (p) {
+      if (!p.metrics.length) return;
+      rm.appendChild(el('h3', {}, p.name));
+      table(rm, ['round', 'clients', 'train loss', 'test accuracy', 'MiB moved', 'seconds', 'peak RSS MiB'],
+        p.metrics.map(function (m) { return [m.round, m.clients, (+m.train_loss).toFixed(4), (+m.test_accuracy).toFixed(4), MiB(m.bytes_moved), (+m.round_seconds).toFixed(2), MiB(m.peak_rss_bytes)]; }));
+    });
+    var cf = section('Resolved configuration');
+    run.processes.forEach(function (p) { if (p.config) { cf.appendChild(el('h3', {}, p.name)); cf.appendChild(el('pre', {}, p.config)); } });
+  }
+
+  function compare(runs) {
+    var base = runs[0], roles = base.processes.map(function (p) { return p.name; });
+    var find = function (run, name) { return run.processes.filter(function (p) { return p.name === name; })[0]; };
+    var pk = section('Peak RSS per role (change against ' + base.name + ')');
+    var rows = [];
+    roles.forEach(function (r) {
+      var b = find(base, r).peak_rss_bytes;
+      runs.forEach(function (run, k) {
+        var p = find(run, r); if (!p) return;
+        var d = p.peak_rss_bytes - b, pct = b ? 100 * d / b : 0;
+        rows.push([r, run.name, MiB(p.peak_rss_bytes), k ? { text: (d >= 0 ? '+' : '') + MiB(d), cls: d > 0 ? 'grew' : 'shrank' } : '-',
+          k ? { text: (pct >= 0 ? '+' : '') + pct.toFixed(1) + ' %', cls: d > 0 ? 'grew' : 'shrank' } : '-']);
+      });
+    });
+    table(pk, ['role', 'run', 'peak RSS MiB', 'change MiB', 'change'], rows, [0, 1]);
+    var tl = section('Timelines overlaid');
+    roles.forEach(function (r) {
+      var s = [];
+      runs.forEach(function (run, k) { var p = find(run, r); if (p) s.push({ name: 'run ' + k + ': ' + r, t: p.samples.t_ms, v: p.samples.rss_bytes }); });
+      timeline(tl, r, s, null, null);
+    });
+    var df = section('Differential flamegraphs (red grew, blue shrank, against the baseline)');
+    var keys = Object.keys(D.diff_flames || {});
+    if (!keys.length) df.appendChild(el('p', {}, 'Differential flamegraphs need both runs profiled (--profile).'));
+    keys.forEach(function (k) { flamegraph(df, k, D.diff_flames[k], true); });
+    var rt = section('Rounds side by side');
+    var rrows = [];
+    roles.forEach(function (r) {
+      runs.forEach(function (run, k) {
+        var p = find(run, r); if (!p || !p.metrics.length) return;
+        var secs = p.metrics.reduce(function (a, m) { return a + (+m.round_seconds); }, 0) / p.metrics.length;
+        rrows.push([r, 'run ' + k, p.metrics.length, secs.toFixed(2), (+p.metrics[p.metrics.length - 1].test_accuracy).toFixed(4)]);
+      });
+    });
+    table(rt, ['role', 'run', 'rounds', 'mean round s', 'final accuracy'], rrows, [0, 1]);
+  }
+
+  try {
+    if (window.MEMFL_MODE === 'compare') compare(D.runs); else report(D.runs[0]);
+  } catch (e) { window.MEMFL_ERRORS.push(String(e && e.stack || e)); }
+  var status = document.getElementById('memfl-status');
+  status.textContent = (window.MEMFL_ERRORS.length ? 'error: ' + window.MEMFL_ERRORS.join(' | ') : 'ok') + ' charts=' + charts + ' flames=' + flames;
+})();
