@@ -8,10 +8,15 @@ CMAKE_FLAGS ?=
 export CCACHE_SLOPPINESS = pch_defines,time_macros,include_file_mtime,include_file_ctime
 export CCACHE_DIR ?= $(HOME)/.cache/ccache
 
-.PHONY: deps configure build demo test test-unit test-asan bench fuzz format clean
+.PHONY: deps configure build demo test test-unit test-asan bench fuzz profile-demo format clean
 
+# Debian packages, then the report's front-end libraries (pinned in
+# report-assets/package-lock.json; inlined into memfl at build time).
 deps:
 	@bash scripts/install-deps.sh
+	@if [ ! -f report-assets/node_modules/.package-lock.json ] || \
+	    [ report-assets/package-lock.json -nt report-assets/node_modules/.package-lock.json ]; then \
+	  echo "npm ci report-assets"; npm ci --prefix report-assets --no-audit --no-fund >/dev/null; fi
 
 $(BUILD)/build.ninja:
 	cmake -S . -B $(BUILD) -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo $(CMAKE_FLAGS)
@@ -41,7 +46,23 @@ bench: build
 	./$(BUILD)/memfl_bench --benchmark_out=$(BUILD)/bench.json --benchmark_out_format=json
 	bash bench/memory_scaling.sh $(BUILD) > $(BUILD)/bench_memory.json
 	bash bench/transfer_sweep.sh $(BUILD) > $(BUILD)/bench_transfer.json
+	bash bench/profile_overhead.sh $(BUILD) 2 > $(BUILD)/bench_profile_overhead.json
 	@echo "wrote $(BUILD)/bench.json (aggregation micro-benchmarks), $(BUILD)/bench_memory.json (in-process peak RSS vs model size and clients), $(BUILD)/bench_transfer.json (gRPC sweep)"
+
+# What memfl saves, in one command: ResNet18 on synthetic CIFAR-10, server +
+# 2 clients over gRPC, profiled, naive then streaming, and the comparison.
+PROFILE_DEMO ?= runs/profile-demo
+profile-demo: build
+	rm -rf $(PROFILE_DEMO)
+	./$(BUILD)/memfl launch configs/resnet18_synthetic_profile.yaml --clients 2 --profile -q \
+	  --set server_configs.memory_mode=naive --out $(PROFILE_DEMO)/naive
+	./$(BUILD)/memfl launch configs/resnet18_synthetic_profile.yaml --clients 2 --profile -q \
+	  --out $(PROFILE_DEMO)/streaming
+	./$(BUILD)/memfl report $(PROFILE_DEMO)/naive
+	./$(BUILD)/memfl report $(PROFILE_DEMO)/streaming
+	./$(BUILD)/memfl compare $(PROFILE_DEMO)/naive $(PROFILE_DEMO)/streaming --out $(PROFILE_DEMO)/compare
+	@cat $(PROFILE_DEMO)/compare/comparison.txt
+	@echo "open $(PROFILE_DEMO)/compare/index.html"
 
 # Fuzz the wire decoder for FUZZ_SECONDS (clang + libFuzzer, ASan+UBSan).
 # Crashing inputs land in fuzz/corpus (commit them: the tests replay it).

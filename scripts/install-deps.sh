@@ -18,6 +18,10 @@ PACKAGES=(
   zlib1g-dev              # reading the gzipped Fashion-MNIST IDX files
   libgtest-dev libgmock-dev libbenchmark-dev   # tests and micro-benchmarks
   dataset-fashion-mnist   # the default experiment's data set
+  openssl                 # self-signed pairs for the TLS tests
+  chromium                # the browser test of the HTML reports (headless)
+  clang libclang-rt-14-dev     # libFuzzer for `make fuzz`
+  bc                      # arithmetic in the benchmark scripts
 )
 
 missing=()
@@ -26,6 +30,11 @@ for p in "${PACKAGES[@]}"; do
     missing+=("$p")
   fi
 done
+
+# npm fetches the report's pinned front-end libraries. A machine may already
+# have Node.js from elsewhere (NodeSource bundles npm); only install Debian's
+# when there is no npm at all, so the two never conflict.
+if ! command -v npm >/dev/null 2>&1; then missing+=(nodejs npm); fi
 
 if [ ${#missing[@]} -eq 0 ]; then
   echo "install-deps: all ${#PACKAGES[@]} packages already installed"
