@@ -44,7 +44,8 @@ TEST(Sampler, SeesAnAllocationAndMarksPhases) {
   std::ifstream csv(tmp.file("memory.csv"));
   std::string header;
   std::getline(csv, header);
-  EXPECT_EQ(header, "t_ms,rss_bytes,round,phase");
+  EXPECT_EQ(header, "t_ms,rss_bytes,rss_file_bytes,round,phase");
+  EXPECT_GE(j["peak_rss_anon_bytes"].get<int64_t>(), 60 << 20) << "the arena is anonymous memory";
 }
 
 TEST(Sampler, StaysBoundedOnLongRuns) {

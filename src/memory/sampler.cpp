@@ -14,18 +14,27 @@
 
 namespace memfl {
 
-int64_t read_rss_bytes() {
+void read_rss_split(int64_t* resident_bytes, int64_t* file_bytes) {
+  *resident_bytes = *file_bytes = 0;
   // One open per call keeps this safe from any thread; ~2 µs.
   int fd = ::open("/proc/self/statm", O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return 0;
+  if (fd < 0) return;
   char buf[128];
   ssize_t n = ::read(fd, buf, sizeof buf - 1);
   ::close(fd);
-  if (n <= 0) return 0;
+  if (n <= 0) return;
   buf[n] = 0;
-  long long size = 0, resident = 0;
-  if (std::sscanf(buf, "%lld %lld", &size, &resident) != 2) return 0;
-  return resident * static_cast<int64_t>(sysconf(_SC_PAGESIZE));
+  long long size = 0, resident = 0, shared = 0;
+  if (std::sscanf(buf, "%lld %lld %lld", &size, &resident, &shared) != 3) return;
+  const int64_t page = sysconf(_SC_PAGESIZE);
+  *resident_bytes = resident * page;
+  *file_bytes = shared * page;
+}
+
+int64_t read_rss_bytes() {
+  int64_t r, f;
+  read_rss_split(&r, &f);
+  return r;
 }
 
 int64_t read_peak_rss_bytes() {
@@ -54,24 +63,30 @@ double MemorySampler::now_ms() const {
 
 void MemorySampler::start() {
   if (running_.exchange(true)) return;
-  record(read_rss_bytes());
+  record_now();
   thread_ = std::thread([this] { run(); });
 }
 
 void MemorySampler::stop() {
   if (!running_.exchange(false)) return;
   thread_.join();
-  record(read_rss_bytes());
+  record_now();
 }
 
 void MemorySampler::run() {
   while (running_.load(std::memory_order_relaxed)) {
     std::this_thread::sleep_for(std::chrono::milliseconds(interval_ms_.load()));
-    record(read_rss_bytes());
+    record_now();
   }
 }
 
-void MemorySampler::record(int64_t rss) {
+void MemorySampler::record_now() {
+  int64_t r, f;
+  read_rss_split(&r, &f);
+  record(r, f);
+}
+
+void MemorySampler::record(int64_t rss, int64_t rss_file) {
   std::lock_guard lock(mu_);
   const uint32_t phase = static_cast<uint32_t>(phases_.size() - 1);
   const double t = now_ms();
@@ -79,6 +94,7 @@ void MemorySampler::record(int64_t rss) {
     peak_rss_.store(rss, std::memory_order_relaxed);
     peak_t_ms_ = t;
     peak_phase_ = phase;
+    peak_rss_file_ = rss_file;
     ledger_at_peak_ = Ledger::instance().snapshot();
   }
   if (samples_.size() >= max_samples_) {
@@ -88,16 +104,17 @@ void MemorySampler::record(int64_t rss) {
     samples_.resize(j);
     interval_ms_.store(interval_ms_.load() * 2);
   }
-  samples_.push_back({t, rss, phase});
+  samples_.push_back({t, rss, rss_file, phase});
 }
 
 void MemorySampler::mark(int round, std::string_view phase) {
-  const int64_t rss = read_rss_bytes();
+  int64_t rss, rss_file;
+  read_rss_split(&rss, &rss_file);
   {
     std::lock_guard lock(mu_);
     phases_.push_back({now_ms(), round, std::string(phase)});
   }
-  record(rss);  // every phase starts with a sample, however short it is
+  record(rss, rss_file);  // every phase starts with a sample, however short it is
   const std::string name(phase);
   alloc_tracker_mark(round, name.c_str());  // the profile knows the phases too
 }
@@ -127,8 +144,11 @@ Status MemorySampler::write(const std::string& dir) const {
   j["pid"] = static_cast<int64_t>(getpid());
   j["interval_ms"] = interval_ms_.load();
   j["start_rss_bytes"] = samples_.empty() ? 0 : samples_.front().rss;
+  j["start_rss_anon_bytes"] = samples_.empty() ? 0 : samples_.front().rss - samples_.front().rss_file;
   j["peak_rss_bytes"] = peak_rss_.load();
   j["peak_t_ms"] = peak_t_ms_;
+  j["peak_rss_file_bytes"] = peak_rss_file_;
+  j["peak_rss_anon_bytes"] = peak_rss_.load() - peak_rss_file_;
   j["peak_phase"] = {{"round", phases_[peak_phase_].round}, {"phase", phases_[peak_phase_].name}};
   j["vm_hwm_bytes"] = read_peak_rss_bytes();
   nlohmann::ordered_json ledger = nlohmann::ordered_json::object();
@@ -151,12 +171,13 @@ Status MemorySampler::write(const std::string& dir) const {
                       {"peak_rss_bytes", phase_peak[i]}});
   }
   j["phases"] = phases;
-  nlohmann::json t = nlohmann::json::array(), r = nlohmann::json::array();
+  nlohmann::json t = nlohmann::json::array(), r = nlohmann::json::array(), rf = nlohmann::json::array();
   for (const auto& s : samples_) {
     t.push_back(std::round(s.t_ms * 100) / 100);
     r.push_back(s.rss);
+    rf.push_back(s.rss_file);
   }
-  j["samples"] = {{"t_ms", t}, {"rss_bytes", r}};
+  j["samples"] = {{"t_ms", t}, {"rss_bytes", r}, {"rss_file_bytes", rf}};
   const fs::path json_path = fs::path(dir) / "memory.json";
   std::ofstream out(json_path);
   if (!out) return not_found("cannot write {}", json_path.string());
@@ -164,9 +185,9 @@ Status MemorySampler::write(const std::string& dir) const {
   const fs::path csv_path = fs::path(dir) / "memory.csv";
   std::ofstream csv(csv_path);
   if (!csv) return not_found("cannot write {}", csv_path.string());
-  csv << "t_ms,rss_bytes,round,phase\n";
+  csv << "t_ms,rss_bytes,rss_file_bytes,round,phase\n";
   for (const auto& s : samples_) {
-    csv << fmt::format("{:.2f},{},{},{}\n", s.t_ms, s.rss, phases_[s.phase].round, phases_[s.phase].name);
+    csv << fmt::format("{:.2f},{},{},{},{}\n", s.t_ms, s.rss, s.rss_file, phases_[s.phase].round, phases_[s.phase].name);
   }
   return Status::Ok();
 }

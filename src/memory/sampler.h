@@ -31,6 +31,10 @@ namespace memfl {
 
 // Current RSS of this process in bytes, from /proc/self/statm.
 int64_t read_rss_bytes();
+// RSS split: resident and file-backed (+ shared memory) bytes, from statm;
+// anonymous = resident − file. Allocations are anonymous; mapped code and
+// mmap'd files are not.
+void read_rss_split(int64_t* resident, int64_t* file_backed);
 // Peak RSS (VmHWM) of this process in bytes, from /proc/self/status.
 int64_t read_peak_rss_bytes();
 
@@ -53,7 +57,8 @@ class MemorySampler {
   struct Sample {
     double t_ms;
     int64_t rss;
-    uint32_t phase;  // index into phases_
+    int64_t rss_file;  // file-backed part of rss
+    uint32_t phase;    // index into phases_
   };
   struct Phase {
     double t_ms;
@@ -65,7 +70,8 @@ class MemorySampler {
 
  private:
   void run();
-  void record(int64_t rss);
+  void record(int64_t rss, int64_t rss_file);
+  void record_now();
   double now_ms() const;
 
   std::string role_;
@@ -79,6 +85,7 @@ class MemorySampler {
   std::vector<Phase> phases_;
   std::atomic<int64_t> peak_rss_{0};
   double peak_t_ms_ = 0;
+  int64_t peak_rss_file_ = 0;
   uint32_t peak_phase_ = 0;
   LedgerSnapshot ledger_at_peak_;
 };

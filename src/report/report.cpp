@@ -118,6 +118,9 @@ StatusOr<ProcessData> load_process(const fs::path& dir, const std::string& name)
   j["peak_rss_bytes"] = mem.value("peak_rss_bytes", int64_t{0});
   j["peak_t_ms"] = mem.value("peak_t_ms", 0.0);
   j["peak_phase"] = mem.value("peak_phase", json::object());
+  j["peak_rss_anon_bytes"] = mem.value("peak_rss_anon_bytes", int64_t{0});
+  j["peak_rss_file_bytes"] = mem.value("peak_rss_file_bytes", int64_t{0});
+  j["start_rss_anon_bytes"] = mem.value("start_rss_anon_bytes", int64_t{0});
   j["ledger"] = mem.value("ledger", json::object());
   j["phases"] = mem.value("phases", json::array());
   // At most ~4000 points per timeline: the max of each bucket, so peaks survive.
@@ -303,9 +306,12 @@ StatusOr<std::string> write_report(const std::string& run_dir) {
       summary += fmt::format(" ({:.2f}× the model)", j["peak_rss_bytes"].get<double>() / j["model_bytes"].get<double>());
     }
     summary += "\n";
+    summary += fmt::format("           at the peak: {} MiB anonymous + {} MiB file-backed (mapped code, files)\n",
+                           fmt_mib(j["peak_rss_anon_bytes"].get<int64_t>()), fmt_mib(j["peak_rss_file_bytes"].get<int64_t>()));
     if (d.profile) {
-      summary += fmt::format("           tracked peak {} MiB (allocations ≥ {} KiB) in round {} {}{}\n", fmt_mib(tracked),
-                             d.profile->threshold >> 10, d.analysis->peak_round, d.analysis->peak_phase,
+      summary += fmt::format("           tracked peak {} MiB (allocations ≥ {} KiB) + {} MiB in smaller ones, in round {} {}{}\n",
+                             fmt_mib(tracked), d.profile->threshold >> 10, fmt_mib(d.analysis->small_at_peak),
+                             d.analysis->peak_round, d.analysis->peak_phase,
                              d.profile->truncated ? " — profile truncated (process died?)" : "");
       for (const auto& s : j["profile"]["top_sites"]) {
         sites_csv += fmt::format("{},\"{}\",{},{},{}\n", name, s["site"].get<std::string>(), s["total_bytes"].get<int64_t>(),

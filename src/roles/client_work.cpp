@@ -56,7 +56,7 @@ StatusOr<LocalModel> make_local_model(const ExperimentConfig& cfg, const InputSp
   LocalModel m;
   if (is_synthetic(cfg)) {
     MEMFL_ASSIGN_OR_RETURN(m.layout_, synthetic_layout(cfg.model.num_params, *dtype_from_name(cfg.model.dtype)));
-    m.arena_ = Arena(m.layout_.total_bytes(), MemoryCategory::kModel);
+    m.arena_ = Arena(m.layout_.total_bytes(), MemoryCategory::kModel, /*populate=*/true);
     if (fill) fill_synthetic(m.layout_, m.arena_, seed);
     return m;
   }

@@ -17,13 +17,14 @@ namespace {
 constexpr size_t kMmapThreshold = 1u << 20;
 }  // namespace
 
-Arena::Arena(size_t size, MemoryCategory category) : size_(size), category_(category) {
+Arena::Arena(size_t size, MemoryCategory category, bool populate) : size_(size), category_(category) {
   if (size == 0) return;
   if (size >= kMmapThreshold) {
-    // MAP_POPULATE: the pages are faulted in here, in one batch, rather than
-    // one fault at a time in the middle of the first download (which halved
-    // its throughput); an arena is written whole anyway.
-    void* p = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
+    // MAP_POPULATE (when asked): one batch of page faults here rather than
+    // one at a time in the middle of the first download, which halved its
+    // throughput.
+    void* p = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | (populate ? MAP_POPULATE : 0),
+                   -1, 0);
     if (p == MAP_FAILED) throw std::bad_alloc();
     data_ = static_cast<std::byte*>(p);
     mapped_ = size;

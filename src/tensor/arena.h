@@ -19,8 +19,13 @@ namespace memfl {
 class Arena {
  public:
   Arena() = default;
-  // Zero-filled buffer of `size` bytes, aligned to 64.
-  Arena(size_t size, MemoryCategory category);
+  // Zero-filled buffer of `size` bytes, aligned to 64. `populate` faults
+  // every page in now (one batch in the kernel) instead of one by one on
+  // first write: right for an arena that is about to receive a model at
+  // line rate; wrong where its pages are written one tensor at a time while
+  // the tensors' old storage is freed (binding a libtorch module), since it
+  // would hold both at once.
+  Arena(size_t size, MemoryCategory category, bool populate = false);
   ~Arena();
   Arena(const Arena&) = delete;
   Arena& operator=(const Arena&) = delete;
