@@ -1,5 +1,6 @@
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <cstring>
 #include <fstream>
 #include <thread>
@@ -46,6 +47,30 @@ TEST(Sampler, SeesAnAllocationAndMarksPhases) {
   std::getline(csv, header);
   EXPECT_EQ(header, "t_ms,rss_bytes,rss_file_bytes,round,phase");
   EXPECT_GE(j["peak_rss_anon_bytes"].get<int64_t>(), 60 << 20) << "the arena is anonymous memory";
+}
+
+TEST(Sampler, RecordsTheGpuProbeWhenGiven) {
+  testing::TempDir tmp;
+  MemorySampler s("test", 1);
+  std::atomic<int64_t> allocated{100};
+  s.set_gpu_probe([&](int64_t* a, int64_t* r, int64_t* p) {
+    *a = allocated.load();
+    *r = 4096;
+    *p = allocated.load();
+    return true;
+  });
+  s.start();
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  allocated = 5000;
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  s.stop();
+  ASSERT_TRUE(s.write(tmp.path.string()).ok());
+  std::ifstream in(tmp.file("memory.json"));
+  auto j = nlohmann::json::parse(in);
+  ASSERT_TRUE(j.contains("gpu"));
+  EXPECT_EQ(j["gpu"]["peak_allocated_bytes"], 5000);
+  EXPECT_EQ(j["gpu"]["peak_reserved_bytes"], 4096);
+  EXPECT_EQ(j["gpu"]["allocated_bytes"].size(), j["samples"]["t_ms"].size());
 }
 
 TEST(Sampler, StaysBoundedOnLongRuns) {

@@ -1,6 +1,7 @@
 // memfl command line. Exit codes (also in `memfl --help`):
 //   0 success, 1 the run failed, 2 bad usage or config, 3 missing data set,
 //   file or plugin.
+#include <fmt/ranges.h>  // fmt::join (its home since fmt 11; here on 9 too)
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>

@@ -1,5 +1,6 @@
 #include "config/config.h"
 
+#include <fmt/ranges.h>  // fmt::join (its home since fmt 11; here on 9 too)
 #include <yaml-cpp/yaml.h>
 
 #include <algorithm>

@@ -80,6 +80,12 @@ void MemorySampler::run() {
   }
 }
 
+void MemorySampler::set_gpu_probe(GpuProbe probe) {
+  std::lock_guard lock(mu_);
+  gpu_probe_ = std::move(probe);
+  gpu_samples_.assign(samples_.size(), {0, 0});
+}
+
 void MemorySampler::record_now() {
   int64_t r, f;
   read_rss_split(&r, &f);
@@ -100,11 +106,22 @@ void MemorySampler::record(int64_t rss, int64_t rss_file) {
   if (samples_.size() >= max_samples_) {
     // Keep every other sample, and sample half as often from now on.
     size_t j = 0;
-    for (size_t i = 0; i < samples_.size(); i += 2) samples_[j++] = samples_[i];
+    for (size_t i = 0; i < samples_.size(); i += 2) {
+      if (gpu_probe_) gpu_samples_[j] = gpu_samples_[i];
+      samples_[j++] = samples_[i];
+    }
     samples_.resize(j);
+    if (gpu_probe_) gpu_samples_.resize(j);
     interval_ms_.store(interval_ms_.load() * 2);
   }
   samples_.push_back({t, rss, rss_file, phase});
+  if (gpu_probe_) {
+    int64_t a = 0, r = 0, p = 0;
+    gpu_probe_(&a, &r, &p);
+    gpu_samples_.push_back({a, r});
+    gpu_peak_allocated_ = std::max({gpu_peak_allocated_, a, p});
+    gpu_peak_reserved_ = std::max(gpu_peak_reserved_, r);
+  }
 }
 
 void MemorySampler::mark(int round, std::string_view phase) {
@@ -178,6 +195,17 @@ Status MemorySampler::write(const std::string& dir) const {
     rf.push_back(s.rss_file);
   }
   j["samples"] = {{"t_ms", t}, {"rss_bytes", r}, {"rss_file_bytes", rf}};
+  if (gpu_probe_) {
+    nlohmann::json ga = nlohmann::json::array(), gr = nlohmann::json::array();
+    for (const auto& g : gpu_samples_) {
+      ga.push_back(g[0]);
+      gr.push_back(g[1]);
+    }
+    j["gpu"] = {{"peak_allocated_bytes", gpu_peak_allocated_},
+                {"peak_reserved_bytes", gpu_peak_reserved_},
+                {"allocated_bytes", ga},
+                {"reserved_bytes", gr}};
+  }
   const fs::path json_path = fs::path(dir) / "memory.json";
   std::ofstream out(json_path);
   if (!out) return not_found("cannot write {}", json_path.string());

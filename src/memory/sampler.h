@@ -16,8 +16,10 @@
 //   MEMFL_RETURN_IF_ERROR(sampler.write(run_dir));
 #pragma once
 
+#include <array>
 #include <atomic>
 #include <chrono>
+#include <functional>
 #include <cstdint>
 #include <mutex>
 #include <string>
@@ -47,6 +49,10 @@ class MemorySampler {
 
   void start();
   void stop();
+  // Adds the GPU's memory to every sample (CUDA caching allocator: allocated
+  // and reserved bytes); `probe` returns false when there is no GPU.
+  using GpuProbe = std::function<bool(int64_t* allocated, int64_t* reserved, int64_t* peak_allocated)>;
+  void set_gpu_probe(GpuProbe probe);
   // Starts phase `phase` of round `round` (round 0: set-up); ends the last one.
   void mark(int round, std::string_view phase);
   int64_t peak_rss() const { return peak_rss_.load(std::memory_order_relaxed); }
@@ -88,6 +94,9 @@ class MemorySampler {
   int64_t peak_rss_file_ = 0;
   uint32_t peak_phase_ = 0;
   LedgerSnapshot ledger_at_peak_;
+  GpuProbe gpu_probe_;
+  std::vector<std::array<int64_t, 2>> gpu_samples_;  // allocated, reserved (parallel to samples_)
+  int64_t gpu_peak_allocated_ = 0, gpu_peak_reserved_ = 0;
 };
 
 }  // namespace memfl

@@ -141,6 +141,20 @@ StatusOr<ProcessData> load_process(const fs::path& dir, const std::string& name)
     r.push_back(mx);
   }
   j["samples"] = {{"t_ms", t}, {"rss_bytes", r}};
+  j["gpu"] = nullptr;
+  if (mem.contains("gpu")) {
+    const auto& ga = mem["gpu"]["allocated_bytes"];
+    const auto& gr = mem["gpu"]["reserved_bytes"];
+    json gt = json::array(), gav = json::array(), grv = json::array();
+    for (size_t i = 0; i < std::min(ga.size(), n); i += bucket) {
+      gt.push_back(ts[i]);
+      gav.push_back(ga[i]);
+      grv.push_back(gr[i]);
+    }
+    j["gpu"] = {{"peak_allocated_bytes", mem["gpu"]["peak_allocated_bytes"]},
+                {"peak_reserved_bytes", mem["gpu"]["peak_reserved_bytes"]},
+                {"t_ms", gt}, {"allocated_bytes", gav}, {"reserved_bytes", grv}};
+  }
   json summary = json::object();
   if (fs::exists(dir / "summary.json")) {
     try {
@@ -308,6 +322,11 @@ StatusOr<std::string> write_report(const std::string& run_dir) {
     summary += "\n";
     summary += fmt::format("           at the peak: {} MiB anonymous + {} MiB file-backed (mapped code, files)\n",
                            fmt_mib(j["peak_rss_anon_bytes"].get<int64_t>()), fmt_mib(j["peak_rss_file_bytes"].get<int64_t>()));
+    if (!j["gpu"].is_null()) {
+      summary += fmt::format("           GPU (CUDA caching allocator): peak {} MiB allocated, {} MiB reserved\n",
+                             fmt_mib(j["gpu"]["peak_allocated_bytes"].get<int64_t>()),
+                             fmt_mib(j["gpu"]["peak_reserved_bytes"].get<int64_t>()));
+    }
     if (d.profile) {
       summary += fmt::format("           tracked peak {} MiB (allocations ≥ {} KiB) + {} MiB in smaller ones, in round {} {}{}\n",
                              fmt_mib(tracked), d.profile->threshold >> 10, fmt_mib(d.analysis->small_at_peak),

@@ -112,6 +112,14 @@ StatusOr<SimulationResult> run_simulation(const ExperimentConfig& cfg, const Sim
   // seed, so its initial weights are the initial global model.
   MEMFL_ASSIGN_OR_RETURN(LocalModel worker, make_local_model(cfg, input, /*fill=*/true, sc.seed));
   const Layout& layout = worker.layout();
+  if (cfg.train.device == "cuda") {
+    // The GPU's memory joins the timeline (the CUDA caching allocator's view).
+    auto backend = load_trainer_backend();
+    if (backend.ok()) {
+      TrainerBackend* b = *backend;
+      sampler.set_gpu_probe([b](int64_t* a, int64_t* r, int64_t* p) { return b->gpu_memory(a, r, p); });
+    }
+  }
   result.model_bytes = layout.payload_bytes();
   result.num_params = layout.num_params();
   spdlog::info("model {}: {} parameters, {} ({} tensors), layout {:016x}", cfg.model.model_name, layout.num_params(),

@@ -1,5 +1,6 @@
 #include "tensor/safetensors.h"
 
+#include <fmt/ranges.h>  // fmt::join (its home since fmt 11; here on 9 too)
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>

@@ -1,5 +1,7 @@
 #include "train/torch_models.h"
 
+#include <fmt/ranges.h>  // fmt::join
+
 namespace memfl::torch_internal {
 
 namespace {

@@ -4,6 +4,13 @@
 #include <random>
 
 #include "memory/ledger.h"
+
+// The CUDA caching allocator's statistics exist only in CUDA builds of
+// libtorch (the GPU machine's); Debian's is CPU-only.
+#if __has_include(<c10/cuda/CUDACachingAllocator.h>) && __has_include(<cuda_runtime_api.h>)
+#include <c10/cuda/CUDACachingAllocator.h>
+#define MEMFL_HAVE_CUDA_STATS 1
+#endif
 #include "train/torch_models.h"
 
 namespace memfl::torch_internal {
@@ -227,6 +234,21 @@ class TorchBackend final : public TrainerBackend {
   }
 
   void set_num_threads(int threads) override { torch::set_num_threads(threads); }
+
+  bool gpu_memory(int64_t* allocated, int64_t* reserved, int64_t* peak_allocated) override {
+#ifdef MEMFL_HAVE_CUDA_STATS
+    if (!torch::cuda::is_available()) return false;
+    const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(0);
+    constexpr auto kAll = static_cast<size_t>(c10::CachingDeviceAllocator::StatType::AGGREGATE);
+    *allocated = stats.allocated_bytes[kAll].current;
+    *reserved = stats.reserved_bytes[kAll].current;
+    *peak_allocated = stats.allocated_bytes[kAll].peak;
+    return true;
+#else
+    (void)allocated, (void)reserved, (void)peak_allocated;
+    return false;
+#endif
+  }
 
   std::string version() const override {
     return fmt::format("libtorch {}.{}.{}", TORCH_VERSION_MAJOR, TORCH_VERSION_MINOR, TORCH_VERSION_PATCH);

@@ -72,6 +72,9 @@ class TrainerBackend {
                                                                   const std::string& device, uint64_t seed) = 0;
   virtual void set_num_threads(int threads) = 0;
   virtual std::string version() const = 0;
+  // The CUDA caching allocator's bytes on device 0 (allocated now, reserved
+  // now, peak allocated); false on a CPU build or without a GPU.
+  virtual bool gpu_memory(int64_t* allocated, int64_t* reserved, int64_t* peak_allocated) = 0;
 };
 
 // Finds libmemfl_torch.so (MEMFL_PLUGIN_DIR, else next to the executable),

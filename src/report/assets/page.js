@@ -100,6 +100,10 @@
       if (p.profile && p.profile.tracked_timeline.length) {
         s.push({ name: 'tracked allocations', t: p.profile.tracked_timeline.map(function (e) { return e[0]; }), v: p.profile.tracked_timeline.map(function (e) { return e[1]; }) });
       }
+      if (p.gpu) {
+        s.push({ name: 'GPU allocated', t: p.gpu.t_ms, v: p.gpu.allocated_bytes });
+        s.push({ name: 'GPU reserved', t: p.gpu.t_ms, v: p.gpu.reserved_bytes });
+      }
       timeline(tl, p.name, s, p.phases, { t_ms: p.peak_t_ms, bytes: p.peak_rss_bytes });
     });
     var fl = section('High-water-mark flamegraphs (allocations live at each process\'s tracked peak; click to zoom)');
