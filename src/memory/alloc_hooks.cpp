@@ -245,13 +245,42 @@ void symbolize_pending() {
   }
 }
 
+// Resident bytes of the tracker's own tables and buffer (mincore), so a
+// report can tell the profiler's footprint from the program's.
+int64_t own_resident_bytes() {
+  static unsigned char vec[(kLiveCapacity * sizeof(LiveEntry) >> 12) + 1];
+  const size_t page = 4096;
+  int64_t total = 0;
+  auto count = [&](void* base, size_t bytes) {
+    if (base == nullptr) return;
+    const size_t pages = (bytes + page - 1) / page;
+    if (mincore(base, bytes, vec) != 0) return;
+    for (size_t i = 0; i < pages; ++i) total += (vec[i] & 1) ? static_cast<int64_t>(page) : 0;
+  };
+  count(g_live, kLiveCapacity * sizeof(LiveEntry));
+  count(g_stacks, kStackCapacity * sizeof(StackEntry));
+  count(g_buf, kBufferBytes);
+  count(g_pending_frames, kPendingCapacity * sizeof(uint64_t));
+  return total;
+}
+
 void flush_all() {
   symbolize_pending();
+  const int64_t own = own_resident_bytes();
+  // What malloc holds beyond live allocations (freed, not returned): the gap
+  // between tracked bytes and anonymous RSS. Read here, outside any hook.
+  const struct mallinfo2 mi = mallinfo2();
   lock();
   put_v<uint8_t>(kRecSmall);
   put_v<uint64_t>(now_us());
   put_v<int64_t>(g_small_current.load());
   put_v<uint64_t>(g_small_total.load());
+  put_v<uint8_t>(kRecHeap);
+  put_v<uint64_t>(now_us());
+  put_v<int64_t>(static_cast<int64_t>(mi.fordblks));
+  put_v<int64_t>(static_cast<int64_t>(mi.arena));
+  put_v<int64_t>(static_cast<int64_t>(mi.hblkhd));
+  put_v<int64_t>(own);
   flush_locked();
   unlock();
 }

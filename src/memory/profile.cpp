@@ -125,6 +125,13 @@ StatusOr<Profile> read_profile(const std::string& path) {
         if (ok) p.symbols[addr] = std::move(name);
         break;
       }
+      case kRecHeap: {
+        Profile::Heap h;
+        ok = r.get(&h.t_us) && r.get(&h.free_retained) && r.get(&h.heap_total) && r.get(&h.mmapped) &&
+             r.get(&h.profiler_own);
+        if (ok) p.heap.push_back(h);
+        break;
+      }
       default:
         return data_loss("{}: unknown record type {} at byte {}", path, type, record_start);
     }
@@ -183,7 +190,28 @@ ProfileAnalysis analyse_profile(const Profile& p) {
     if (s.t_us > a.peak_t_us) break;
     a.small_at_peak = s.current;
   }
+  for (const auto& h : p.heap) {
+    if (h.t_us > a.peak_t_us && a.malloc_free_retained_at_peak != 0) break;
+    a.malloc_free_retained_at_peak = h.free_retained;
+  }
   return a;
+}
+
+Accounting accounting_at(const Profile& p, const ProfileAnalysis& a, uint64_t t_us) {
+  Accounting acc;
+  auto it = std::upper_bound(a.timeline.begin(), a.timeline.end(), t_us,
+                             [](uint64_t t, const std::pair<uint64_t, int64_t>& e) { return t < e.first; });
+  if (it != a.timeline.begin()) acc.tracked = std::prev(it)->second;
+  for (const auto& s : p.small) {
+    if (s.t_us > t_us && acc.small != 0) break;
+    acc.small = s.current;
+  }
+  for (const auto& h : p.heap) {
+    if (h.t_us > t_us && acc.malloc_kept != 0) break;
+    acc.malloc_kept = h.free_retained;
+    acc.profiler_own = h.profiler_own;
+  }
+  return acc;
 }
 
 std::string folded_stacks(const Profile& p, const std::vector<SiteBytes>& sites) {

@@ -9,6 +9,9 @@
 //     MARK   (4): u64 t_us, i32 round, u16 n, char phase[n]
 //     SMALL  (5): u64 t_us, i64 current_small_bytes, u64 small_allocations
 //     SYMBOL (6): u64 address, u16 n, char name[n]
+//     HEAP   (7): u64 t_us, i64 free_retained, i64 heap_total, i64 mmapped, i64 profiler_own
+//                 (glibc mallinfo2: bytes malloc holds free, its heap, its mmaps;
+//                 then the tracker's own resident tables)
 // The writer streams records; a file cut anywhere (a killed process) reads
 // up to its last whole record, and the reader says it was truncated.
 #pragma once
@@ -25,7 +28,7 @@ namespace memfl {
 
 inline constexpr char kProfileMagic[8] = {'M', 'E', 'M', 'F', 'L', 'P', 'R', 'F'};
 inline constexpr uint32_t kProfileVersion = 1;
-enum : uint8_t { kRecStack = 1, kRecAlloc = 2, kRecFree = 3, kRecMark = 4, kRecSmall = 5, kRecSymbol = 6 };
+enum : uint8_t { kRecStack = 1, kRecAlloc = 2, kRecFree = 3, kRecMark = 4, kRecSmall = 5, kRecSymbol = 6, kRecHeap = 7 };
 
 struct ProfileEvent {
   uint64_t t_us;
@@ -54,6 +57,11 @@ struct Profile {
     uint64_t count;
   };
   std::vector<Small> small;
+  struct Heap {
+    uint64_t t_us;
+    int64_t free_retained, heap_total, mmapped, profiler_own;
+  };
+  std::vector<Heap> heap;
   uint64_t unmatched_frees = 0;
 
   // Frame names of a stack, outermost first (as flamegraphs want them).
@@ -74,12 +82,21 @@ struct ProfileAnalysis {
   std::string peak_phase;
   int peak_round = 0;
   int64_t small_at_peak = 0;
+  int64_t malloc_free_retained_at_peak = 0;  // freed bytes malloc had not returned, near the peak
   std::vector<SiteBytes> live_at_peak;     // by stack, largest first: the high-water-mark flamegraph
   std::vector<SiteBytes> total_allocated;  // by stack over the run, largest first
   std::vector<std::pair<uint64_t, int64_t>> timeline;  // (t_us, tracked bytes) after each event
 };
 
 ProfileAnalysis analyse_profile(const Profile& p);
+
+// What the profile accounts for at time `t_us` (profile clock): tracked
+// large allocations, net small ones, and freed bytes malloc kept.
+struct Accounting {
+  int64_t tracked = 0, small = 0, malloc_kept = 0, profiler_own = 0;
+  int64_t total() const { return tracked + small + malloc_kept + profiler_own; }
+};
+Accounting accounting_at(const Profile& p, const ProfileAnalysis& a, uint64_t t_us);
 
 // Folded stacks ("outer;inner bytes" per line) for flamegraph.pl, inferno
 // and speedscope.

@@ -193,6 +193,24 @@ StatusOr<ProcessData> load_process(const fs::path& dir, const std::string& name)
     prof["peak_phase"] = a.peak_phase;
     prof["peak_round"] = a.peak_round;
     prof["small_at_peak_bytes"] = a.small_at_peak;
+    prof["malloc_free_retained_at_peak_bytes"] = a.malloc_free_retained_at_peak;
+    // The profile's clock and the sampler's start a few ms apart: align them
+    // on the first phase mark both recorded.
+    double offset_ms = 0;
+    const auto& phases = mem["phases"];
+    if (!p.marks.empty() && phases.size() > 1) {
+      offset_ms = phases[1]["start_ms"].get<double>() - static_cast<double>(p.marks[0].t_us) / 1000.0;
+    }
+    const double rss_peak_ms = mem.value("peak_t_ms", 0.0) - offset_ms;
+    const Accounting acc = accounting_at(p, a, static_cast<uint64_t>(std::max(0.0, rss_peak_ms) * 1000.0));
+    const int64_t anon = mem.value("peak_rss_anon_bytes", int64_t{0}) - mem.value("start_rss_anon_bytes", int64_t{0});
+    prof["at_rss_peak"] = {{"tracked_bytes", acc.tracked},
+                           {"small_bytes", acc.small},
+                           {"malloc_kept_bytes", acc.malloc_kept},
+                           {"profiler_own_bytes", acc.profiler_own},
+                           {"accounted_bytes", acc.total()},
+                           {"anon_growth_bytes", anon},
+                           {"accounted_over_anon", anon > 0 ? static_cast<double>(acc.total()) / anon : 0.0}};
     prof["flame"] = flame_tree(p, a.live_at_peak, name + " at its tracked peak");
     // Sites: the innermost frame that is not allocator plumbing (operator
     // new, malloc, libc10's CPU allocator), with the innermost memfl frame
@@ -328,10 +346,18 @@ StatusOr<std::string> write_report(const std::string& run_dir) {
                              fmt_mib(j["gpu"]["peak_reserved_bytes"].get<int64_t>()));
     }
     if (d.profile) {
-      summary += fmt::format("           tracked peak {} MiB (allocations ≥ {} KiB) + {} MiB in smaller ones, in round {} {}{}\n",
+      summary += fmt::format("           tracked peak {} MiB (allocations ≥ {} KiB) + {} MiB in smaller ones + {} MiB freed but "
+                             "kept by malloc, in round {} {}{}\n",
                              fmt_mib(tracked), d.profile->threshold >> 10, fmt_mib(d.analysis->small_at_peak),
-                             d.analysis->peak_round, d.analysis->peak_phase,
-                             d.profile->truncated ? " — profile truncated (process died?)" : "");
+                             fmt_mib(d.analysis->malloc_free_retained_at_peak), d.analysis->peak_round,
+                             d.analysis->peak_phase, d.profile->truncated ? " — profile truncated (process died?)" : "");
+      const auto& at = j["profile"]["at_rss_peak"];
+      summary += fmt::format("           at the RSS peak the profile accounts for {} MiB (tracked {} + small {} + kept by "
+                             "malloc {} + the profiler's own {}) of {} MiB anonymous growth since start: {:.0f} %\n",
+                             fmt_mib(at["accounted_bytes"].get<int64_t>()), fmt_mib(at["tracked_bytes"].get<int64_t>()),
+                             fmt_mib(at["small_bytes"].get<int64_t>()), fmt_mib(at["malloc_kept_bytes"].get<int64_t>()),
+                             fmt_mib(at["profiler_own_bytes"].get<int64_t>()),
+                             fmt_mib(at["anon_growth_bytes"].get<int64_t>()), 100.0 * at["accounted_over_anon"].get<double>());
       for (const auto& s : j["profile"]["top_sites"]) {
         sites_csv += fmt::format("{},\"{}\",{},{},{}\n", name, s["site"].get<std::string>(), s["total_bytes"].get<int64_t>(),
                                  s["count"].get<int64_t>(), s["at_peak_bytes"].get<int64_t>());

@@ -87,12 +87,13 @@
 
   function report(run) {
     var peaks = section('Peak memory per process');
-    table(peaks, ['process', 'peak RSS MiB', 'anon MiB', 'file MiB', 'round', 'phase', '× model', 'baseline MiB', 'tracked peak MiB', 'model', 'aggregation', 'gradients', 'optimizer', 'data'],
+    table(peaks, ['process', 'peak RSS MiB', 'anon MiB', 'file MiB', 'round', 'phase', '× model', 'baseline MiB', 'tracked peak MiB', 'small MiB', 'malloc-kept MiB', 'model', 'aggregation', 'gradients', 'optimizer', 'data'],
       run.processes.map(function (p) {
         var L = function (c) { return p.ledger[c] ? MiB(p.ledger[c].at_rss_peak_bytes) : '-'; };
         return [p.name, MiB(p.peak_rss_bytes), MiB(p.peak_rss_anon_bytes), MiB(p.peak_rss_file_bytes), p.peak_phase.round, p.peak_phase.phase,
           p.model_bytes ? (p.peak_rss_bytes / p.model_bytes).toFixed(2) : '-', MiB(p.baseline_rss_bytes),
-          p.profile ? MiB(p.profile.peak_tracked_bytes) : '-', L('model'), L('aggregation'), L('gradients'), L('optimizer'), L('data')];
+          p.profile ? MiB(p.profile.peak_tracked_bytes) : '-', p.profile ? MiB(p.profile.small_at_peak_bytes) : '-',
+          p.profile ? MiB(p.profile.malloc_free_retained_at_peak_bytes) : '-', L('model'), L('aggregation'), L('gradients'), L('optimizer'), L('data')];
       }), [0, 5]);
     var tl = section('Memory timeline per process (RSS from the kernel; bands are phases; the dot is the peak)');
     run.processes.forEach(function (p) {
