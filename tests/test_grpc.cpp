@@ -18,23 +18,6 @@ namespace {
 
 namespace fs = std::filesystem;
 
-// The tensors of two safetensors files, byte for byte.
-::testing::AssertionResult same_model(const std::string& a, const std::string& b) {
-  auto fa = SafetensorsFile::open(a);
-  auto fb = SafetensorsFile::open(b);
-  if (!fa.ok()) return ::testing::AssertionFailure() << fa.status().to_string();
-  if (!fb.ok()) return ::testing::AssertionFailure() << fb.status().to_string();
-  if ((*fa)->tensors().size() != (*fb)->tensors().size()) return ::testing::AssertionFailure() << "tensor counts differ";
-  for (const auto& t : (*fa)->tensors()) {
-    const auto* u = (*fb)->find(t.name);
-    if (u == nullptr) return ::testing::AssertionFailure() << t.name << " missing in " << b;
-    if (t.data.size() != u->data.size() || std::memcmp(t.data.data(), u->data.data(), t.data.size()) != 0) {
-      return ::testing::AssertionFailure() << t.name << " differs between " << a << " and " << b;
-    }
-  }
-  return ::testing::AssertionSuccess();
-}
-
 std::string synthetic_config(const testing::TempDir& tmp, int clients, int64_t params, int64_t chunk,
                              const std::string& extra = "") {
   const std::string path = tmp.file("synthetic.yaml");

@@ -15,6 +15,9 @@
 #include "memory/alloc_tracker.h"
 #include "report/report.h"
 #include "tensor/safetensors.h"
+#ifdef MEMFL_HAVE_MPI
+#include "roles/mpi_roles.h"
+#endif
 #ifdef MEMFL_HAVE_GRPC
 #include "roles/bench_transfer.h"
 #include "roles/grpc_roles.h"
@@ -118,6 +121,14 @@ int main(int argc, char** argv) {
   bench->require_subcommand(1);
 #endif
 
+#ifdef MEMFL_HAVE_MPI
+  auto* mpi = app.add_subcommand("mpi", "Run as a rank of an MPI job: mpirun -np N+1 memfl mpi CONFIG (rank 0 = server)");
+  mpi->add_option("CONFIG", config_path, "YAML config (default: the embedded default)");
+  mpi->add_option("--out", out_dir, "run directory (rank_0/, rank_1/, ...)");
+  mpi->add_option("--set", sets, "override a config key (repeatable)");
+  mpi->add_flag("-q,--quiet", quiet, "no per-round progress lines");
+  mpi->add_flag("--profile", profile, "record allocations with stacks (profile.bin per rank)");
+#endif
   std::string report_dir, compare_out;
   std::vector<std::string> compare_dirs;
   auto* report = app.add_subcommand("report", "Write RUN_DIR/report/index.html (+ summary.txt, CSV, folded stacks)");
@@ -186,6 +197,16 @@ int main(int argc, char** argv) {
     return kExitOk;
   }
 
+#ifdef MEMFL_HAVE_MPI
+  if (app.got_subcommand("mpi")) {
+    auto cfg = load(config_path, sets);
+    if (!cfg.ok()) return fail(cfg.status());
+    std::string dir = out_dir.empty() ? fmt::format("runs/mpi-{}", getpid()) : out_dir;
+    memfl::Status st = memfl::run_mpi(&argc, &argv, *cfg, {dir, !quiet});
+    if (!st.ok()) return fail(st);
+    return kExitOk;
+  }
+#endif
 #ifdef MEMFL_HAVE_GRPC
   if (app.got_subcommand("bench")) {
     auto r = memfl::run_bench_transfer(tb);

@@ -161,6 +161,8 @@ const std::vector<KeySpec>& schema() {
        I(server.eval_batch_size)},
       {"server_configs.round_timeout_s", Type::kInt, "600", {}, 1, 1e7,
        "a round whose clients have not all finished by then ends with those that did", I(server.round_timeout_s)},
+      {"server_configs.clients_per_rank", Type::kInt, "1", {}, 1, 1e6,
+       "MPI: virtual clients each client rank runs one after another", I(server.clients_per_rank)},
       {"server_configs.memory_mode", Type::kString, "streaming", {"streaming", "naive"}, -kInf, kInf,
        "naive: hold every client's serialised model, average at the end (for comparison)", S(server.memory_mode)},
       {"server_configs.comm_configs.grpc_configs.use_model_chunking", Type::kBool, "true", {}, -kInf, kInf,

@@ -1,0 +1,32 @@
+// memfl over MPI (`mpirun -np N+1 memfl mpi CONFIG`): rank 0 is the server,
+// ranks 1..N host the clients — `clients_per_rank` virtual clients each, one
+// after another, so 100 clients fit on a few ranks. Client ids follow APPFL's
+// MPI convention: rank r hosts clients (r−1)·k … (r−1)·k + k − 1, and
+// num_clients is the number of client ranks × k.
+//
+// The same semantics as gRPC — register, global model down, update up, fold
+// while the bytes arrive, in client order — over chunked point-to-point
+// messages: a header message (layout hash, offset, length, xxh3), then the
+// bytes, sent from the arena and received straight into the destination
+// arena (downloads) or a two-chunk ring folded into the running sum
+// (uploads). MPI counts are ints: chunking is what lets models above 2 GiB
+// pass.
+//
+// A dead rank ends the job: MPI's default error handler aborts every rank
+// (mpirun names the rank that failed). The server's checkpoint is written
+// with tmp + rename after each round, so the last complete round survives.
+#pragma once
+
+#include "config/config.h"
+
+namespace memfl {
+
+struct MpiOptions {
+  std::string run_dir;  // each rank writes RUN_DIR/rank_<r>/
+  bool progress = true;
+};
+
+// Runs this process's role (by rank). Calls MPI_Init/MPI_Finalize.
+Status run_mpi(int* argc, char*** argv, const ExperimentConfig& cfg, const MpiOptions& opts);
+
+}  // namespace memfl

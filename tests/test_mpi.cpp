@@ -1,0 +1,86 @@
+// The MPI transport: `mpirun -np N+1 memfl mpi`, as root and with more ranks
+// than cores (the test sets the variables CI needs).
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+
+#include "cli_util.h"
+#include "test_util.h"
+
+namespace memfl {
+namespace {
+
+Result mpirun(int ranks, const std::string& args) {
+  setenv("OMPI_ALLOW_RUN_AS_ROOT", "1", 1);
+  setenv("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1", 1);
+  const std::string cmd = "mpirun -np " + std::to_string(ranks) + " --oversubscribe " + std::string(MEMFL_BINARY) +
+                          " mpi " + args + " 2>&1";
+  FILE* p = popen(cmd.c_str(), "r");
+  std::string out;
+  char buf[4096];
+  while (size_t n = fread(buf, 1, sizeof buf, p)) out.append(buf, n);
+  int status = pclose(p);
+  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, out};
+}
+
+constexpr const char* kCnn =
+    " -q --set server_configs.num_global_epochs=2"
+    " --set client_configs.data_configs.dataset_kwargs.max_train_samples=1500"
+    " --set client_configs.data_configs.dataset_kwargs.max_test_samples=300"
+    " --set client_configs.train_configs.num_threads=1"
+    " --set server_configs.comm_configs.grpc_configs.model_chunk_size=65536";
+
+TEST(Mpi, ThreeRanksEqualTheInProcessRunBitForBit) {
+  testing::TempDir tmp;
+  Result m = mpirun(3, std::string(kCnn) + " --out " + tmp.file("mpi"));
+  ASSERT_EQ(m.exit_code, 0) << m.output;
+  Result r = memfl_cli(std::string("run") + kCnn + " --set server_configs.num_clients=2 --out " + tmp.file("inproc"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_TRUE(same_model(tmp.file("inproc/global_model.safetensors"), tmp.file("mpi/rank_0/global_model.safetensors")));
+  for (const char* rank : {"rank_0", "rank_1", "rank_2"}) {
+    EXPECT_TRUE(std::filesystem::exists(tmp.file(std::string("mpi/") + rank + "/memory.json"))) << rank;
+  }
+  auto metrics = read_csv(tmp.file("mpi/rank_0/metrics.csv"));
+  ASSERT_EQ(metrics.size(), 3u);
+  EXPECT_GT(std::stod(metrics[2][7]), 0.3) << "accuracy above chance";
+  // memfl report reads every rank.
+  Result rep = memfl_cli("report " + tmp.file("mpi"));
+  ASSERT_EQ(rep.exit_code, 0) << rep.output;
+  std::ifstream in(tmp.file("mpi/report/peaks.csv"));
+  std::string all((std::istreambuf_iterator<char>(in)), {});
+  EXPECT_NE(all.find("rank_2"), std::string::npos) << all;
+}
+
+TEST(Mpi, SeveralVirtualClientsPerRank) {
+  testing::TempDir tmp;
+  Result m = mpirun(3, std::string(kCnn) + " --set server_configs.clients_per_rank=3 --out " + tmp.file("mpi"));
+  ASSERT_EQ(m.exit_code, 0) << m.output;
+  Result r = memfl_cli(std::string("run") + kCnn + " --set server_configs.num_clients=6 --out " + tmp.file("inproc"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_TRUE(same_model(tmp.file("inproc/global_model.safetensors"), tmp.file("mpi/rank_0/global_model.safetensors")));
+  auto metrics = read_csv(tmp.file("mpi/rank_0/metrics.csv"));
+  ASSERT_EQ(metrics.size(), 3u);
+  EXPECT_EQ(metrics[1][1], "6") << "2 ranks × 3 virtual clients";
+}
+
+class MpiChunks : public ::testing::TestWithParam<int64_t> {};
+
+TEST_P(MpiChunks, SevenBytesAndLargerThanTheModel) {
+  testing::TempDir tmp;
+  const std::string cfg = tmp.file("synthetic.yaml");
+  std::ofstream(cfg) << "client_configs:\n  train_configs:\n    trainer: DummyTrainer\n  model_configs:\n"
+                        "    model_name: synthetic\n    model_kwargs:\n      num_params: 2500\n"
+                        "server_configs:\n  num_global_epochs: 2\n  comm_configs:\n    grpc_configs:\n"
+                        "      model_chunk_size: " << GetParam() << "\n";
+  Result m = mpirun(3, cfg + " -q --out " + tmp.file("mpi"));
+  ASSERT_EQ(m.exit_code, 0) << m.output;
+  Result r = memfl_cli("run " + cfg + " -q --set server_configs.num_clients=2 --out " + tmp.file("inproc"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_TRUE(same_model(tmp.file("inproc/global_model.safetensors"), tmp.file("mpi/rank_0/global_model.safetensors")));
+}
+
+INSTANTIATE_TEST_SUITE_P(Sizes, MpiChunks, ::testing::Values(7, 1 << 20),
+                         [](const auto& p) { return "chunk_" + std::to_string(p.param); });
+
+}  // namespace
+}  // namespace memfl
