@@ -46,6 +46,7 @@ bench: build
 	./$(BUILD)/memfl_bench --benchmark_out=$(BUILD)/bench.json --benchmark_out_format=json
 	bash bench/memory_scaling.sh $(BUILD) > $(BUILD)/bench_memory.json
 	bash bench/transfer_sweep.sh $(BUILD) > $(BUILD)/bench_transfer.json
+	TRANSPORT=mpi MODES=streaming SIZES="256 1024 2560 4096" bash bench/transfer_sweep.sh $(BUILD) > $(BUILD)/bench_transfer_mpi.json
 	bash bench/profile_overhead.sh $(BUILD) 2 > $(BUILD)/bench_profile_overhead.json
 	@echo "wrote $(BUILD)/bench.json (aggregation micro-benchmarks), $(BUILD)/bench_memory.json (in-process peak RSS vs model size and clients), $(BUILD)/bench_transfer.json (gRPC sweep)"
 

@@ -2,13 +2,14 @@
 # gRPC transfer sweep (issue #3): model size M × client count N, streaming and
 # naive, DummyTrainer, 2 rounds each. Skips what would not fit this machine's
 # memory (estimated from the bound) and says so.
-# Usage: bench/transfer_sweep.sh [BUILD_DIR] [MAX_GIB] > bench_transfer.json
+# Usage: [TRANSPORT=grpc|mpi] bench/transfer_sweep.sh [BUILD_DIR] [MAX_GIB] > bench_transfer.json
 set -euo pipefail
 BUILD=${1:-build}
 MAX_GIB=${2:-18}
 SIZES=${SIZES:-"256 1024 4096"}
 CLIENTS=${CLIENTS:-"1 2 4 8"}
 MODES=${MODES:-"streaming naive"}
+TRANSPORT=${TRANSPORT:-grpc}
 echo "["
 first=1
 for mode in $MODES; do
@@ -20,8 +21,8 @@ for mode in $MODES; do
         echo "skip: $mode ${mb} MiB × $n clients needs ≈ $est MiB > ${MAX_GIB} GiB" >&2
         continue
       fi
-      echo "run: $mode ${mb} MiB × $n clients" >&2
-      out=$("$BUILD/memfl" bench transfer --transport grpc --model-mb "$mb" --clients "$n" --memory-mode "$mode")
+      echo "run: $TRANSPORT $mode ${mb} MiB × $n clients" >&2
+      out=$("$BUILD/memfl" bench transfer --transport "$TRANSPORT" --model-mb "$mb" --clients "$n" --memory-mode "$mode")
       [ $first -eq 1 ] || echo ","
       first=0
       echo "$out"

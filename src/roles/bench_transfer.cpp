@@ -6,6 +6,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <cstdlib>
 #include <sstream>
 #include <unistd.h>
 
@@ -27,8 +28,8 @@ nlohmann::json read_json(const fs::path& p) {
 }  // namespace
 
 StatusOr<std::string> run_bench_transfer(const TransferBenchOptions& o) {
-  if (o.transport != "grpc") {
-    return invalid_argument("--transport {}: this build has the grpc transport only", o.transport);
+  if (o.transport != "grpc" && o.transport != "mpi") {
+    return invalid_argument("--transport must be grpc or mpi, got '{}'", o.transport);
   }
   const auto dtype = dtype_from_name(o.dtype);
   if (!dtype || !dtype_is_float(*dtype)) return invalid_argument("--dtype must be f32, bf16 or f16, got '{}'", o.dtype);
@@ -63,9 +64,28 @@ server_configs:
       model_chunk_size: {}
 )",
                                                              num_params, o.dtype, o.clients, o.memory_mode, chunk)));
-  MEMFL_RETURN_IF_ERROR(run_launch(config, {}, o.clients, dir, false));
+  std::string server_dir = (fs::path(dir) / "server").string();
+  std::string client_prefix = "client_";
+  int client_base = 0;
+  auto client_dir = [&](int i) { return (fs::path(dir) / fmt::format("{}{}", client_prefix, i + client_base)).string(); };
+  if (o.transport == "grpc") {
+    MEMFL_RETURN_IF_ERROR(run_launch(config, {}, o.clients, dir, false));
+  } else {
+    // mpirun as root and with more ranks than cores needs saying so.
+    const std::string exe = fs::read_symlink("/proc/self/exe").string();
+    const std::string cmd = fmt::format(
+        "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 mpirun -np {} --oversubscribe {} mpi {} -q --out {} "
+        "> {}/mpirun.log 2>&1",
+        o.clients + 1, exe, config, dir, dir);
+    if (std::system(cmd.c_str()) != 0) {
+      return internal_error("mpirun failed; see {}/mpirun.log", dir);
+    }
+    server_dir = (fs::path(dir) / "rank_0").string();
+    client_prefix = "rank_";
+    client_base = 1;
+  }
 
-  auto server = read_json(fs::path(dir) / "server" / "summary.json");
+  auto server = read_json(fs::path(server_dir) / "summary.json");
   nlohmann::ordered_json j;
   j["transport"] = o.transport;
   j["memory_mode"] = o.memory_mode;
@@ -77,14 +97,14 @@ server_configs:
   j["server_baseline_rss_bytes"] = server["baseline_rss_bytes"];
   int64_t client_peak = 0, client_baseline = 0;
   for (int i = 0; i < o.clients; ++i) {
-    auto c = read_json(fs::path(dir) / fmt::format("client_{}", i) / "summary.json");
+    auto c = read_json(fs::path(client_dir(i)) / "summary.json");
     client_peak = std::max(client_peak, c["peak_rss_bytes"].get<int64_t>());
     client_baseline = std::max(client_baseline, c["baseline_rss_bytes"].get<int64_t>());
   }
   j["client_peak_rss_bytes"] = client_peak;
   j["client_baseline_rss_bytes"] = client_baseline;
   // Rounds from the server's metrics.csv.
-  std::ifstream csv(fs::path(dir) / "server" / "metrics.csv");
+  std::ifstream csv(fs::path(server_dir) / "metrics.csv");
   std::string line;
   std::getline(csv, line);
   double round_s = 0, down_gbps = 0, up_gbps = 0;
