@@ -63,6 +63,25 @@ TEST(Mpi, SeveralVirtualClientsPerRank) {
   EXPECT_EQ(metrics[1][1], "6") << "2 ranks × 3 virtual clients";
 }
 
+TEST(Mpi, ADeadRankEndsTheJobAndTheCheckpointSurvives) {
+  testing::TempDir tmp;
+  setenv("MEMFL_FAULT", "die_after_round_1", 1);
+  setenv("MEMFL_FAULT_RANK", "2", 1);
+  Result m = mpirun(3, std::string(kCnn) + " --set server_configs.num_global_epochs=3 --out " + tmp.file("mpi"));
+  unsetenv("MEMFL_FAULT");
+  unsetenv("MEMFL_FAULT_RANK");
+  EXPECT_NE(m.exit_code, 0) << "the job must not hang or pretend to finish";
+  // mpirun names the process that died: [[job,1],rank].
+  EXPECT_NE(m.output.find(",2]"), std::string::npos) << m.output;
+  // The checkpoint is a whole safetensors file of a completed round.
+  auto f = SafetensorsFile::open(tmp.file("mpi/rank_0/global_model.safetensors"));
+  ASSERT_TRUE(f.ok()) << f.status().to_string();
+  // Round 1's if the server finished writing it before mpirun ended the job,
+  // else round 0's: never a torn file (tmp + rename).
+  const std::string round = (*f)->metadata().at("round");
+  EXPECT_TRUE(round == "0" || round == "1") << round;
+}
+
 class MpiChunks : public ::testing::TestWithParam<int64_t> {};
 
 TEST_P(MpiChunks, SevenBytesAndLargerThanTheModel) {

@@ -3,6 +3,7 @@
 #include <mpi.h>
 
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <numeric>
@@ -306,6 +307,14 @@ Status run_client_rank(const ExperimentConfig& cfg, int rank, const std::string&
       }
     }
     st.sampler.mark(b.round, "idle");
+    // Fault injection for the tests (MEMFL_FAULT=die_after_round_1 on rank
+    // MEMFL_FAULT_RANK): the rank dies as a crashed node would.
+    const char* fault = std::getenv("MEMFL_FAULT");
+    const char* who = std::getenv("MEMFL_FAULT_RANK");
+    if (fault != nullptr && std::string(fault) == "die_after_round_1" && b.round == 1 && who != nullptr &&
+        std::atoi(who) == rank) {
+      std::_Exit(9);
+    }
   }
   nlohmann::ordered_json summary;
   summary["role"] = fmt::format("rank_{}", rank);
@@ -325,6 +334,11 @@ Status run_mpi(int* argc, char*** argv, const ExperimentConfig& cfg_in, const Mp
   if (world < 2) {
     MPI_Finalize();
     return invalid_argument("memfl mpi needs at least 2 ranks (server + a client): mpirun -np N+1 memfl mpi CONFIG");
+  }
+  if (cfg_in.server.memory_mode != "streaming") {
+    MPI_Finalize();
+    return invalid_argument("server_configs.memory_mode: '{}' is built for gRPC only; memfl mpi streams",
+                            cfg_in.server.memory_mode);
   }
   // APPFL's convention: the client count comes from the world size.
   ExperimentConfig cfg = cfg_in;
