@@ -77,7 +77,7 @@ fuzz: deps
 	  build-fuzz/corpus fuzz/corpus
 
 format:
-	clang-format -i $$(git ls-files 'src/*.cpp' 'src/*.h' 'tests/*.cpp' 'bench/*.cpp')
+	clang-format -i $$(git ls-files 'src/*.cpp' 'src/*.h' 'tests/*.cpp' 'tests/*.h' 'bench/*.cpp' 'fuzz/*.cpp')
 
 clean:
 	rm -rf $(BUILD) $(ASAN_BUILD)

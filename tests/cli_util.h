@@ -53,7 +53,8 @@ inline ::testing::AssertionResult same_model(const std::string& a, const std::st
   auto fb = SafetensorsFile::open(b);
   if (!fa.ok()) return ::testing::AssertionFailure() << fa.status().to_string();
   if (!fb.ok()) return ::testing::AssertionFailure() << fb.status().to_string();
-  if ((*fa)->tensors().size() != (*fb)->tensors().size()) return ::testing::AssertionFailure() << "tensor counts differ";
+  if ((*fa)->tensors().size() != (*fb)->tensors().size())
+    return ::testing::AssertionFailure() << "tensor counts differ";
   for (const auto& t : (*fa)->tensors()) {
     const auto* u = (*fb)->find(t.name);
     if (u == nullptr) return ::testing::AssertionFailure() << t.name << " missing in " << b;

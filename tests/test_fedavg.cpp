@@ -71,10 +71,18 @@ TEST_P(FedAvgChunks, EqualsWeightedMeanForAnyChunkSize) {
           const double got = testing::element_as_double(global, e, i);
           double tol;
           switch (e.dtype) {
-            case DType::kF32: tol = 1e-5 * (1 + std::abs(want)); break;            // fp32 rounding
-            case DType::kBF16: tol = std::abs(want) * 0x1p-8 + 1e-6; break;       // half a bf16 ulp + f32 sum
-            case DType::kF16: tol = std::abs(want) * 0x1p-11 + 6e-8 + 1e-6; break;
-            default: tol = 0.5 + 1e-9; break;                                      // rounded to an integer
+            case DType::kF32:
+              tol = 1e-5 * (1 + std::abs(want));
+              break;  // fp32 rounding
+            case DType::kBF16:
+              tol = std::abs(want) * 0x1p-8 + 1e-6;
+              break;  // half a bf16 ulp + f32 sum
+            case DType::kF16:
+              tol = std::abs(want) * 0x1p-11 + 6e-8 + 1e-6;
+              break;
+            default:
+              tol = 0.5 + 1e-9;
+              break;  // rounded to an integer
           }
           ASSERT_NEAR(got, want, tol) << e.name << "[" << i << "] chunk " << chunk << " round " << round;
         }
@@ -83,15 +91,16 @@ TEST_P(FedAvgChunks, EqualsWeightedMeanForAnyChunkSize) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    ChunkSizesAndDtypes, FedAvgChunks,
-    ::testing::Values(Case{DType::kF32, 1}, Case{DType::kF32, 7}, Case{DType::kF32, 6}, Case{DType::kF32, 64},
-                      Case{DType::kF32, 1000}, Case{DType::kF32, 0}, Case{DType::kBF16, 1}, Case{DType::kBF16, 7},
-                      Case{DType::kBF16, 3}, Case{DType::kBF16, 0}, Case{DType::kF16, 7}, Case{DType::kF16, 0}),
-    [](const auto& p) {
-      return std::string(dtype_name(p.param.dtype)) + "_chunk_" +
-             (p.param.chunk == 0 ? std::string("larger_than_model") : std::to_string(p.param.chunk));
-    });
+INSTANTIATE_TEST_SUITE_P(ChunkSizesAndDtypes, FedAvgChunks,
+                         ::testing::Values(Case{DType::kF32, 1}, Case{DType::kF32, 7}, Case{DType::kF32, 6},
+                                           Case{DType::kF32, 64}, Case{DType::kF32, 1000}, Case{DType::kF32, 0},
+                                           Case{DType::kBF16, 1}, Case{DType::kBF16, 7}, Case{DType::kBF16, 3},
+                                           Case{DType::kBF16, 0}, Case{DType::kF16, 7}, Case{DType::kF16, 0}),
+                         [](const auto& p) {
+                           return std::string(dtype_name(p.param.dtype)) + "_chunk_" +
+                                  (p.param.chunk == 0 ? std::string("larger_than_model")
+                                                      : std::to_string(p.param.chunk));
+                         });
 
 class FedAvgStreams : public ::testing::Test {
  protected:

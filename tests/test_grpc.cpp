@@ -24,7 +24,8 @@ std::string synthetic_config(const testing::TempDir& tmp, int clients, int64_t p
   std::ofstream(path) << "client_configs:\n  train_configs:\n    trainer: DummyTrainer\n"
                       << "  model_configs:\n    model_name: synthetic\n    model_kwargs:\n      num_params: " << params
                       << "\nserver_configs:\n  num_clients: " << clients
-                      << "\n  num_global_epochs: 2\n  round_timeout_s: 30\n" << extra
+                      << "\n  num_global_epochs: 2\n  round_timeout_s: 30\n"
+                      << extra
                       << "  comm_configs:\n    grpc_configs:\n      server_uri: 127.0.0.1:0\n      model_chunk_size: "
                       << chunk << "\n";
   return path;
@@ -44,7 +45,8 @@ TEST(Grpc, CnnRunEqualsTheInProcessRunBitForBit) {
   ASSERT_EQ(inproc.exit_code, 0) << inproc.output;
   Result grpc = memfl_cli("launch --clients 3" + sets + " --out " + tmp.file("grpc"));
   ASSERT_EQ(grpc.exit_code, 0) << grpc.output;
-  EXPECT_TRUE(same_model(tmp.file("inproc/global_model.safetensors"), tmp.file("grpc/server/global_model.safetensors")));
+  EXPECT_TRUE(
+      same_model(tmp.file("inproc/global_model.safetensors"), tmp.file("grpc/server/global_model.safetensors")));
   // Each role wrote its own files into the run directory.
   for (const char* role : {"server", "client_0", "client_1", "client_2"}) {
     EXPECT_TRUE(fs::exists(tmp.file(std::string("grpc/") + role + "/memory.json"))) << role;
@@ -63,11 +65,13 @@ TEST_P(GrpcChunks, SyntheticRunEqualsInProcessAndNaive) {
   ASSERT_EQ(memfl_cli("run " + cfg + " -q --out " + tmp.file("inproc")).exit_code, 0);
   Result g = memfl_cli("launch " + cfg + " --clients 2 -q --out " + tmp.file("grpc"));
   ASSERT_EQ(g.exit_code, 0) << g.output;
-  EXPECT_TRUE(same_model(tmp.file("inproc/global_model.safetensors"), tmp.file("grpc/server/global_model.safetensors")));
-  Result n = memfl_cli("launch " + cfg + " --clients 2 -q --set server_configs.memory_mode=naive --out " +
-                       tmp.file("naive"));
+  EXPECT_TRUE(
+      same_model(tmp.file("inproc/global_model.safetensors"), tmp.file("grpc/server/global_model.safetensors")));
+  Result n =
+      memfl_cli("launch " + cfg + " --clients 2 -q --set server_configs.memory_mode=naive --out " + tmp.file("naive"));
   ASSERT_EQ(n.exit_code, 0) << n.output;
-  EXPECT_TRUE(same_model(tmp.file("inproc/global_model.safetensors"), tmp.file("naive/server/global_model.safetensors")));
+  EXPECT_TRUE(
+      same_model(tmp.file("inproc/global_model.safetensors"), tmp.file("naive/server/global_model.safetensors")));
 }
 
 INSTANTIATE_TEST_SUITE_P(SevenBytesAndLargerThanModel, GrpcChunks, ::testing::Values(7, 4096, 1 << 20),
@@ -113,8 +117,10 @@ TEST(GrpcSecurity, WrongTokenIsRefusedAndTheRoundGoesOn) {
   const std::string cfg2 = synthetic_config(tmp, 2, 1000, 1000);
   setenv("MEMFL_FAULT", "wrong_token", 1);
   setenv("MEMFL_FAULT_CLIENT", "1", 1);
-  Result r = memfl_cli("launch " + cfg2 + " --clients 2 -q --set server_configs.round_timeout_s=3"
-                       " --set server_configs.comm_configs.grpc_configs.auth_token=s3cret --out " + tmp.file("run"));
+  Result r = memfl_cli("launch " + cfg2 +
+                       " --clients 2 -q --set server_configs.round_timeout_s=3"
+                       " --set server_configs.comm_configs.grpc_configs.auth_token=s3cret --out " +
+                       tmp.file("run"));
   unsetenv("MEMFL_FAULT");
   unsetenv("MEMFL_FAULT_CLIENT");
   EXPECT_NE(r.exit_code, 0);
@@ -127,15 +133,17 @@ TEST(GrpcSecurity, WrongTokenIsRefusedAndTheRoundGoesOn) {
 TEST(GrpcSecurity, TlsWithASelfSignedPair) {
   testing::TempDir tmp;
   const std::string cert = tmp.file("server.pem"), key = tmp.file("server.key");
-  const std::string openssl = "openssl req -x509 -newkey rsa:2048 -nodes -days 1 -subj /CN=localhost"
-                              " -addext subjectAltName=DNS:localhost,IP:127.0.0.1 -keyout " +
-                              key + " -out " + cert + " 2>/dev/null";
+  const std::string openssl =
+      "openssl req -x509 -newkey rsa:2048 -nodes -days 1 -subj /CN=localhost"
+      " -addext subjectAltName=DNS:localhost,IP:127.0.0.1 -keyout " +
+      key + " -out " + cert + " 2>/dev/null";
   ASSERT_EQ(std::system(openssl.c_str()), 0) << "openssl (Debian package openssl) makes the test pair";
   const std::string cfg = synthetic_config(tmp, 2, 5000, 4096);
-  const std::string tls = " --set server_configs.comm_configs.grpc_configs.use_ssl=true"
-                          " --set server_configs.comm_configs.grpc_configs.server_cert=" + cert +
-                          " --set server_configs.comm_configs.grpc_configs.server_key=" + key +
-                          " --set server_configs.comm_configs.grpc_configs.root_cert=" + cert;
+  const std::string tls =
+      " --set server_configs.comm_configs.grpc_configs.use_ssl=true"
+      " --set server_configs.comm_configs.grpc_configs.server_cert=" +
+      cert + " --set server_configs.comm_configs.grpc_configs.server_key=" + key +
+      " --set server_configs.comm_configs.grpc_configs.root_cert=" + cert;
   Result r = memfl_cli("launch " + cfg + " --clients 2 -q" + tls + " --out " + tmp.file("tls"));
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_EQ(rows(tmp.file("tls/server/metrics.csv")), 2);
@@ -163,8 +171,8 @@ TEST(GrpcSecurity, TlsWithASelfSignedPair) {
   Result bad = memfl_cli("client " + cfg + " --client-id 0 -q" + tls +
                          " --set server_configs.comm_configs.grpc_configs.root_cert=" + other +
                          " --set server_configs.comm_configs.grpc_configs.connect_timeout_s=2"
-                         " --set server_configs.comm_configs.grpc_configs.server_uri=127.0.0.1:" + port +
-                         " --out " + tmp.file("bad"));
+                         " --set server_configs.comm_configs.grpc_configs.server_uri=127.0.0.1:" +
+                         port + " --out " + tmp.file("bad"));
   EXPECT_NE(bad.exit_code, 0) << bad.output;
   EXPECT_NE(bad.output.find("cannot connect"), std::string::npos) << bad.output;
   Result missing = memfl_cli("client " + cfg + " --client-id 0 -q" + tls +

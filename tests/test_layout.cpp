@@ -15,7 +15,8 @@ Layout make(std::vector<std::tuple<std::string, DType, std::vector<int64_t>>> sp
 }
 
 TEST(Layout, EntriesAreAlignedAndSized) {
-  Layout l = make({{"a", DType::kF32, {3, 5}}, {"b", DType::kBF16, {7}}, {"c", DType::kI64, {}}, {"d", DType::kU8, {3}}});
+  Layout l =
+      make({{"a", DType::kF32, {3, 5}}, {"b", DType::kBF16, {7}}, {"c", DType::kI64, {}}, {"d", DType::kU8, {3}}});
   ASSERT_EQ(l.size(), 4u);
   EXPECT_EQ(l.entries()[0].offset, 0u);
   EXPECT_EQ(l.entries()[0].nbytes(), 60u);

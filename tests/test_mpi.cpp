@@ -90,7 +90,8 @@ TEST_P(MpiChunks, SevenBytesAndLargerThanTheModel) {
   std::ofstream(cfg) << "client_configs:\n  train_configs:\n    trainer: DummyTrainer\n  model_configs:\n"
                         "    model_name: synthetic\n    model_kwargs:\n      num_params: 2500\n"
                         "server_configs:\n  num_global_epochs: 2\n  comm_configs:\n    grpc_configs:\n"
-                        "      model_chunk_size: " << GetParam() << "\n";
+                        "      model_chunk_size: "
+                     << GetParam() << "\n";
   Result m = mpirun(3, cfg + " -q --out " + tmp.file("mpi"));
   ASSERT_EQ(m.exit_code, 0) << m.output;
   Result r = memfl_cli("run " + cfg + " -q --set server_configs.num_clients=2 --out " + tmp.file("inproc"));

@@ -17,8 +17,8 @@ namespace {
 std::string page_status(const std::string& html, const std::string& profile_dir) {
   const std::string cmd =
       "timeout 120 chromium --headless --no-sandbox --disable-gpu --disable-dev-shm-usage --no-first-run "
-      "--disable-background-networking --disable-component-update --disable-sync --user-data-dir=" + profile_dir +
-      " --virtual-time-budget=10000 --dump-dom file://" + html + " 2>/dev/null";
+      "--disable-background-networking --disable-component-update --disable-sync --user-data-dir=" +
+      profile_dir + " --virtual-time-budget=10000 --dump-dom file://" + html + " 2>/dev/null";
   FILE* p = popen(cmd.c_str(), "r");
   std::string dom;
   char buf[65536];

@@ -29,7 +29,8 @@ constexpr const char* kSmallRun =
     "--set server_configs.num_clients=3 --set server_configs.num_global_epochs=2 "
     "--set client_configs.data_configs.dataset_kwargs.max_train_samples=3000 "
     "--set client_configs.data_configs.dataset_kwargs.max_test_samples=1000 "
-    "--set client_configs.train_configs.num_threads=1 --set server_configs.comm_configs.grpc_configs.model_chunk_size=7777 -q";
+    "--set client_configs.train_configs.num_threads=1 --set "
+    "server_configs.comm_configs.grpc_configs.model_chunk_size=7777 -q";
 
 TEST(Training, ThreeClientsTwoRoundsBeatChance) {
   testing::TempDir tmp;

@@ -34,12 +34,24 @@ inline void fill_random(const Layout& layout, Arena& arena, uint64_t seed) {
     for (size_t i = 0; i < e.numel(); ++i) {
       std::byte* p = arena.data() + e.offset + i * dtype_size(e.dtype);
       switch (e.dtype) {
-        case DType::kF32: *reinterpret_cast<float*>(p) = n(rng); break;
-        case DType::kBF16: *reinterpret_cast<uint16_t*>(p) = f32_to_bf16(n(rng)); break;
-        case DType::kF16: *reinterpret_cast<uint16_t*>(p) = f32_to_f16(n(rng)); break;
-        case DType::kI64: *reinterpret_cast<int64_t*>(p) = static_cast<int64_t>(rng() % 1000); break;
-        case DType::kI32: *reinterpret_cast<int32_t*>(p) = static_cast<int32_t>(rng() % 1000); break;
-        case DType::kU8: *reinterpret_cast<uint8_t*>(p) = static_cast<uint8_t>(rng()); break;
+        case DType::kF32:
+          *reinterpret_cast<float*>(p) = n(rng);
+          break;
+        case DType::kBF16:
+          *reinterpret_cast<uint16_t*>(p) = f32_to_bf16(n(rng));
+          break;
+        case DType::kF16:
+          *reinterpret_cast<uint16_t*>(p) = f32_to_f16(n(rng));
+          break;
+        case DType::kI64:
+          *reinterpret_cast<int64_t*>(p) = static_cast<int64_t>(rng() % 1000);
+          break;
+        case DType::kI32:
+          *reinterpret_cast<int32_t*>(p) = static_cast<int32_t>(rng() % 1000);
+          break;
+        case DType::kU8:
+          *reinterpret_cast<uint8_t*>(p) = static_cast<uint8_t>(rng());
+          break;
       }
     }
   }
@@ -48,12 +60,18 @@ inline void fill_random(const Layout& layout, Arena& arena, uint64_t seed) {
 inline double element_as_double(const Arena& arena, const LayoutEntry& e, size_t i) {
   const std::byte* p = arena.data() + e.offset + i * dtype_size(e.dtype);
   switch (e.dtype) {
-    case DType::kF32: return *reinterpret_cast<const float*>(p);
-    case DType::kBF16: return bf16_to_f32(*reinterpret_cast<const uint16_t*>(p));
-    case DType::kF16: return f16_to_f32(*reinterpret_cast<const uint16_t*>(p));
-    case DType::kI64: return static_cast<double>(*reinterpret_cast<const int64_t*>(p));
-    case DType::kI32: return *reinterpret_cast<const int32_t*>(p);
-    case DType::kU8: return *reinterpret_cast<const uint8_t*>(p);
+    case DType::kF32:
+      return *reinterpret_cast<const float*>(p);
+    case DType::kBF16:
+      return bf16_to_f32(*reinterpret_cast<const uint16_t*>(p));
+    case DType::kF16:
+      return f16_to_f32(*reinterpret_cast<const uint16_t*>(p));
+    case DType::kI64:
+      return static_cast<double>(*reinterpret_cast<const int64_t*>(p));
+    case DType::kI32:
+      return *reinterpret_cast<const int32_t*>(p);
+    case DType::kU8:
+      return *reinterpret_cast<const uint8_t*>(p);
   }
   return 0;
 }

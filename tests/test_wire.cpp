@@ -78,7 +78,8 @@ TEST(Wire, ControlMessagesAndLiesAreTold) {
 TEST(Wire, ReplaysTheFuzzCorpus) {
   const Layout layout = synthetic_layout(48, DType::kBF16).value();
   int files = 0;
-  for (const auto& entry : std::filesystem::directory_iterator(std::string(MEMFL_SOURCE_DIR_FOR_TESTS) + "/fuzz/corpus")) {
+  for (const auto& entry :
+       std::filesystem::directory_iterator(std::string(MEMFL_SOURCE_DIR_FOR_TESTS) + "/fuzz/corpus")) {
     std::ifstream in(entry.path(), std::ios::binary);
     std::vector<uint8_t> bytes((std::istreambuf_iterator<char>(in)), {});
     for (int field : {kClientChunkField, kServerChunkField}) {

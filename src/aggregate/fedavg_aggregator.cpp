@@ -46,8 +46,8 @@ class FedAvgAggregator::Stream final : public UpdateStream {
   Status commit() override {
     if (done_) return failed_precondition("update from {}: already closed", client_id_);
     if (next_offset_ != agg_.layout_.total_bytes()) {
-      Status s = data_loss("update from {} ended after {} of {} bytes", client_id_, next_offset_,
-                           agg_.layout_.total_bytes());
+      Status s =
+          data_loss("update from {} ended after {} of {} bytes", client_id_, next_offset_, agg_.layout_.total_bytes());
       abort();
       return s;
     }
@@ -120,7 +120,7 @@ Status FedAvgAggregator::begin_round(int round) {
 }
 
 StatusOr<std::unique_ptr<UpdateStream>> FedAvgAggregator::open_update(const std::string& client_id,
-                                                                       double sample_count) {
+                                                                      double sample_count) {
   if (!(sample_count >= 0) || !std::isfinite(sample_count)) {
     return invalid_argument("update from {}: sample count {} is not a non-negative number", client_id, sample_count);
   }
@@ -189,7 +189,8 @@ void FedAvgAggregator::fold_elements(const LayoutEntry& e, size_t acc_offset, si
       case DType::kF16:
         for (size_t i = 0; i < count; ++i) acc[i] += wf * f16_to_f32(load<uint16_t>(src + 2 * i));
         break;
-      default: break;
+      default:
+        break;
     }
     return;
   }
@@ -204,7 +205,8 @@ void FedAvgAggregator::fold_elements(const LayoutEntry& e, size_t acc_offset, si
     case DType::kU8:
       for (size_t i = 0; i < count; ++i) acc[i] += w * static_cast<double>(static_cast<uint8_t>(src[i]));
       break;
-    default: break;
+    default:
+      break;
   }
 }
 
@@ -212,10 +214,9 @@ Status FedAvgAggregator::finalize(Arena& global) {
   std::lock_guard lock(mu_);
   if (open_streams_ > 0) return failed_precondition("finalize while {} updates are still open", open_streams_);
   if (!tainted_by_.empty()) {
-    return Status(StatusCode::kAborted,
-                  fmt::format("round {}: the update of {} broke after part of it was counted; "
-                              "the round must be redone",
-                              round_, tainted_by_));
+    return Status(StatusCode::kAborted, fmt::format("round {}: the update of {} broke after part of it was counted; "
+                                                    "the round must be redone",
+                                                    round_, tainted_by_));
   }
   if (committed_ == 0 || total_weight_ <= 0) {
     return failed_precondition("round {}: no client update completed; the global model is unchanged", round_);
@@ -250,17 +251,25 @@ Status FedAvgAggregator::finalize(Arena& global) {
           for (size_t i = 0; i < n; ++i) out[i] = f32_to_f16(acc[i] * inv);
           break;
         }
-        default: break;
+        default:
+          break;
       }
     } else {
       const double* acc = reinterpret_cast<const double*>(this->acc(acc_offsets_[k]));
       for (size_t i = 0; i < n; ++i) {
         const double v = std::nearbyint(acc[i] / total_weight_);
         switch (e.dtype) {
-          case DType::kI64: reinterpret_cast<int64_t*>(dst)[i] = static_cast<int64_t>(v); break;
-          case DType::kI32: reinterpret_cast<int32_t*>(dst)[i] = static_cast<int32_t>(v); break;
-          case DType::kU8: reinterpret_cast<uint8_t*>(dst)[i] = static_cast<uint8_t>(v); break;
-          default: break;
+          case DType::kI64:
+            reinterpret_cast<int64_t*>(dst)[i] = static_cast<int64_t>(v);
+            break;
+          case DType::kI32:
+            reinterpret_cast<int32_t*>(dst)[i] = static_cast<int32_t>(v);
+            break;
+          case DType::kU8:
+            reinterpret_cast<uint8_t*>(dst)[i] = static_cast<uint8_t>(v);
+            break;
+          default:
+            break;
         }
       }
     }

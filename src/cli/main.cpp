@@ -32,10 +32,14 @@ constexpr int kExitMissing = 3;
 
 int exit_code_for(const memfl::Status& s) {
   switch (s.code()) {
-    case memfl::StatusCode::kOk: return kExitOk;
-    case memfl::StatusCode::kInvalidArgument: return kExitUsage;
-    case memfl::StatusCode::kNotFound: return kExitMissing;
-    default: return kExitRunFailed;
+    case memfl::StatusCode::kOk:
+      return kExitOk;
+    case memfl::StatusCode::kInvalidArgument:
+      return kExitUsage;
+    case memfl::StatusCode::kNotFound:
+      return kExitMissing;
+    default:
+      return kExitRunFailed;
   }
 }
 
@@ -48,8 +52,10 @@ int fail(const memfl::Status& s) {
 void start_profiler(const memfl::ExperimentConfig& cfg, const std::string& dir, const std::string& role) {
   if (!cfg.memory.profile) return;
   if (!memfl::alloc_tracker_start(dir + "/profile.bin", role, static_cast<size_t>(cfg.memory.profile_threshold))) {
-    fmt::print(stderr, "memfl: warning: the allocation tracker is not available in this build (sanitizers?) or {} "
-                       "cannot be written; running without it\n", dir + "/profile.bin");
+    fmt::print(stderr,
+               "memfl: warning: the allocation tracker is not available in this build (sanitizers?) or {} "
+               "cannot be written; running without it\n",
+               dir + "/profile.bin");
   }
 }
 
@@ -61,8 +67,9 @@ memfl::StatusOr<memfl::ExperimentConfig> load(const std::string& path, const std
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"memfl — memory-efficient federated learning\n\n"
-               "Exit codes: 0 success, 1 run failed, 2 bad usage or config, 3 missing data set, file or plugin."};
+  CLI::App app{
+      "memfl — memory-efficient federated learning\n\n"
+      "Exit codes: 0 success, 1 run failed, 2 bad usage or config, 3 missing data set, file or plugin."};
   app.require_subcommand(1);
   app.set_version_flag("--version", "memfl 0.1.0");
 
@@ -122,7 +129,8 @@ int main(int argc, char** argv) {
 #endif
 
 #ifdef MEMFL_HAVE_MPI
-  auto* mpi = app.add_subcommand("mpi", "Run as a rank of an MPI job: mpirun -np N+1 memfl mpi CONFIG (rank 0 = server)");
+  auto* mpi =
+      app.add_subcommand("mpi", "Run as a rank of an MPI job: mpirun -np N+1 memfl mpi CONFIG (rank 0 = server)");
   mpi->add_option("CONFIG", config_path, "YAML config (default: the embedded default)");
   mpi->add_option("--out", out_dir, "run directory (rank_0/, rank_1/, ...)");
   mpi->add_option("--set", sets, "override a config key (repeatable)");
@@ -133,7 +141,8 @@ int main(int argc, char** argv) {
   std::vector<std::string> compare_dirs;
   auto* report = app.add_subcommand("report", "Write RUN_DIR/report/index.html (+ summary.txt, CSV, folded stacks)");
   report->add_option("RUN_DIR", report_dir, "a run directory")->required();
-  auto* compare = app.add_subcommand("compare", "Compare runs: peaks with % change, timelines, differential flamegraphs");
+  auto* compare =
+      app.add_subcommand("compare", "Compare runs: peaks with % change, timelines, differential flamegraphs");
   compare->add_option("RUNS", compare_dirs, "run directories; the first is the baseline")->required()->expected(2, -1);
   compare->add_option("--out", compare_out, "output directory (default: <first run>/compare)");
 
@@ -235,14 +244,17 @@ int main(int argc, char** argv) {
     if (!cfg.ok()) return fail(cfg.status());
     const bool is_server = app.got_subcommand("server");
     std::string dir = out_dir;
-    if (dir.empty()) dir = fmt::format("runs/{}-{}", is_server ? "server" : "client_" + std::to_string(client_id), getpid());
+    if (dir.empty())
+      dir = fmt::format("runs/{}-{}", is_server ? "server" : "client_" + std::to_string(client_id), getpid());
     std::filesystem::create_directories(dir);
-    spdlog::set_pattern(fmt::format("[%H:%M:%S.%e] [{}] [%l] %v", is_server ? "server" : "client_" + std::to_string(client_id)));
+    spdlog::set_pattern(
+        fmt::format("[%H:%M:%S.%e] [{}] [%l] %v", is_server ? "server" : "client_" + std::to_string(client_id)));
     memfl::Status st = memfl::write_text_file(dir + "/config.yaml", cfg->resolved_yaml);
     const std::string role = is_server ? "server" : "client_" + std::to_string(client_id);
     start_profiler(*cfg, dir, role);
     if (st.ok()) {
-      st = is_server ? memfl::run_grpc_server(*cfg, {dir, !quiet}) : memfl::run_grpc_client(*cfg, client_id, {dir, !quiet});
+      st = is_server ? memfl::run_grpc_server(*cfg, {dir, !quiet})
+                     : memfl::run_grpc_client(*cfg, client_id, {dir, !quiet});
     }
     memfl::alloc_tracker_stop();
     if (!st.ok()) return fail(st);
@@ -255,8 +267,8 @@ int main(int argc, char** argv) {
   if (!cfg.ok()) return fail(cfg.status());
   auto dir = memfl::prepare_run_dir(out_dir, *cfg);
   if (!dir.ok()) return fail(dir.status());
-  memfl::Status st = memfl::write_text_file(*dir + "/config.yaml", "# resolved from " + cfg->source + "\n" +
-                                                                       cfg->resolved_yaml);
+  memfl::Status st =
+      memfl::write_text_file(*dir + "/config.yaml", "# resolved from " + cfg->source + "\n" + cfg->resolved_yaml);
   if (!st.ok()) return fail(st);
   spdlog::set_pattern("[%H:%M:%S.%e] [%l] %v");
   spdlog::info("run directory {}", *dir);
@@ -269,7 +281,8 @@ int main(int argc, char** argv) {
   }
   const auto& last = result->rounds.back();
   fmt::print("done: {} rounds, test accuracy {:.4f}, peak RSS {} ({:.1f}× the {} model), {:.1f} s — {}\n",
-             result->rounds.size(), last.test_accuracy, memfl::format_bytes(static_cast<double>(result->peak_rss_bytes)),
+             result->rounds.size(), last.test_accuracy,
+             memfl::format_bytes(static_cast<double>(result->peak_rss_bytes)),
              static_cast<double>(result->peak_rss_bytes) / static_cast<double>(result->model_bytes),
              memfl::format_bytes(static_cast<double>(result->model_bytes)), result->wall_seconds, *dir);
   return kExitOk;

@@ -37,8 +37,8 @@ Status verify_chunk(const ChunkHeader& h, Payload payload, const Layout& layout,
   }
   if (h.length == 0) return data_loss("chunk from {}: empty chunk at offset {}", peer, h.offset);
   if (h.offset > layout.total_bytes() || h.length > layout.total_bytes() - h.offset) {
-    return data_loss("chunk from {}: bytes [{}, {}) lie outside the {}-byte model", peer, h.offset,
-                     h.offset + h.length, layout.total_bytes());
+    return data_loss("chunk from {}: bytes [{}, {}) lie outside the {}-byte model", peer, h.offset, h.offset + h.length,
+                     layout.total_bytes());
   }
   if (h.offset != expected_offset) {
     return data_loss("chunk from {}: offset {} where {} was expected (gap, overlap or repeat)", peer, h.offset,

@@ -19,14 +19,14 @@ namespace memfl {
 
 enum class StatusCode {
   kOk = 0,
-  kInvalidArgument,    // bad config key/value or bad CLI argument
-  kNotFound,           // missing file, data set or plugin
-  kDataLoss,           // truncated or lying file, checksum mismatch
-  kFailedPrecondition, // operation in the wrong state
-  kResourceExhausted,  // memory budget
+  kInvalidArgument,     // bad config key/value or bad CLI argument
+  kNotFound,            // missing file, data set or plugin
+  kDataLoss,            // truncated or lying file, checksum mismatch
+  kFailedPrecondition,  // operation in the wrong state
+  kResourceExhausted,   // memory budget
   kInternal,
-  kUnavailable,        // peer went away
-  kAborted,            // round must be redone
+  kUnavailable,  // peer went away
+  kAborted,      // round must be redone
 };
 
 const char* status_code_name(StatusCode code);
@@ -91,9 +91,9 @@ class [[nodiscard]] StatusOr {
   std::variant<Status, T> v_;
 };
 
-#define MEMFL_RETURN_IF_ERROR(expr)            \
-  do {                                         \
-    ::memfl::Status memfl_status_ = (expr);    \
+#define MEMFL_RETURN_IF_ERROR(expr)                \
+  do {                                             \
+    ::memfl::Status memfl_status_ = (expr);        \
     if (!memfl_status_.ok()) return memfl_status_; \
   } while (0)
 

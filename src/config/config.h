@@ -81,7 +81,7 @@ struct ServerConfig {
   std::string auth_token;
   int round_timeout_s = 600;
   int connect_timeout_s = 30;
-  int clients_per_rank = 1;  // MPI: virtual clients a client rank runs one after another
+  int clients_per_rank = 1;               // MPI: virtual clients a client rank runs one after another
   std::string memory_mode = "streaming";  // streaming | naive
   bool do_server_eval = true;
   int eval_batch_size = 64;

@@ -116,9 +116,8 @@ StatusOr<DatasetSplits> load_fashion_mnist(const std::string& dir_in, size_t max
   DatasetSplits s;
   MEMFL_ASSIGN_OR_RETURN(s.train, load_fmnist_split(dir, "train", max_train));
   MEMFL_ASSIGN_OR_RETURN(s.test, load_fmnist_split(dir, "t10k", max_test));
-  Ledger::instance().add(MemoryCategory::kData,
-                         static_cast<int64_t>(s.train.pixels.size() + s.train.labels.size() +
-                                              s.test.pixels.size() + s.test.labels.size()));
+  Ledger::instance().add(MemoryCategory::kData, static_cast<int64_t>(s.train.pixels.size() + s.train.labels.size() +
+                                                                     s.test.pixels.size() + s.test.labels.size()));
   return s;
 }
 

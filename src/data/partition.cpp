@@ -8,9 +8,12 @@ namespace memfl {
 
 std::string_view partition_strategy_name(PartitionStrategy s) {
   switch (s) {
-    case PartitionStrategy::kIid: return "iid";
-    case PartitionStrategy::kDirichlet: return "dirichlet";
-    case PartitionStrategy::kClassShards: return "class_shards";
+    case PartitionStrategy::kIid:
+      return "iid";
+    case PartitionStrategy::kDirichlet:
+      return "dirichlet";
+    case PartitionStrategy::kClassShards:
+      return "class_shards";
   }
   return "?";
 }

@@ -34,8 +34,7 @@ StatusOr<std::vector<std::vector<uint32_t>>> partition_indices(const std::vector
 
 // Splits each client's indices into train and validation (the last
 // `val_ratio` of a seeded shuffle; at least one training sample remains).
-std::vector<ClientPartition> split_train_val(std::vector<std::vector<uint32_t>> parts, double val_ratio,
-                                             uint64_t seed);
+std::vector<ClientPartition> split_train_val(std::vector<std::vector<uint32_t>> parts, double val_ratio, uint64_t seed);
 
 std::string_view partition_strategy_name(PartitionStrategy s);
 

@@ -225,8 +225,7 @@ void symbolize_pending() {
       int status = 0;
       char* dem = abi::__cxa_demangle(info.dli_sname, nullptr, nullptr, &status);
       const char* module = info.dli_fname ? std::strrchr(info.dli_fname, '/') : nullptr;
-      std::snprintf(name, sizeof name, "%s [%s]", status == 0 && dem ? dem : info.dli_sname,
-                    module ? module + 1 : "?");
+      std::snprintf(name, sizeof name, "%s [%s]", status == 0 && dem ? dem : info.dli_sname, module ? module + 1 : "?");
       std::free(dem);
     } else if (info.dli_fname != nullptr) {
       const char* module = std::strrchr(info.dli_fname, '/');

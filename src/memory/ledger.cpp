@@ -4,14 +4,22 @@ namespace memfl {
 
 std::string_view memory_category_name(MemoryCategory c) {
   switch (c) {
-    case MemoryCategory::kModel: return "model";
-    case MemoryCategory::kGradients: return "gradients";
-    case MemoryCategory::kOptimizer: return "optimizer";
-    case MemoryCategory::kCommBuffers: return "comm_buffers";
-    case MemoryCategory::kAggregation: return "aggregation";
-    case MemoryCategory::kData: return "data";
-    case MemoryCategory::kOther: return "other";
-    case MemoryCategory::kCount: break;
+    case MemoryCategory::kModel:
+      return "model";
+    case MemoryCategory::kGradients:
+      return "gradients";
+    case MemoryCategory::kOptimizer:
+      return "optimizer";
+    case MemoryCategory::kCommBuffers:
+      return "comm_buffers";
+    case MemoryCategory::kAggregation:
+      return "aggregation";
+    case MemoryCategory::kData:
+      return "data";
+    case MemoryCategory::kOther:
+      return "other";
+    case MemoryCategory::kCount:
+      break;
   }
   return "?";
 }
@@ -43,9 +51,7 @@ void Ledger::set(MemoryCategory c, int64_t bytes) {
 int64_t Ledger::current(MemoryCategory c) const {
   return current_[static_cast<size_t>(c)].load(std::memory_order_relaxed);
 }
-int64_t Ledger::peak(MemoryCategory c) const {
-  return peak_[static_cast<size_t>(c)].load(std::memory_order_relaxed);
-}
+int64_t Ledger::peak(MemoryCategory c) const { return peak_[static_cast<size_t>(c)].load(std::memory_order_relaxed); }
 
 LedgerSnapshot Ledger::snapshot() const {
   LedgerSnapshot s;

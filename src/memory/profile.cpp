@@ -178,7 +178,9 @@ ProfileAnalysis analyse_profile(const Profile& p) {
     if (s.bytes > 0) a.live_at_peak.push_back(s);
   }
   for (auto& [id, s] : total) a.total_allocated.push_back(s);
-  auto by_bytes = [](const SiteBytes& x, const SiteBytes& y) { return x.bytes != y.bytes ? x.bytes > y.bytes : x.stack < y.stack; };
+  auto by_bytes = [](const SiteBytes& x, const SiteBytes& y) {
+    return x.bytes != y.bytes ? x.bytes > y.bytes : x.stack < y.stack;
+  };
   std::sort(a.live_at_peak.begin(), a.live_at_peak.end(), by_bytes);
   std::sort(a.total_allocated.begin(), a.total_allocated.end(), by_bytes);
   for (const auto& m : p.marks) {

@@ -28,7 +28,15 @@ namespace memfl {
 
 inline constexpr char kProfileMagic[8] = {'M', 'E', 'M', 'F', 'L', 'P', 'R', 'F'};
 inline constexpr uint32_t kProfileVersion = 1;
-enum : uint8_t { kRecStack = 1, kRecAlloc = 2, kRecFree = 3, kRecMark = 4, kRecSmall = 5, kRecSymbol = 6, kRecHeap = 7 };
+enum : uint8_t {
+  kRecStack = 1,
+  kRecAlloc = 2,
+  kRecFree = 3,
+  kRecMark = 4,
+  kRecSmall = 5,
+  kRecSymbol = 6,
+  kRecHeap = 7
+};
 
 struct ProfileEvent {
   uint64_t t_us;
@@ -82,9 +90,9 @@ struct ProfileAnalysis {
   std::string peak_phase;
   int peak_round = 0;
   int64_t small_at_peak = 0;
-  int64_t malloc_free_retained_at_peak = 0;  // freed bytes malloc had not returned, near the peak
-  std::vector<SiteBytes> live_at_peak;     // by stack, largest first: the high-water-mark flamegraph
-  std::vector<SiteBytes> total_allocated;  // by stack over the run, largest first
+  int64_t malloc_free_retained_at_peak = 0;            // freed bytes malloc had not returned, near the peak
+  std::vector<SiteBytes> live_at_peak;                 // by stack, largest first: the high-water-mark flamegraph
+  std::vector<SiteBytes> total_allocated;              // by stack over the run, largest first
   std::vector<std::pair<uint64_t, int64_t>> timeline;  // (t_us, tracked bytes) after each event
 };
 

@@ -172,7 +172,9 @@ Status MemorySampler::write(const std::string& dir) const {
   const auto now = Ledger::instance().snapshot();
   for (size_t c = 0; c < static_cast<size_t>(MemoryCategory::kCount); ++c) {
     ledger[std::string(memory_category_name(static_cast<MemoryCategory>(c)))] = {
-        {"current_bytes", now.current[c]}, {"peak_bytes", now.peak[c]}, {"at_rss_peak_bytes", ledger_at_peak_.current[c]}};
+        {"current_bytes", now.current[c]},
+        {"peak_bytes", now.peak[c]},
+        {"at_rss_peak_bytes", ledger_at_peak_.current[c]}};
   }
   j["ledger"] = ledger;
   // Per phase: start, end and the peak RSS sampled inside it.
@@ -215,9 +217,16 @@ Status MemorySampler::write(const std::string& dir) const {
   if (!csv) return not_found("cannot write {}", csv_path.string());
   csv << "t_ms,rss_bytes,rss_file_bytes,round,phase\n";
   for (const auto& s : samples_) {
-    csv << fmt::format("{:.2f},{},{},{},{}\n", s.t_ms, s.rss, s.rss_file, phases_[s.phase].round, phases_[s.phase].name);
+    csv << fmt::format("{:.2f},{},{},{},{}\n", s.t_ms, s.rss, s.rss_file, phases_[s.phase].round,
+                       phases_[s.phase].name);
   }
   return Status::Ok();
+}
+
+WriteMemoryOnExit::~WriteMemoryOnExit() {
+  sampler_.stop();
+  Status st = sampler_.write(dir_);
+  if (!st.ok()) std::fprintf(stderr, "memfl: %s\n", st.message().c_str());
 }
 
 }  // namespace memfl

@@ -99,4 +99,19 @@ class MemorySampler {
   int64_t gpu_peak_allocated_ = 0, gpu_peak_reserved_ = 0;
 };
 
+// Stops `sampler` and writes memory.json / memory.csv into `dir` when it
+// goes out of scope, however the scope is left: a run that fails part-way
+// keeps what it measured.
+class WriteMemoryOnExit {
+ public:
+  WriteMemoryOnExit(MemorySampler& sampler, std::string dir) : sampler_(sampler), dir_(std::move(dir)) {}
+  ~WriteMemoryOnExit();
+  WriteMemoryOnExit(const WriteMemoryOnExit&) = delete;
+  WriteMemoryOnExit& operator=(const WriteMemoryOnExit&) = delete;
+
+ private:
+  MemorySampler& sampler_;
+  std::string dir_;
+};
+
 }  // namespace memfl

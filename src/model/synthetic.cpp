@@ -28,10 +28,17 @@ void fill_synthetic(const Layout& layout, Arena& arena, uint64_t seed) {
       x ^= x << 17;
       const float v = static_cast<float>(static_cast<int64_t>(x >> 40) - (1 << 23)) / static_cast<float>(1 << 23);
       switch (e.dtype) {
-        case DType::kF32: reinterpret_cast<float*>(p)[i] = v; break;
-        case DType::kBF16: reinterpret_cast<uint16_t*>(p)[i] = f32_to_bf16(v); break;
-        case DType::kF16: reinterpret_cast<uint16_t*>(p)[i] = f32_to_f16(v); break;
-        default: break;
+        case DType::kF32:
+          reinterpret_cast<float*>(p)[i] = v;
+          break;
+        case DType::kBF16:
+          reinterpret_cast<uint16_t*>(p)[i] = f32_to_bf16(v);
+          break;
+        case DType::kF16:
+          reinterpret_cast<uint16_t*>(p)[i] = f32_to_f16(v);
+          break;
+        default:
+          break;
       }
     }
   }

@@ -153,7 +153,9 @@ StatusOr<ProcessData> load_process(const fs::path& dir, const std::string& name)
     }
     j["gpu"] = {{"peak_allocated_bytes", mem["gpu"]["peak_allocated_bytes"]},
                 {"peak_reserved_bytes", mem["gpu"]["peak_reserved_bytes"]},
-                {"t_ms", gt}, {"allocated_bytes", gav}, {"reserved_bytes", grv}};
+                {"t_ms", gt},
+                {"allocated_bytes", gav},
+                {"reserved_bytes", grv}};
   }
   json summary = json::object();
   if (fs::exists(dir / "summary.json")) {
@@ -250,13 +252,16 @@ StatusOr<ProcessData> load_process(const fs::path& dir, const std::string& name)
     });
     json sites = json::array();
     for (size_t i = 0; i < std::min<size_t>(ordered.size(), 25); ++i) {
-      sites.push_back({{"site", ordered[i].first}, {"total_bytes", ordered[i].second[0]},
-                       {"count", ordered[i].second[1]}, {"at_peak_bytes", ordered[i].second[2]}});
+      sites.push_back({{"site", ordered[i].first},
+                       {"total_bytes", ordered[i].second[0]},
+                       {"count", ordered[i].second[1]},
+                       {"at_peak_bytes", ordered[i].second[2]}});
     }
     prof["top_sites"] = sites;
     json tl = json::array();
     const size_t m = a.timeline.size(), b = std::max<size_t>(1, m / 2000);
-    for (size_t i = 0; i < m; i += b) tl.push_back({static_cast<double>(a.timeline[i].first) / 1000.0, a.timeline[i].second});
+    for (size_t i = 0; i < m; i += b)
+      tl.push_back({static_cast<double>(a.timeline[i].first) / 1000.0, a.timeline[i].second});
     prof["tracked_timeline"] = tl;
     j["profile"] = prof;
     d.profile = std::move(p);
@@ -284,9 +289,10 @@ std::string html_page(const std::string& title, const json& data, const char* mo
   out += report_asset(ReportAsset::kFlamegraphCss);
   out += report_asset(ReportAsset::kPageCss);
   out += "</style></head><body><h1>" + title + "</h1><div id=\"memfl-status\">loading</div><div id=\"app\"></div>";
-  out += "<script>window.MEMFL_ERRORS=[];window.addEventListener('error',function(e){window.MEMFL_ERRORS.push("
-         "String(e.message))});(function(){var ce=console.error;console.error=function(){window.MEMFL_ERRORS.push("
-         "Array.prototype.join.call(arguments,' '));ce.apply(console,arguments)}})();";
+  out +=
+      "<script>window.MEMFL_ERRORS=[];window.addEventListener('error',function(e){window.MEMFL_ERRORS.push("
+      "String(e.message))});(function(){var ce=console.error;console.error=function(){window.MEMFL_ERRORS.push("
+      "Array.prototype.join.call(arguments,' '));ce.apply(console,arguments)}})();";
   out += "window.MEMFL_MODE='" + std::string(mode) + "';window.MEMFL_DATA=" + safe + ";</script>";
   for (auto a : {ReportAsset::kUplotJs, ReportAsset::kD3Js, ReportAsset::kFlamegraphJs, ReportAsset::kColorMapperJs,
                  ReportAsset::kPageJs}) {
@@ -314,7 +320,8 @@ StatusOr<std::string> write_report(const std::string& run_dir) {
   run_j["name"] = fs::weakly_canonical(run).filename().string();
   run_j["processes"] = json::array();
   std::string summary = fmt::format("memfl report for {}\n\n", run_dir);
-  std::string peaks = "process,role,peak_rss_bytes,peak_round,peak_phase,baseline_rss_bytes,model_bytes,tracked_peak_bytes";
+  std::string peaks =
+      "process,role,peak_rss_bytes,peak_round,peak_phase,baseline_rss_bytes,model_bytes,tracked_peak_bytes";
   for (const char* c : {"model", "gradients", "optimizer", "comm_buffers", "aggregation", "data", "other"}) {
     peaks += fmt::format(",ledger_{}_at_peak", c);
   }
@@ -325,51 +332,59 @@ StatusOr<std::string> write_report(const std::string& run_dir) {
     MEMFL_ASSIGN_OR_RETURN(ProcessData d, load_process(dir, name));
     const json& j = d.j;
     const int64_t tracked = j["profile"].is_null() ? 0 : j["profile"]["peak_tracked_bytes"].get<int64_t>();
-    peaks += fmt::format("{},{},{},{},{},{},{},{}", name, j["role"].get<std::string>(), j["peak_rss_bytes"].get<int64_t>(),
-                         j["peak_phase"].value("round", 0), j["peak_phase"].value("phase", ""),
-                         j["baseline_rss_bytes"].get<int64_t>(), j["model_bytes"].get<int64_t>(), tracked);
+    peaks +=
+        fmt::format("{},{},{},{},{},{},{},{}", name, j["role"].get<std::string>(), j["peak_rss_bytes"].get<int64_t>(),
+                    j["peak_phase"].value("round", 0), j["peak_phase"].value("phase", ""),
+                    j["baseline_rss_bytes"].get<int64_t>(), j["model_bytes"].get<int64_t>(), tracked);
     for (const char* c : {"model", "gradients", "optimizer", "comm_buffers", "aggregation", "data", "other"}) {
       peaks += fmt::format(",{}", j["ledger"].contains(c) ? j["ledger"][c].value("at_rss_peak_bytes", int64_t{0}) : 0);
     }
     peaks += "\n";
-    summary += fmt::format("{:<10} peak RSS {:>9} MiB in round {} {}", name, fmt_mib(j["peak_rss_bytes"].get<int64_t>()),
-                           j["peak_phase"].value("round", 0), j["peak_phase"].value("phase", ""));
+    summary +=
+        fmt::format("{:<10} peak RSS {:>9} MiB in round {} {}", name, fmt_mib(j["peak_rss_bytes"].get<int64_t>()),
+                    j["peak_phase"].value("round", 0), j["peak_phase"].value("phase", ""));
     if (j["model_bytes"].get<int64_t>() > 0) {
-      summary += fmt::format(" ({:.2f}× the model)", j["peak_rss_bytes"].get<double>() / j["model_bytes"].get<double>());
+      summary +=
+          fmt::format(" ({:.2f}× the model)", j["peak_rss_bytes"].get<double>() / j["model_bytes"].get<double>());
     }
     summary += "\n";
-    summary += fmt::format("           at the peak: {} MiB anonymous + {} MiB file-backed (mapped code, files)\n",
-                           fmt_mib(j["peak_rss_anon_bytes"].get<int64_t>()), fmt_mib(j["peak_rss_file_bytes"].get<int64_t>()));
+    summary +=
+        fmt::format("           at the peak: {} MiB anonymous + {} MiB file-backed (mapped code, files)\n",
+                    fmt_mib(j["peak_rss_anon_bytes"].get<int64_t>()), fmt_mib(j["peak_rss_file_bytes"].get<int64_t>()));
     if (!j["gpu"].is_null()) {
       summary += fmt::format("           GPU (CUDA caching allocator): peak {} MiB allocated, {} MiB reserved\n",
                              fmt_mib(j["gpu"]["peak_allocated_bytes"].get<int64_t>()),
                              fmt_mib(j["gpu"]["peak_reserved_bytes"].get<int64_t>()));
     }
     if (d.profile) {
-      summary += fmt::format("           tracked peak {} MiB (allocations ≥ {} KiB) + {} MiB in smaller ones + {} MiB freed but "
-                             "kept by malloc, in round {} {}{}\n",
-                             fmt_mib(tracked), d.profile->threshold >> 10, fmt_mib(d.analysis->small_at_peak),
-                             fmt_mib(d.analysis->malloc_free_retained_at_peak), d.analysis->peak_round,
-                             d.analysis->peak_phase, d.profile->truncated ? " — profile truncated (process died?)" : "");
+      summary += fmt::format(
+          "           tracked peak {} MiB (allocations ≥ {} KiB) + {} MiB in smaller ones + {} MiB freed but "
+          "kept by malloc, in round {} {}{}\n",
+          fmt_mib(tracked), d.profile->threshold >> 10, fmt_mib(d.analysis->small_at_peak),
+          fmt_mib(d.analysis->malloc_free_retained_at_peak), d.analysis->peak_round, d.analysis->peak_phase,
+          d.profile->truncated ? " — profile truncated (process died?)" : "");
       const auto& at = j["profile"]["at_rss_peak"];
-      summary += fmt::format("           at the RSS peak the profile accounts for {} MiB (tracked {} + small {} + kept by "
-                             "malloc {} + the profiler's own {}) of {} MiB anonymous growth since start: {:.0f} %\n",
-                             fmt_mib(at["accounted_bytes"].get<int64_t>()), fmt_mib(at["tracked_bytes"].get<int64_t>()),
-                             fmt_mib(at["small_bytes"].get<int64_t>()), fmt_mib(at["malloc_kept_bytes"].get<int64_t>()),
-                             fmt_mib(at["profiler_own_bytes"].get<int64_t>()),
-                             fmt_mib(at["anon_growth_bytes"].get<int64_t>()), 100.0 * at["accounted_over_anon"].get<double>());
+      summary += fmt::format(
+          "           at the RSS peak the profile accounts for {} MiB (tracked {} + small {} + kept by "
+          "malloc {} + the profiler's own {}) of {} MiB anonymous growth since start: {:.0f} %\n",
+          fmt_mib(at["accounted_bytes"].get<int64_t>()), fmt_mib(at["tracked_bytes"].get<int64_t>()),
+          fmt_mib(at["small_bytes"].get<int64_t>()), fmt_mib(at["malloc_kept_bytes"].get<int64_t>()),
+          fmt_mib(at["profiler_own_bytes"].get<int64_t>()), fmt_mib(at["anon_growth_bytes"].get<int64_t>()),
+          100.0 * at["accounted_over_anon"].get<double>());
       for (const auto& s : j["profile"]["top_sites"]) {
-        sites_csv += fmt::format("{},\"{}\",{},{},{}\n", name, s["site"].get<std::string>(), s["total_bytes"].get<int64_t>(),
-                                 s["count"].get<int64_t>(), s["at_peak_bytes"].get<int64_t>());
+        sites_csv +=
+            fmt::format("{},\"{}\",{},{},{}\n", name, s["site"].get<std::string>(), s["total_bytes"].get<int64_t>(),
+                        s["count"].get<int64_t>(), s["at_peak_bytes"].get<int64_t>());
       }
       int shown = 0;
       for (const auto& s : j["profile"]["top_sites"]) {
         if (shown++ == 5) break;
-        summary += fmt::format("             {:>9} MiB at peak, {:>9} MiB total  {}\n", fmt_mib(s["at_peak_bytes"].get<int64_t>()),
-                               fmt_mib(s["total_bytes"].get<int64_t>()), s["site"].get<std::string>());
+        summary += fmt::format("             {:>9} MiB at peak, {:>9} MiB total  {}\n",
+                               fmt_mib(s["at_peak_bytes"].get<int64_t>()), fmt_mib(s["total_bytes"].get<int64_t>()),
+                               s["site"].get<std::string>());
       }
-      MEMFL_RETURN_IF_ERROR(write_text_file((out / (name + ".folded")).string(),
-                                            folded_stacks(*d.profile, d.analysis->live_at_peak)));
+      MEMFL_RETURN_IF_ERROR(
+          write_text_file((out / (name + ".folded")).string(), folded_stacks(*d.profile, d.analysis->live_at_peak)));
     }
     run_j["processes"].push_back(j);
   }
@@ -438,7 +453,9 @@ StatusOr<std::string> write_comparison(const std::vector<std::string>& run_dirs,
         };
         add(*base.profile, base.analysis->live_at_peak, false);
         add(*it->second.profile, it->second.analysis->live_at_peak, true);
-        json root = {{"name", role + ": run " + std::to_string(k) + " vs baseline"}, {"value", 0}, {"delta", 0},
+        json root = {{"name", role + ": run " + std::to_string(k) + " vs baseline"},
+                     {"value", 0},
+                     {"delta", 0},
                      {"children", json::array()}};
         std::string folded;
         for (const auto& [key, vals] : sites) {
@@ -465,8 +482,8 @@ StatusOr<std::string> write_comparison(const std::vector<std::string>& run_dirs,
           node->at("delta") = node->at("delta").get<int64_t>() + delta;
         }
         diffs[role + "_run" + std::to_string(k)] = root;
-        MEMFL_RETURN_IF_ERROR(write_text_file(
-            (fs::path(out_dir) / fmt::format("{}.run{}.diff.folded", role, k)).string(), folded));
+        MEMFL_RETURN_IF_ERROR(
+            write_text_file((fs::path(out_dir) / fmt::format("{}.run{}.diff.folded", role, k)).string(), folded));
       }
     }
   }

@@ -63,11 +63,13 @@ server_configs:
       server_uri: 127.0.0.1:0
       model_chunk_size: {}
 )",
-                                                             num_params, o.dtype, o.clients, o.memory_mode, chunk)));
+                                                            num_params, o.dtype, o.clients, o.memory_mode, chunk)));
   std::string server_dir = (fs::path(dir) / "server").string();
   std::string client_prefix = "client_";
   int client_base = 0;
-  auto client_dir = [&](int i) { return (fs::path(dir) / fmt::format("{}{}", client_prefix, i + client_base)).string(); };
+  auto client_dir = [&](int i) {
+    return (fs::path(dir) / fmt::format("{}{}", client_prefix, i + client_base)).string();
+  };
   if (o.transport == "grpc") {
     MEMFL_RETURN_IF_ERROR(run_launch(config, {}, o.clients, dir, false));
   } else {

@@ -51,8 +51,7 @@ StatusOr<std::vector<ClientPartition>> make_partitions(const ExperimentConfig& c
   return split_train_val(std::move(parts), cfg.data.val_ratio, cfg.server.seed);
 }
 
-StatusOr<LocalModel> make_local_model(const ExperimentConfig& cfg, const InputSpec& input, bool fill,
-                                      uint64_t seed) {
+StatusOr<LocalModel> make_local_model(const ExperimentConfig& cfg, const InputSpec& input, bool fill, uint64_t seed) {
   LocalModel m;
   if (is_synthetic(cfg)) {
     MEMFL_ASSIGN_OR_RETURN(m.layout_, synthetic_layout(cfg.model.num_params, *dtype_from_name(cfg.model.dtype)));

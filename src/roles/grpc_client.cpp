@@ -65,15 +65,7 @@ Status run_grpc_client(const ExperimentConfig& local, int client_id, const RoleO
   const std::string role = fmt::format("client_{}", client_id);
   MemorySampler sampler(role, local.memory.sample_interval_ms);
   sampler.start();
-  struct WriteOnExit {
-    MemorySampler& s;
-    const std::string& dir;
-    ~WriteOnExit() {
-      s.stop();
-      Status st = s.write(dir);
-      if (!st.ok()) spdlog::error("{}", st.message());
-    }
-  } write_on_exit{sampler, opts.run_dir};
+  WriteMemoryOnExit write_on_exit(sampler, opts.run_dir);
   sampler.mark(0, "setup");
   const int64_t baseline_rss = read_rss_bytes();
 
@@ -102,8 +94,8 @@ Status run_grpc_client(const ExperimentConfig& local, int client_id, const RoleO
   }
   grpc::ClientContext ctx;
   grpc::internal::RpcMethod method(kSessionMethod, grpc::internal::RpcMethod::BIDI_STREAMING, channel);
-  std::unique_ptr<Stream> stream(grpc::internal::ClientReaderWriterFactory<Frame, Frame>::Create(channel.get(), method,
-                                                                                                  &ctx));
+  std::unique_ptr<Stream> stream(
+      grpc::internal::ClientReaderWriterFactory<Frame, Frame>::Create(channel.get(), method, &ctx));
   DecodedFrame d;
   wire::ServerMessage msg;
   wire::ClientMessage out;
@@ -154,8 +146,9 @@ Status run_grpc_client(const ExperimentConfig& local, int client_id, const RoleO
     const auto begin = msg.model_begin();
     if (begin.finished()) break;
     if (begin.layout_hash() != layout.hash() || begin.total_bytes() != layout.total_bytes()) {
-      return data_loss("server {}: its model (layout {:016x}, {} bytes) is not this client's (layout {:016x}, {} bytes)",
-                       peer, begin.layout_hash(), begin.total_bytes(), layout.hash(), layout.total_bytes());
+      return data_loss(
+          "server {}: its model (layout {:016x}, {} bytes) is not this client's (layout {:016x}, {} bytes)", peer,
+          begin.layout_hash(), begin.total_bytes(), layout.hash(), layout.total_bytes());
     }
     const int round = begin.round();
     sampler.mark(round, "broadcast");

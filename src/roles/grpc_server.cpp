@@ -133,8 +133,8 @@ Status ServerAgent::setup() {
   MEMFL_ASSIGN_OR_RETURN(auto m, make_local_model(cfg_, input, /*fill=*/true, cfg_.server.seed));
   model_.emplace(std::move(m));
   const Layout& layout = model_->layout();
-  const auto mode = cfg_.server.client_weights_mode == "sample_size" ? ClientWeightsMode::kSampleSize
-                                                                      : ClientWeightsMode::kEqual;
+  const auto mode =
+      cfg_.server.client_weights_mode == "sample_size" ? ClientWeightsMode::kSampleSize : ClientWeightsMode::kEqual;
   naive_ = cfg_.server.memory_mode == "naive";
   if (!naive_ && FedAvgAggregator::can_sum_in_place(layout)) {
     aggregator_ = std::make_unique<FedAvgAggregator>(layout, mode, model_->arena());
@@ -146,9 +146,9 @@ Status ServerAgent::setup() {
   // Round 0's checkpoint is the initial model: the undo of round 1.
   MEMFL_RETURN_IF_ERROR(write_safetensors(checkpoint_, layout, model_->arena(), {{"round", "0"}}));
   slots_.resize(static_cast<size_t>(cfg_.server.num_clients));
-  spdlog::info("server: model {} ({} parameters, {}), layout {:016x}, {} aggregation, chunk {}",
-               cfg_.model.model_name, layout.num_params(), format_bytes(static_cast<double>(layout.payload_bytes())),
-               layout.hash(), naive_ ? "naive" : (aggregator_->sums_in_place() ? "in-place streaming" : "streaming"),
+  spdlog::info("server: model {} ({} parameters, {}), layout {:016x}, {} aggregation, chunk {}", cfg_.model.model_name,
+               layout.num_params(), format_bytes(static_cast<double>(layout.payload_bytes())), layout.hash(),
+               naive_ ? "naive" : (aggregator_->sums_in_place() ? "in-place streaming" : "streaming"),
                format_bytes(static_cast<double>(chunk_)));
   return Status::Ok();
 }
@@ -238,7 +238,7 @@ grpc::Status ServerAgent::receive_update(grpc::ServerReaderWriter<Frame, Frame>*
   while (true) {
     if (!stream->Read(&frame)) {
       bad = Status(StatusCode::kUnavailable, fmt::format("{} disconnected after {} of {} bytes of its update", peer,
-                                                        received, layout.total_bytes()));
+                                                         received, layout.total_bytes()));
       break;
     }
     Status st = decode_frame(frame, kClientChunkField, peer, &d, &msg);
@@ -460,7 +460,8 @@ Status ServerAgent::play_round(int round, RoundMetrics* m, bool* redo) {
   };
   if (!wait_for(lock, deadline, [&] { return all_done([](const ClientSlot& s) { return s.received; }); })) {
     for (int c : order_) {
-      if (!slots_[static_cast<size_t>(c)].received) fail_locked(c, fmt::format("round {} timed out in broadcast", round));
+      if (!slots_[static_cast<size_t>(c)].received)
+        fail_locked(c, fmt::format("round {} timed out in broadcast", round));
     }
   }
   // gRPC may still hold references to the arena's bytes; the sum must not
@@ -520,9 +521,9 @@ Status ServerAgent::play_round(int round, RoundMetrics* m, bool* redo) {
     m->test_accuracy = ev->accuracy;
   }
   sampler_.mark(round, "checkpoint");
-  MEMFL_RETURN_IF_ERROR(write_safetensors(checkpoint_, model_->layout(), model_->arena(),
-                                          {{"format", "memfl"}, {"round", std::to_string(round)},
-                                           {"model_name", cfg_.model.model_name}}));
+  MEMFL_RETURN_IF_ERROR(write_safetensors(
+      checkpoint_, model_->layout(), model_->arena(),
+      {{"format", "memfl"}, {"round", std::to_string(round)}, {"model_name", cfg_.model.model_name}}));
   m->round_seconds = std::chrono::duration<double>(Clock::now() - t_round).count();
   m->peak_rss_bytes = sampler_.peak_rss();
   return Status::Ok();
@@ -543,15 +544,7 @@ class SessionService final : public grpc::Service {
 
 Status ServerAgent::run() {
   sampler_.start();
-  struct WriteOnExit {
-    MemorySampler& s;
-    const std::string& dir;
-    ~WriteOnExit() {
-      s.stop();
-      Status st = s.write(dir);
-      if (!st.ok()) spdlog::error("{}", st.message());
-    }
-  } write_on_exit{sampler_, opts_.run_dir};
+  WriteMemoryOnExit write_on_exit(sampler_, opts_.run_dir);
   MEMFL_RETURN_IF_ERROR(setup());
 
   const auto& sc = cfg_.server;
@@ -610,12 +603,13 @@ Status ServerAgent::run() {
     MEMFL_RETURN_IF_ERROR(metrics->append(m));
     rounds.push_back(m);
     if (opts_.progress) {
-      fmt::print("server round {:>3}/{}  clients {:>2}  test_acc {:.4f}  down {:.2f} GB/s  up {:.2f} GB/s  {:.2f} s  "
-                 "peak RSS {}\n",
-                 round, sc.num_global_epochs, m.clients, m.test_accuracy,
-                 m.download_seconds > 0 ? static_cast<double>(m.bytes_down) / m.download_seconds / 1e9 : 0.0,
-                 m.upload_seconds > 0 ? static_cast<double>(m.bytes_up) / m.upload_seconds / 1e9 : 0.0,
-                 m.round_seconds, format_bytes(static_cast<double>(m.peak_rss_bytes)));
+      fmt::print(
+          "server round {:>3}/{}  clients {:>2}  test_acc {:.4f}  down {:.2f} GB/s  up {:.2f} GB/s  {:.2f} s  "
+          "peak RSS {}\n",
+          round, sc.num_global_epochs, m.clients, m.test_accuracy,
+          m.download_seconds > 0 ? static_cast<double>(m.bytes_down) / m.download_seconds / 1e9 : 0.0,
+          m.upload_seconds > 0 ? static_cast<double>(m.bytes_up) / m.upload_seconds / 1e9 : 0.0, m.round_seconds,
+          format_bytes(static_cast<double>(m.peak_rss_bytes)));
       std::fflush(stdout);
     }
     ++round;

@@ -61,12 +61,9 @@ std::vector<int> selection(const ExperimentConfig& cfg, int round) {
 struct RankState {
   MemorySampler sampler;
   std::string dir;
+  WriteMemoryOnExit write_on_exit{sampler, dir};
   RankState(const std::string& role, int interval, std::string d) : sampler(role, interval), dir(std::move(d)) {
     sampler.start();
-  }
-  ~RankState() {
-    sampler.stop();
-    (void)sampler.write(dir);
   }
 };
 
@@ -82,16 +79,18 @@ Status run_server(const ExperimentConfig& cfg, int world, const std::string& dir
   }
   MEMFL_ASSIGN_OR_RETURN(LocalModel model, make_local_model(cfg, input, /*fill=*/true, cfg.server.seed));
   const Layout& layout = model.layout();
-  const auto mode = cfg.server.client_weights_mode == "sample_size" ? ClientWeightsMode::kSampleSize
-                                                                     : ClientWeightsMode::kEqual;
+  const auto mode =
+      cfg.server.client_weights_mode == "sample_size" ? ClientWeightsMode::kSampleSize : ClientWeightsMode::kEqual;
   std::unique_ptr<FedAvgAggregator> agg;
   if (FedAvgAggregator::can_sum_in_place(layout)) {
     agg = std::make_unique<FedAvgAggregator>(layout, mode, model.arena());
   } else {
     agg = std::make_unique<FedAvgAggregator>(layout, mode);
   }
-  const size_t chunk = cfg.server.use_model_chunking ? static_cast<size_t>(cfg.server.model_chunk_size) : layout.total_bytes();
-  if (chunk > static_cast<size_t>(INT32_MAX)) return invalid_argument("model_chunk_size must fit an MPI count (< 2 GiB)");
+  const size_t chunk =
+      cfg.server.use_model_chunking ? static_cast<size_t>(cfg.server.model_chunk_size) : layout.total_bytes();
+  if (chunk > static_cast<size_t>(INT32_MAX))
+    return invalid_argument("model_chunk_size must fit an MPI count (< 2 GiB)");
   const std::string checkpoint = dir + "/global_model.safetensors";
   MEMFL_RETURN_IF_ERROR(write_safetensors(checkpoint, layout, model.arena(), {{"round", "0"}}));
   // Register: every client rank says who it is and how many clients it runs.
@@ -121,8 +120,8 @@ Status run_server(const ExperimentConfig& cfg, int world, const std::string& dir
     st.sampler.mark(round, "broadcast");
     auto t = Clock::now();
     for (int r = 1; r < world; ++r) {
-      WireModelBegin b{round, 0, std::find(ranks.begin(), ranks.end(), r) != ranks.end(), 0, layout.hash(),
-                       layout.total_bytes()};
+      WireModelBegin b{
+          round, 0, std::find(ranks.begin(), ranks.end(), r) != ranks.end(), 0, layout.hash(), layout.total_bytes()};
       MPI_Send(&b, sizeof b, MPI_BYTE, r, kTagModelBegin, MPI_COMM_WORLD);
     }
     std::vector<MPI_Request> reqs;
@@ -142,8 +141,9 @@ Status run_server(const ExperimentConfig& cfg, int world, const std::string& dir
     for (int r : ranks) {
       int32_t ok = 0;
       MPI_Recv(&ok, 1, MPI_INT32_T, r, kTagModelReceived, MPI_COMM_WORLD, MPI_STATUS_IGNORE);
-      m.bytes_down += layout.total_bytes() * static_cast<uint64_t>(std::count_if(
-                                                 selected.begin(), selected.end(), [&](int c) { return rank_of_client(c, k) == r; }));
+      m.bytes_down +=
+          layout.total_bytes() * static_cast<uint64_t>(std::count_if(selected.begin(), selected.end(),
+                                                                     [&](int c) { return rank_of_client(c, k) == r; }));
     }
     m.download_seconds = since(t);
     // Every rank has its copy: the global arena becomes the running sum.
@@ -167,7 +167,8 @@ Status run_server(const ExperimentConfig& cfg, int world, const std::string& dir
       MPI_Request rq[2][2];
       auto post = [&](size_t i) {
         MPI_Irecv(&hdr[i % 2], sizeof(WireHeader), MPI_BYTE, r, kTagChunkHeader, MPI_COMM_WORLD, &rq[i % 2][0]);
-        MPI_Irecv(ring[i % 2].data(), static_cast<int>(chunk), MPI_BYTE, r, kTagChunkData, MPI_COMM_WORLD, &rq[i % 2][1]);
+        MPI_Irecv(ring[i % 2].data(), static_cast<int>(chunk), MPI_BYTE, r, kTagChunkData, MPI_COMM_WORLD,
+                  &rq[i % 2][1]);
       };
       post(0);
       for (size_t i = 0; i < nchunks; ++i) {
@@ -207,17 +208,18 @@ Status run_server(const ExperimentConfig& cfg, int world, const std::string& dir
       m.test_accuracy = ev.accuracy;
     }
     st.sampler.mark(round, "checkpoint");
-    MEMFL_RETURN_IF_ERROR(write_safetensors(checkpoint, layout, model.arena(),
-                                            {{"format", "memfl"}, {"round", std::to_string(round)}}));
+    MEMFL_RETURN_IF_ERROR(
+        write_safetensors(checkpoint, layout, model.arena(), {{"format", "memfl"}, {"round", std::to_string(round)}}));
     m.bytes_moved = m.bytes_down + m.bytes_up;
     m.round_seconds = since(t_round);
     m.peak_rss_bytes = st.sampler.peak_rss();
     MEMFL_RETURN_IF_ERROR(metrics->append(m));
     if (progress) {
-      fmt::print("mpi round {:>3}/{}  clients {:>3}  test_acc {:.4f}  down {:.2f} GB/s  up {:.2f} GB/s  {:.2f} s\n", round,
-                 cfg.server.num_global_epochs, m.clients, m.test_accuracy,
+      fmt::print("mpi round {:>3}/{}  clients {:>3}  test_acc {:.4f}  down {:.2f} GB/s  up {:.2f} GB/s  {:.2f} s\n",
+                 round, cfg.server.num_global_epochs, m.clients, m.test_accuracy,
                  m.download_seconds > 0 ? static_cast<double>(m.bytes_down) / m.download_seconds / 1e9 : 0.0,
-                 m.upload_seconds > 0 ? static_cast<double>(m.bytes_up) / m.upload_seconds / 1e9 : 0.0, m.round_seconds);
+                 m.upload_seconds > 0 ? static_cast<double>(m.bytes_up) / m.upload_seconds / 1e9 : 0.0,
+                 m.round_seconds);
       std::fflush(stdout);
     }
   }
@@ -258,7 +260,8 @@ Status run_client_rank(const ExperimentConfig& cfg, int rank, const std::string&
   Arena& into = k > 1 ? global_copy : model.arena();
   int32_t reg[2] = {rank, k};
   MPI_Send(reg, 2, MPI_INT32_T, 0, kTagRegister, MPI_COMM_WORLD);
-  const size_t chunk = cfg.server.use_model_chunking ? static_cast<size_t>(cfg.server.model_chunk_size) : layout.total_bytes();
+  const size_t chunk =
+      cfg.server.use_model_chunking ? static_cast<size_t>(cfg.server.model_chunk_size) : layout.total_bytes();
   while (true) {
     WireModelBegin b{};
     MPI_Recv(&b, sizeof b, MPI_BYTE, 0, kTagModelBegin, MPI_COMM_WORLD, MPI_STATUS_IGNORE);
@@ -275,7 +278,8 @@ Status run_client_rank(const ExperimentConfig& cfg, int rank, const std::string&
       MPI_Recv(&h, sizeof h, MPI_BYTE, 0, kTagChunkHeader, MPI_COMM_WORLD, MPI_STATUS_IGNORE);
       if (h.layout_hash != layout.hash() || h.offset != expect || h.length == 0 || h.length > chunk ||
           h.length > layout.total_bytes() - h.offset) {
-        abort_job(fmt::format("rank {}: bad chunk header from the server (offset {}, length {})", rank, h.offset, h.length));
+        abort_job(
+            fmt::format("rank {}: bad chunk header from the server (offset {}, length {})", rank, h.offset, h.length));
       }
       MPI_Status status;
       MPI_Recv(into.data() + h.offset, static_cast<int>(h.length), MPI_BYTE, 0, kTagChunkData, MPI_COMM_WORLD, &status);

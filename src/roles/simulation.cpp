@@ -71,15 +71,7 @@ StatusOr<SimulationResult> run_simulation(const ExperimentConfig& cfg, const Sim
   sampler.start();
   SimulationResult result;
   // Whatever happens below, memory.json is written: a failed run keeps what it measured.
-  struct WriteOnExit {
-    MemorySampler& s;
-    const std::string& dir;
-    ~WriteOnExit() {
-      s.stop();
-      Status st = s.write(dir);
-      if (!st.ok()) spdlog::error("{}", st.message());
-    }
-  } write_on_exit{sampler, opts.run_dir};
+  WriteMemoryOnExit write_on_exit(sampler, opts.run_dir);
 
   sampler.mark(0, "setup");
   const auto& sc = cfg.server;
@@ -128,8 +120,8 @@ StatusOr<SimulationResult> run_simulation(const ExperimentConfig& cfg, const Sim
   // ServerAgent state: the global model and the aggregator's running sum.
   Arena global(layout.total_bytes(), MemoryCategory::kModel);
   std::memcpy(global.data(), worker.arena().data(), layout.total_bytes());
-  FedAvgAggregator aggregator(layout, sc.client_weights_mode == "sample_size" ? ClientWeightsMode::kSampleSize
-                                                                               : ClientWeightsMode::kEqual);
+  FedAvgAggregator aggregator(
+      layout, sc.client_weights_mode == "sample_size" ? ClientWeightsMode::kSampleSize : ClientWeightsMode::kEqual);
   const size_t chunk = sc.use_model_chunking ? static_cast<size_t>(sc.model_chunk_size) : layout.total_bytes();
   MEMFL_ASSIGN_OR_RETURN(auto metrics, MetricsWriter::open((fs::path(opts.run_dir) / "metrics.csv").string()));
   const std::string checkpoint = (fs::path(opts.run_dir) / "global_model.safetensors").string();
@@ -200,19 +192,20 @@ StatusOr<SimulationResult> run_simulation(const ExperimentConfig& cfg, const Sim
       m.test_accuracy = ev->accuracy;
     }
     sampler.mark(round, "checkpoint");
-    MEMFL_RETURN_IF_ERROR(write_safetensors(checkpoint, layout, global,
-                                            {{"format", "memfl"}, {"round", std::to_string(round)},
-                                             {"model_name", cfg.model.model_name}}));
+    MEMFL_RETURN_IF_ERROR(write_safetensors(
+        checkpoint, layout, global,
+        {{"format", "memfl"}, {"round", std::to_string(round)}, {"model_name", cfg.model.model_name}}));
     m.round_seconds = seconds_since(t_round);
     m.peak_rss_bytes = sampler.peak_rss();
     MEMFL_RETURN_IF_ERROR(metrics->append(m));
     result.rounds.push_back(m);
     if (opts.progress) {
-      fmt::print("round {:>3}/{}  clients {:>3}  train_loss {:.4f}  val_acc {:.4f}  test_loss {:.4f}  test_acc {:.4f}"
-                 "  moved {}  {:.1f} s  peak RSS {}\n",
-                 round, sc.num_global_epochs, m.clients, m.train_loss, m.val_accuracy, m.test_loss, m.test_accuracy,
-                 format_bytes(static_cast<double>(m.bytes_moved)), m.round_seconds,
-                 format_bytes(static_cast<double>(m.peak_rss_bytes)));
+      fmt::print(
+          "round {:>3}/{}  clients {:>3}  train_loss {:.4f}  val_acc {:.4f}  test_loss {:.4f}  test_acc {:.4f}"
+          "  moved {}  {:.1f} s  peak RSS {}\n",
+          round, sc.num_global_epochs, m.clients, m.train_loss, m.val_accuracy, m.test_loss, m.test_accuracy,
+          format_bytes(static_cast<double>(m.bytes_moved)), m.round_seconds,
+          format_bytes(static_cast<double>(m.peak_rss_bytes)));
       std::fflush(stdout);
     }
   }
@@ -238,8 +231,8 @@ StatusOr<SimulationResult> run_simulation(const ExperimentConfig& cfg, const Sim
   const double m_bytes = static_cast<double>(layout.total_bytes());
   const double sum_bytes = static_cast<double>(aggregator.state_bytes());
   const bool trains = worker.replica() != nullptr && cfg.train.trainer != "DummyTrainer";
-  const double opt_models = !trains ? 0.0
-                                    : (cfg.train.optim.optim == "Adam" ? 2.0 : (cfg.train.optim.momentum > 0 ? 1.0 : 0.0));
+  const double opt_models =
+      !trains ? 0.0 : (cfg.train.optim.optim == "Adam" ? 2.0 : (cfg.train.optim.momentum > 0 ? 1.0 : 0.0));
   const double bound = m_bytes * (2.0 + (trains ? 1.0 : 0.0) + opt_models) + sum_bytes;
   summary["baseline_rss_bytes"] = baseline_rss;
   summary["model_state_bound_bytes"] = bound;

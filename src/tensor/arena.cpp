@@ -23,8 +23,8 @@ Arena::Arena(size_t size, MemoryCategory category, bool populate) : size_(size),
     // MAP_POPULATE (when asked): one batch of page faults here rather than
     // one at a time in the middle of the first download, which halved its
     // throughput.
-    void* p = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | (populate ? MAP_POPULATE : 0),
-                   -1, 0);
+    void* p =
+        mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | (populate ? MAP_POPULATE : 0), -1, 0);
     if (p == MAP_FAILED) throw std::bad_alloc();
     data_ = static_cast<std::byte*>(p);
     mapped_ = size;

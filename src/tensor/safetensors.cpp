@@ -63,8 +63,8 @@ StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::open(const std::stri
     return data_loss("{}: header length {} exceeds the {}-byte limit", path, header_len, kMaxHeaderBytes);
   }
   if (header_len > file_size - 8) {
-    return data_loss("{}: header length {} runs past the end of the {}-byte file (truncated?)", path,
-                     header_len, file_size);
+    return data_loss("{}: header length {} runs past the end of the {}-byte file (truncated?)", path, header_len,
+                     file_size);
   }
   const size_t data_start = 8 + header_len;
   const size_t data_size = file_size - data_start;
@@ -121,15 +121,16 @@ StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::open(const std::stri
     }
     const uint64_t b = off[0].get<uint64_t>(), e = off[1].get<uint64_t>();
     size_t nbytes = 0;
-    if (mul_overflows(numel, dtype_size(*dtype), &nbytes)) return data_loss("{}: tensor '{}' size overflows", path, name);
+    if (mul_overflows(numel, dtype_size(*dtype), &nbytes))
+      return data_loss("{}: tensor '{}' size overflows", path, name);
     if (b > e) return data_loss("{}: tensor '{}' data_offsets [{}, {}] are reversed", path, name, b, e);
     if (e - b != nbytes) {
-      return data_loss("{}: tensor '{}' claims {} bytes in data_offsets but shape and dtype need {}", path, name,
-                       e - b, nbytes);
+      return data_loss("{}: tensor '{}' claims {} bytes in data_offsets but shape and dtype need {}", path, name, e - b,
+                       nbytes);
     }
     if (e > data_size) {
-      return data_loss("{}: tensor '{}' ends at data byte {} but the file holds only {} data bytes (truncated?)",
-                       path, name, e, data_size);
+      return data_loss("{}: tensor '{}' ends at data byte {} but the file holds only {} data bytes (truncated?)", path,
+                       name, e, data_size);
     }
     t.data = {base + data_start + b, nbytes};
     spans.push_back({b, e, file->tensors_.size()});
@@ -191,9 +192,8 @@ Status write_safetensors(const std::string& path, const Layout& layout, const Ar
   if (!metadata.empty()) header["__metadata__"] = metadata;
   size_t pos = 0;
   for (const auto& e : layout.entries()) {
-    header[e.name] = {{"dtype", dtype_safetensors_name(e.dtype)},
-                      {"shape", e.shape},
-                      {"data_offsets", {pos, pos + e.nbytes()}}};
+    header[e.name] = {
+        {"dtype", dtype_safetensors_name(e.dtype)}, {"shape", e.shape}, {"data_offsets", {pos, pos + e.nbytes()}}};
     pos += e.nbytes();
   }
   std::string text = header.dump();

@@ -116,24 +116,37 @@ StatusOr<std::shared_ptr<Net>> make_model(const ModelConfig& m, const InputSpec&
 
 StatusOr<DType> dtype_of(torch::ScalarType t) {
   switch (t) {
-    case torch::kFloat32: return DType::kF32;
-    case torch::kBFloat16: return DType::kBF16;
-    case torch::kFloat16: return DType::kF16;
-    case torch::kInt64: return DType::kI64;
-    case torch::kInt32: return DType::kI32;
-    case torch::kUInt8: return DType::kU8;
-    default: return invalid_argument("tensor dtype {} has no arena dtype", c10::toString(t));
+    case torch::kFloat32:
+      return DType::kF32;
+    case torch::kBFloat16:
+      return DType::kBF16;
+    case torch::kFloat16:
+      return DType::kF16;
+    case torch::kInt64:
+      return DType::kI64;
+    case torch::kInt32:
+      return DType::kI32;
+    case torch::kUInt8:
+      return DType::kU8;
+    default:
+      return invalid_argument("tensor dtype {} has no arena dtype", c10::toString(t));
   }
 }
 
 torch::ScalarType scalar_type_of(DType d) {
   switch (d) {
-    case DType::kF32: return torch::kFloat32;
-    case DType::kBF16: return torch::kBFloat16;
-    case DType::kF16: return torch::kFloat16;
-    case DType::kI64: return torch::kInt64;
-    case DType::kI32: return torch::kInt32;
-    case DType::kU8: return torch::kUInt8;
+    case DType::kF32:
+      return torch::kFloat32;
+    case DType::kBF16:
+      return torch::kBFloat16;
+    case DType::kF16:
+      return torch::kFloat16;
+    case DType::kI64:
+      return torch::kInt64;
+    case DType::kI32:
+      return torch::kInt32;
+    case DType::kU8:
+      return torch::kUInt8;
   }
   return torch::kFloat32;
 }
@@ -154,8 +167,8 @@ StatusOr<BoundModel> bind_to_arena(Net& net) {
   for (size_t i = 0; i < tensors.size(); ++i) {
     const LayoutEntry& e = bound.layout.entries()[i];
     auto& t = tensors[i].second;
-    torch::Tensor view = torch::from_blob(bound.arena.data() + e.offset, t.sizes(),
-                                          torch::TensorOptions().dtype(t.scalar_type()));
+    torch::Tensor view =
+        torch::from_blob(bound.arena.data() + e.offset, t.sizes(), torch::TensorOptions().dtype(t.scalar_type()));
     view.copy_(t);
     t.set_data(view);  // the module now computes on the arena's bytes
   }

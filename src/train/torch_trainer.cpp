@@ -215,7 +215,7 @@ class TorchBackend final : public TrainerBackend {
   std::vector<std::string> model_names() const override { return {"CNN", "MLP", "ResNet18"}; }
 
   StatusOr<std::unique_ptr<ModelReplica>> create_replica(const ModelConfig& model, const InputSpec& input,
-                                                          const std::string& device, uint64_t seed) override {
+                                                         const std::string& device, uint64_t seed) override {
     try {
       torch::Device dev(torch::kCPU);
       if (device == "cuda") {

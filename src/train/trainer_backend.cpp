@@ -37,9 +37,10 @@ StatusOr<TrainerBackend*> load_trainer_backend() {
     backend = factory();
     return backend;
   }
-  return not_found("the libtorch trainer plugin libmemfl_torch.so could not be loaded; tried:{} — build it with "
-                   "`make build` (needs libtorch-dev) or set MEMFL_PLUGIN_DIR",
-                   tried);
+  return not_found(
+      "the libtorch trainer plugin libmemfl_torch.so could not be loaded; tried:{} — build it with "
+      "`make build` (needs libtorch-dev) or set MEMFL_PLUGIN_DIR",
+      tried);
 }
 
 }  // namespace memfl

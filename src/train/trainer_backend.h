@@ -57,8 +57,7 @@ class ModelReplica {
   // Trains on `train_indices` of `data` (a fresh optimizer each call, as
   // APPFL's VanillaTrainer does), then validates on `val_indices`.
   virtual StatusOr<TrainResult> train(const ImageDataset& data, std::span<const uint32_t> train_indices,
-                                      std::span<const uint32_t> val_indices, const TrainConfig& cfg,
-                                      uint64_t seed) = 0;
+                                      std::span<const uint32_t> val_indices, const TrainConfig& cfg, uint64_t seed) = 0;
   virtual StatusOr<EvalResult> evaluate(const ImageDataset& data, std::span<const uint32_t> indices,
                                         int batch_size) = 0;
 };
@@ -69,7 +68,7 @@ class TrainerBackend {
   virtual std::vector<std::string> model_names() const = 0;
   // Builds the model (seeded init) with its tensors moved into an arena.
   virtual StatusOr<std::unique_ptr<ModelReplica>> create_replica(const ModelConfig& model, const InputSpec& input,
-                                                                  const std::string& device, uint64_t seed) = 0;
+                                                                 const std::string& device, uint64_t seed) = 0;
   virtual void set_num_threads(int threads) = 0;
   virtual std::string version() const = 0;
   // The CUDA caching allocator's bytes on device 0 (allocated now, reserved
