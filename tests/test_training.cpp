@@ -179,3 +179,77 @@ TEST_F(Plugin, TrainingChangesTheArenaInPlace) {
 
 }  // namespace
 }  // namespace memfl
+
+namespace memfl {
+namespace {
+
+// Flat memory by construction: RSS at the end of each round, fitted over
+// rounds 10–40 of a 40-round run, grows by less than 1 MiB a round.
+TEST(Simulation, MemoryStaysFlatOverRounds) {
+  testing::TempDir tmp;
+  const std::string cfg = tmp.file("flat.yaml");
+  std::ofstream(cfg) << "client_configs:\n  train_configs:\n    trainer: DummyTrainer\n  model_configs:\n"
+                        "    model_name: synthetic\n    model_kwargs:\n      num_params: 2000000\n"
+                        "server_configs:\n  num_clients: 50\n  clients_per_round: 10\n  num_global_epochs: 40\n";
+  Result r = memfl_cli("run " + cfg + " -q --out " + tmp.file("run"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  auto rows = read_csv(tmp.file("run/metrics.csv"));
+  ASSERT_EQ(rows.size(), 41u);
+  ASSERT_EQ(rows[0][15], "rss_bytes");
+  double sx = 0, sy = 0, sxx = 0, sxy = 0, n = 0;
+  for (size_t i = 10; i < rows.size(); ++i) {
+    const double x = static_cast<double>(i), y = std::stod(rows[i][15]) / (1 << 20);
+    sx += x, sy += y, sxx += x * x, sxy += x * y, n += 1;
+  }
+  const double slope = (n * sxy - sx * sy) / (n * sxx - sx * sx);
+  EXPECT_LT(slope, 1.0) << "MiB per round";
+}
+
+TEST(Simulation, CompareMethodsWritesTheTableAndPlot) {
+  testing::TempDir tmp;
+  Result r = memfl_cli(
+      "compare-methods --methods random,topk_loss --repeats 2 --target 0.3"
+      " --set server_configs.num_clients=6 --set server_configs.clients_per_round=2"
+      " --set server_configs.num_global_epochs=2"
+      " --set client_configs.data_configs.dataset_kwargs.max_train_samples=600"
+      " --set client_configs.data_configs.dataset_kwargs.max_test_samples=200"
+      " --set client_configs.train_configs.num_threads=1 --out " +
+      tmp.file("cm"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  auto rows = read_csv(tmp.file("cm/results.csv"));
+  ASSERT_EQ(rows.size(), 5u) << "header + 2 methods × 2 repeats";
+  EXPECT_EQ(rows[3][0], "topk_loss");
+  std::ifstream svg(tmp.file("cm/accuracy.svg"));
+  const std::string s((std::istreambuf_iterator<char>(svg)), {});
+  EXPECT_NE(s.find("<polyline"), std::string::npos);
+  EXPECT_NE(s.find("topk_loss"), std::string::npos);
+  Result bad = memfl_cli("compare-methods --methods random,greedy --out " + tmp.file("bad"));
+  EXPECT_EQ(bad.exit_code, 2);
+  EXPECT_NE(bad.output.find("greedy"), std::string::npos) << bad.output;
+}
+
+}  // namespace
+}  // namespace memfl
+
+namespace memfl {
+namespace {
+
+// K workers fold in client order, so K = 2 gives the model K = 1 gives
+// (with the same intra-op threads per worker; more threads per op would
+// change float summation order inside libtorch's kernels).
+TEST(Simulation, TwoWorkersGiveTheSameModelAsOne) {
+  testing::TempDir tmp;
+  const std::string sets =
+      " -q --set server_configs.num_clients=4 --set server_configs.num_global_epochs=2"
+      " --set client_configs.data_configs.dataset_kwargs.max_train_samples=1200"
+      " --set client_configs.data_configs.dataset_kwargs.max_test_samples=200"
+      " --set client_configs.train_configs.num_threads=1";
+  Result one = memfl_cli("run" + sets + " --out " + tmp.file("k1"));
+  ASSERT_EQ(one.exit_code, 0) << one.output;
+  Result two = memfl_cli("run" + sets + " --set server_configs.parallel_clients=2 --out " + tmp.file("k2"));
+  ASSERT_EQ(two.exit_code, 0) << two.output;
+  EXPECT_TRUE(same_model(tmp.file("k1/global_model.safetensors"), tmp.file("k2/global_model.safetensors")));
+}
+
+}  // namespace
+}  // namespace memfl

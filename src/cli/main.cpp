@@ -6,6 +6,7 @@
 
 #include <CLI/CLI.hpp>
 #include <filesystem>
+#include <sstream>
 #include <spdlog/spdlog.h>
 
 #include "config/config.h"
@@ -14,6 +15,8 @@
 #include "roles/simulation.h"
 #include "memory/alloc_tracker.h"
 #include "report/report.h"
+#include "roles/compare_methods.h"
+#include "schedule/client_selection.h"
 #include "tensor/safetensors.h"
 #ifdef MEMFL_HAVE_MPI
 #include "roles/mpi_roles.h"
@@ -91,6 +94,18 @@ int main(int argc, char** argv) {
 
   app.add_subcommand("config-keys", "List every config key with its type, default and meaning");
   app.add_subcommand("list-models", "List the models of the registry");
+  app.add_subcommand("list-methods", "List the client selection methods");
+  memfl::CompareMethodsOptions cm;
+  std::string methods_csv;
+  auto* compare_methods =
+      app.add_subcommand("compare-methods", "Run client selection methods one after another and compare them");
+  compare_methods->add_option("CONFIG", config_path, "YAML config (default: the embedded default)");
+  compare_methods->add_option("--methods", methods_csv, "comma-separated, e.g. random,topk_loss,oort")->required();
+  compare_methods->add_option("--repeats", cm.repeats, "runs per method (seeds seed, seed+1, ...)")
+      ->capture_default_str();
+  compare_methods->add_option("--target", cm.target_accuracy, "accuracy for 'rounds to target'")->capture_default_str();
+  compare_methods->add_option("--out", out_dir, "output directory (default: runs/compare-methods-<pid>)");
+  compare_methods->add_option("--set", sets, "override a config key (repeatable)");
 
 #ifdef MEMFL_HAVE_GRPC
   int client_id = -1, num_clients = 0;
@@ -178,6 +193,24 @@ int main(int argc, char** argv) {
   }
   if (app.got_subcommand("config-keys")) {
     fmt::print("{}", memfl::describe_config_keys());
+    return kExitOk;
+  }
+  if (app.got_subcommand("list-methods")) {
+    for (const auto& m : memfl::client_selection_methods()) fmt::print("{:<18} {}\n", m.name, m.description);
+    return kExitOk;
+  }
+  if (app.got_subcommand("compare-methods")) {
+    auto cfg = load(config_path, sets);
+    if (!cfg.ok()) return fail(cfg.status());
+    std::stringstream ss(methods_csv);
+    std::string m;
+    while (std::getline(ss, m, ',')) {
+      if (!m.empty()) cm.methods.push_back(m);
+    }
+    cm.out_dir = out_dir.empty() ? fmt::format("runs/compare-methods-{}", getpid()) : out_dir;
+    auto r = memfl::run_compare_methods(*cfg, cm);
+    if (!r.ok()) return fail(r.status());
+    fmt::print("{}\nresults: {}/results.md, results.csv, accuracy.svg\n", *r, cm.out_dir);
     return kExitOk;
   }
   if (app.got_subcommand("list-models")) {

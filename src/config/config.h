@@ -81,7 +81,12 @@ struct ServerConfig {
   std::string auth_token;
   int round_timeout_s = 600;
   int connect_timeout_s = 30;
-  int clients_per_rank = 1;               // MPI: virtual clients a client rank runs one after another
+  int clients_per_rank = 1;
+  int parallel_clients = 1;                 // in-process worker replicas (K)
+  std::string client_selection = "random";  // see `memfl list-methods`
+  int power_of_choice_d = 0;
+  double exploration = 0.2;
+  double fairness_penalty = 1.0;          // MPI: virtual clients a client rank runs one after another
   std::string memory_mode = "streaming";  // streaming | naive
   bool do_server_eval = true;
   int eval_batch_size = 64;

@@ -122,6 +122,12 @@ bool ServerAgent::my_turn_locked(int id) const {
 }
 
 Status ServerAgent::setup() {
+  if (cfg_.server.client_selection != "random") {
+    return invalid_argument(
+        "server_configs.client_selection: '{}' runs in the in-process simulation; over gRPC "
+        "the server selects at random",
+        cfg_.server.client_selection);
+  }
   sampler_.mark(0, "setup");
   // Measured before the model exists: the bound is stated on top of it.
   baseline_rss_ = read_rss_bytes();

@@ -339,6 +339,13 @@ Status run_mpi(int* argc, char*** argv, const ExperimentConfig& cfg_in, const Mp
     MPI_Finalize();
     return invalid_argument("memfl mpi needs at least 2 ranks (server + a client): mpirun -np N+1 memfl mpi CONFIG");
   }
+  if (cfg_in.server.client_selection != "random") {
+    MPI_Finalize();
+    return invalid_argument(
+        "server_configs.client_selection: '{}' runs in the in-process simulation; every MPI "
+        "rank computes the random selection from the seed",
+        cfg_in.server.client_selection);
+  }
   if (cfg_in.server.memory_mode != "streaming") {
     MPI_Finalize();
     return invalid_argument("server_configs.memory_mode: '{}' is built for gRPC only; memfl mpi streams",

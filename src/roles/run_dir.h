@@ -27,6 +27,7 @@ struct RoundMetrics {
   // clients' downloads (broadcast) and uploads, and the bytes each moved.
   double download_seconds = 0, upload_seconds = 0;
   uint64_t bytes_down = 0, bytes_up = 0;
+  int64_t rss_bytes = 0;  // RSS when the round ended (flat memory is checked on this)
   int64_t peak_rss_bytes = 0;
 };
 

@@ -6,6 +6,10 @@
 #include <filesystem>
 #include <numeric>
 #include <random>
+#include <thread>
+#include <condition_variable>
+#include <mutex>
+#include <optional>
 
 #include <nlohmann/json.hpp>
 #include <spdlog/spdlog.h>
@@ -14,6 +18,7 @@
 #include "comm/chunk.h"
 #include "memory/sampler.h"
 #include "roles/client_work.h"
+#include "schedule/client_selection.h"
 #include "tensor/safetensors.h"
 
 namespace memfl {
@@ -102,8 +107,16 @@ StatusOr<SimulationResult> run_simulation(const ExperimentConfig& cfg, const Sim
   const int64_t baseline_rss = read_rss_bytes();
   // One worker replica serves every client in turn; it is built with the
   // seed, so its initial weights are the initial global model.
-  MEMFL_ASSIGN_OR_RETURN(LocalModel worker, make_local_model(cfg, input, /*fill=*/true, sc.seed));
-  const Layout& layout = worker.layout();
+  // (reserved: the layout reference below must not move with the vector)
+  const int k_workers = std::max(1, sc.parallel_clients);
+  std::vector<LocalModel> workers;
+  workers.reserve(static_cast<size_t>(k_workers));
+  {
+    MEMFL_ASSIGN_OR_RETURN(LocalModel first, make_local_model(cfg, input, /*fill=*/true, sc.seed));
+    workers.push_back(std::move(first));
+  }
+  LocalModel& worker0 = workers[0];
+  const Layout& layout = worker0.layout();
   if (cfg.train.device == "cuda") {
     // The GPU's memory joins the timeline (the CUDA caching allocator's view).
     auto backend = load_trainer_backend();
@@ -117,58 +130,133 @@ StatusOr<SimulationResult> run_simulation(const ExperimentConfig& cfg, const Sim
   spdlog::info("model {}: {} parameters, {} ({} tensors), layout {:016x}", cfg.model.model_name, layout.num_params(),
                format_bytes(static_cast<double>(layout.payload_bytes())), layout.size(), layout.hash());
 
+  // More workers (parallel_clients: K), each one replica; the intra-op
+  // threads are split among them so K × threads ≤ cores.
+  for (int k = 1; k < k_workers; ++k) {
+    MEMFL_ASSIGN_OR_RETURN(LocalModel extra, make_local_model(cfg, input, /*fill=*/false, sc.seed));
+    workers.push_back(std::move(extra));
+  }
+  if (k_workers > 1 && !synthetic) {
+    MEMFL_ASSIGN_OR_RETURN(TrainerBackend * backend, load_trainer_backend());
+    const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+    const int total = cfg.train.num_threads > 0 ? cfg.train.num_threads * k_workers : cores;
+    backend->set_num_threads(std::max(1, total / k_workers));
+  }
+
   // ServerAgent state: the global model and the aggregator's running sum.
   Arena global(layout.total_bytes(), MemoryCategory::kModel);
-  std::memcpy(global.data(), worker.arena().data(), layout.total_bytes());
+  std::memcpy(global.data(), worker0.arena().data(), layout.total_bytes());
   FedAvgAggregator aggregator(
       layout, sc.client_weights_mode == "sample_size" ? ClientWeightsMode::kSampleSize : ClientWeightsMode::kEqual);
   const size_t chunk = sc.use_model_chunking ? static_cast<size_t>(sc.model_chunk_size) : layout.total_bytes();
   MEMFL_ASSIGN_OR_RETURN(auto metrics, MetricsWriter::open((fs::path(opts.run_dir) / "metrics.csv").string()));
+  // Client selection: `random` is select_clients (the same on every
+  // transport); the others learn from each client's last loss.
+  MEMFL_ASSIGN_OR_RETURN(auto method, make_client_selection(sc.client_selection, {sc.power_of_choice_d, sc.exploration,
+                                                                                  sc.fairness_penalty}));
+  std::vector<ClientStats> stats(static_cast<size_t>(sc.num_clients));
+  for (size_t c = 0; c < stats.size(); ++c)
+    stats[c].samples = update_sample_count(cfg, synthetic ? nullptr : &clients[c]);
+  std::mt19937_64 selection_rng(sc.seed * 7919 + 17);
   const std::string checkpoint = (fs::path(opts.run_dir) / "global_model.safetensors").string();
 
   for (int round = 1; round <= sc.num_global_epochs; ++round) {
     const auto t_round = std::chrono::steady_clock::now();
     RoundMetrics m;
     m.round = round;
-    const auto selected = select_clients(sc.num_clients, sc.clients_per_round, sc.seed, round);
+    const bool all = sc.clients_per_round <= 0 || sc.clients_per_round >= sc.num_clients;
+    const auto selected = all || sc.client_selection == "random"
+                              ? select_clients(sc.num_clients, sc.clients_per_round, sc.seed, round)
+                              : method->select(round, sc.clients_per_round, stats, selection_rng);
     m.clients = static_cast<int>(selected.size());
     MEMFL_RETURN_IF_ERROR(aggregator.begin_round(round));
     double wsum = 0, vsum = 0;
-    for (int c : selected) {
-      const std::string peer = fmt::format("client_{}", c);
-      const ClientPartition* part = synthetic ? nullptr : &clients[static_cast<size_t>(c)];
-      sampler.mark(round, "broadcast");
-      auto t = std::chrono::steady_clock::now();
-      MEMFL_ASSIGN_OR_RETURN(uint64_t down, broadcast(layout, global, worker.arena(), chunk, peer));
-      m.download_seconds += seconds_since(t);
-      m.bytes_down += down;
-
-      sampler.mark(round, "train");
-      auto tr = local_update(worker, cfg, data ? &*data : nullptr, part, round, c);
-      if (!tr.ok()) return tr.status().with_context(fmt::format("round {}, {}", round, peer));
-
-      // The update folds into the running sum chunk by chunk as it streams.
-      sampler.mark(round, "upload");
-      t = std::chrono::steady_clock::now();
-      const double samples = update_sample_count(cfg, part);
-      MEMFL_ASSIGN_OR_RETURN(auto update, aggregator.open_update(peer, samples));
-      CountingSink counted(*update);
-      auto up = stream_arena(layout, worker.arena(), chunk, counted);
-      if (!up.ok()) return up.status().with_context(fmt::format("round {}, upload from {}", round, peer));
-      MEMFL_RETURN_IF_ERROR(update->commit());
-      m.upload_seconds += seconds_since(t);
-      m.bytes_up += counted.bytes();
-
-      wsum += samples;
-      m.train_loss += samples * tr->train_loss;
-      m.train_accuracy += samples * tr->train_accuracy;
-      if (tr->has_validation) {
-        const double wv = static_cast<double>(part->val.size());
-        vsum += wv;
-        m.val_loss += wv * tr->val_loss;
-        m.val_accuracy += wv * tr->val_accuracy;
+    // Clients take turns on the K workers: a worker receives the global
+    // model, trains, and folds its update when its turn in client order
+    // comes — so the sum, and the model, are the same as with one worker.
+    std::mutex mu;
+    std::condition_variable turn;
+    size_t next_fold = 0;
+    std::atomic<size_t> next_client{0};
+    Status first_error = Status::Ok();
+    auto work = [&](LocalModel& w) {
+      while (true) {
+        const size_t i = next_client.fetch_add(1);
+        if (i >= selected.size()) return;
+        const int c = selected[i];
+        const std::string peer = fmt::format("client_{}", c);
+        const ClientPartition* part = synthetic ? nullptr : &clients[static_cast<size_t>(c)];
+        Status st = Status::Ok();
+        sampler.mark(round, "broadcast");
+        auto t = std::chrono::steady_clock::now();
+        auto down = broadcast(layout, global, w.arena(), chunk, peer);
+        const double down_s = seconds_since(t);
+        std::optional<TrainResult> tr;
+        if (!down.ok()) {
+          st = down.status();
+        } else {
+          sampler.mark(round, "train");
+          auto r = local_update(w, cfg, data ? &*data : nullptr, part, round, c);
+          if (r.ok()) {
+            tr = *r;
+          } else {
+            st = r.status().with_context(fmt::format("round {}, {}", round, peer));
+          }
+        }
+        std::unique_lock lock(mu);
+        turn.wait(lock, [&] { return next_fold == i; });
+        lock.unlock();
+        // The update folds into the running sum chunk by chunk as it streams.
+        const double samples = update_sample_count(cfg, part);
+        double up_s = 0;
+        uint64_t up_bytes = 0;
+        if (st.ok()) {
+          sampler.mark(round, "upload");
+          t = std::chrono::steady_clock::now();
+          auto update = aggregator.open_update(peer, samples);
+          if (!update.ok()) {
+            st = update.status();
+          } else {
+            CountingSink counted(**update);
+            auto up = stream_arena(layout, w.arena(), chunk, counted);
+            st = up.ok() ? (*update)->commit()
+                         : up.status().with_context(fmt::format("round {}, upload from {}", round, peer));
+            up_bytes = counted.bytes();
+          }
+          up_s = seconds_since(t);
+        }
+        lock.lock();
+        if (!st.ok() && first_error.ok()) first_error = st;
+        if (st.ok()) {
+          m.download_seconds += down_s;
+          m.bytes_down += *down;
+          m.upload_seconds += up_s;
+          m.bytes_up += up_bytes;
+          auto& cs = stats[static_cast<size_t>(c)];
+          cs.last_loss = tr->train_loss;
+          cs.times_picked++;
+          cs.last_round = round;
+          wsum += samples;
+          m.train_loss += samples * tr->train_loss;
+          m.train_accuracy += samples * tr->train_accuracy;
+          if (tr->has_validation) {
+            const double wv = static_cast<double>(part->val.size());
+            vsum += wv;
+            m.val_loss += wv * tr->val_loss;
+            m.val_accuracy += wv * tr->val_accuracy;
+          }
+        }
+        next_fold++;  // a failed client still passes its turn on, so no worker waits forever
+        turn.notify_all();
       }
+    };
+    {
+      std::vector<std::thread> threads;
+      for (size_t k = 1; k < workers.size(); ++k) threads.emplace_back([&, k] { work(workers[k]); });
+      work(workers[0]);
+      for (auto& th : threads) th.join();
     }
+    MEMFL_RETURN_IF_ERROR(first_error);
     m.bytes_moved = m.bytes_down + m.bytes_up;
     if (wsum > 0) {
       m.train_loss /= wsum;
@@ -182,11 +270,11 @@ StatusOr<SimulationResult> run_simulation(const ExperimentConfig& cfg, const Sim
     sampler.mark(round, "aggregate");
     MEMFL_RETURN_IF_ERROR(aggregator.finalize(global));
 
-    if (sc.do_server_eval && worker.replica() != nullptr) {
+    if (sc.do_server_eval && worker0.replica() != nullptr) {
       sampler.mark(round, "evaluate");
       // The worker replica is free between clients: evaluate the global model on it.
-      MEMFL_RETURN_IF_ERROR(broadcast(layout, global, worker.arena(), chunk, "server-eval").status());
-      auto ev = worker.replica()->evaluate(data->test, test_idx, sc.eval_batch_size);
+      MEMFL_RETURN_IF_ERROR(broadcast(layout, global, worker0.arena(), chunk, "server-eval").status());
+      auto ev = worker0.replica()->evaluate(data->test, test_idx, sc.eval_batch_size);
       if (!ev.ok()) return ev.status().with_context(fmt::format("round {}, server evaluation", round));
       m.test_loss = ev->loss;
       m.test_accuracy = ev->accuracy;
@@ -197,6 +285,7 @@ StatusOr<SimulationResult> run_simulation(const ExperimentConfig& cfg, const Sim
         {{"format", "memfl"}, {"round", std::to_string(round)}, {"model_name", cfg.model.model_name}}));
     m.round_seconds = seconds_since(t_round);
     m.peak_rss_bytes = sampler.peak_rss();
+    m.rss_bytes = read_rss_bytes();
     MEMFL_RETURN_IF_ERROR(metrics->append(m));
     result.rounds.push_back(m);
     if (opts.progress) {
@@ -230,7 +319,7 @@ StatusOr<SimulationResult> run_simulation(const ExperimentConfig& cfg, const Sim
   // number of clients. Activations come on top and scale with the batch.
   const double m_bytes = static_cast<double>(layout.total_bytes());
   const double sum_bytes = static_cast<double>(aggregator.state_bytes());
-  const bool trains = worker.replica() != nullptr && cfg.train.trainer != "DummyTrainer";
+  const bool trains = worker0.replica() != nullptr && cfg.train.trainer != "DummyTrainer";
   const double opt_models =
       !trains ? 0.0 : (cfg.train.optim.optim == "Adam" ? 2.0 : (cfg.train.optim.momentum > 0 ? 1.0 : 0.0));
   const double bound = m_bytes * (2.0 + (trains ? 1.0 : 0.0) + opt_models) + sum_bytes;
