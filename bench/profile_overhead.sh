@@ -12,12 +12,12 @@ run() {
   t0=$(date +%s.%N)
   "$BUILD/memfl" run -q --set server_configs.num_global_epochs="$ROUNDS" --out "$OUT/$1" $2 >/dev/null
   t1=$(date +%s.%N)
-  echo "$t1 - $t0" | bc
+  awk -v a="$t1" -v b="$t0" 'BEGIN {printf "%.3f", a - b}'
 }
 plain=$(run plain "")
 profiled=$(run profiled --profile)
 "$BUILD/memfl" report "$OUT/profiled" >/dev/null
 tracked=$(grep -o '"peak_tracked_bytes": [0-9]*' "$OUT/profiled/report/data.json" | head -1 | grep -o '[0-9]*$')
 printf '{"rounds": %s, "plain_seconds": %s, "profiled_seconds": %s, "ratio": %s, "profile_bytes": %s, "tracked_peak_bytes": %s}\n' \
-  "$ROUNDS" "$plain" "$profiled" "$(echo "scale=4; $profiled / $plain" | bc)" \
+  "$ROUNDS" "$plain" "$profiled" "$(awk -v a="$profiled" -v b="$plain" 'BEGIN {printf "%.4f", a / b}')" \
   "$(stat -c %s "$OUT/profiled/profile.bin")" "$tracked"
