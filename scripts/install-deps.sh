@@ -21,7 +21,6 @@ PACKAGES=(
   openssl                 # self-signed pairs for the TLS tests
   chromium                # the browser test of the HTML reports (headless)
   clang libclang-rt-14-dev     # libFuzzer for `make fuzz`
-  bc                      # arithmetic in the benchmark scripts
 )
 
 missing=()
