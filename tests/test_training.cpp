@@ -253,3 +253,35 @@ TEST(Simulation, TwoWorkersGiveTheSameModelAsOne) {
 
 }  // namespace
 }  // namespace memfl
+
+namespace memfl {
+namespace {
+
+TEST(Simulation, BudgetChoosesWorkersAndShedsThemWhenExceeded) {
+  testing::TempDir tmp;
+  const std::string sets =
+      " --set server_configs.num_clients=4 --set server_configs.num_global_epochs=2"
+      " --set client_configs.data_configs.dataset_kwargs.max_train_samples=800"
+      " --set client_configs.data_configs.dataset_kwargs.max_test_samples=200";
+  Result fit = memfl_cli("run" + sets +
+                         " --set server_configs.parallel_clients=-1 --set server_configs.memory_budget=16GiB"
+                         " --out " +
+                         tmp.file("fit"));
+  ASSERT_EQ(fit.exit_code, 0) << fit.output;
+  EXPECT_NE(fit.output.find("parallel_clients: -1 →"), std::string::npos) << fit.output;
+  // A budget far below what the run uses: warned, workers shed to one, and
+  // the run still completes with every round.
+  Result over = memfl_cli("run" + sets +
+                          " --set server_configs.parallel_clients=2 --set server_configs.memory_budget=64MiB"
+                          " --out " +
+                          tmp.file("over"));
+  ASSERT_EQ(over.exit_code, 0) << over.output;
+  EXPECT_NE(over.output.find("shedding a worker, 1 left"), std::string::npos) << over.output;
+  EXPECT_EQ(read_csv(tmp.file("over/metrics.csv")).size(), 3u);
+  Result bad = memfl_cli("run" + sets + " --set server_configs.memory_budget=lots --out " + tmp.file("bad"));
+  EXPECT_EQ(bad.exit_code, 2);
+  EXPECT_NE(bad.output.find("server_configs.memory_budget"), std::string::npos) << bad.output;
+}
+
+}  // namespace
+}  // namespace memfl

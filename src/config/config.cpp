@@ -433,10 +433,18 @@ const std::vector<KeySpec>& schema() {
        Type::kInt,
        "1",
        {},
-       1,
+       -1,
        1024,
-       "in-process simulation: worker replicas training selected clients at once (K)",
+       "in-process simulation: worker replicas training selected clients at once (K); -1 = from memory_budget",
        I(server.parallel_clients)},
+      {"server_configs.memory_budget",
+       Type::kString,
+       "80%",
+       {},
+       -kInf,
+       kInf,
+       "simulation memory budget: 80%, 12GiB, 512MiB or bytes; warns at 85 %, sheds workers at 90 %",
+       S(server.memory_budget)},
       {"server_configs.client_selection",
        Type::kString,
        "random",
@@ -748,6 +756,10 @@ void assign(YAML::Node& root, const std::string& path, const YAML::Node& value) 
 }
 
 Status cross_checks(const ExperimentConfig& c, const std::string& source) {
+  if (c.server.parallel_clients == 0) {
+    return invalid_argument("{}: key 'server_configs.parallel_clients' must be ≥ 1, or -1 for 'as many as fit'",
+                            source);
+  }
   if (c.model.model_name == "synthetic" && c.train.trainer != "DummyTrainer") {
     return invalid_argument(
         "{}: model_name 'synthetic' has no network to train; set "

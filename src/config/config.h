@@ -82,7 +82,8 @@ struct ServerConfig {
   int round_timeout_s = 600;
   int connect_timeout_s = 30;
   int clients_per_rank = 1;
-  int parallel_clients = 1;                 // in-process worker replicas (K)
+  int parallel_clients = 1;  // in-process worker replicas (K); -1 = as many as memory_budget allows
+  std::string memory_budget = "80%";
   std::string client_selection = "random";  // see `memfl list-methods`
   int power_of_choice_d = 0;
   double exploration = 0.2;

@@ -7,6 +7,7 @@
 #include <numeric>
 #include <random>
 #include <thread>
+#include <unistd.h>
 #include <condition_variable>
 #include <mutex>
 #include <optional>
@@ -16,6 +17,7 @@
 
 #include "aggregate/fedavg_aggregator.h"
 #include "comm/chunk.h"
+#include "memory/budget.h"
 #include "memory/sampler.h"
 #include "roles/client_work.h"
 #include "schedule/client_selection.h"
@@ -68,6 +70,28 @@ double seconds_since(std::chrono::steady_clock::time_point t) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
 }
 
+// On a terminal, one progress bar redrawn in place (round, method,
+// accuracy, RSS, ETA); otherwise a plain log line per round.
+void print_progress(const ExperimentConfig& cfg, const RoundMetrics& m, double elapsed) {
+  const int total = cfg.server.num_global_epochs;
+  const double eta = elapsed / m.round * (total - m.round);
+  if (isatty(fileno(stdout))) {
+    const int width = 24, done = width * m.round / total;
+    fmt::print("\r\033[K[{}{}] round {}/{}  {}  acc {:.4f}  loss {:.4f}  RSS {}  ETA {:.0f} s{}",
+               std::string(done, '#'), std::string(width - done, '.'), m.round, total, cfg.server.client_selection,
+               m.test_accuracy, m.train_loss, format_bytes(static_cast<double>(m.rss_bytes)), eta,
+               m.round == total ? "\n" : "");
+  } else {
+    fmt::print(
+        "round {:>3}/{}  clients {:>3}  train_loss {:.4f}  val_acc {:.4f}  test_loss {:.4f}  test_acc {:.4f}"
+        "  moved {}  {:.1f} s  peak RSS {}  ETA {:.0f} s\n",
+        m.round, total, m.clients, m.train_loss, m.val_accuracy, m.test_loss, m.test_accuracy,
+        format_bytes(static_cast<double>(m.bytes_moved)), m.round_seconds,
+        format_bytes(static_cast<double>(m.peak_rss_bytes)), eta);
+  }
+  std::fflush(stdout);
+}
+
 }  // namespace
 
 StatusOr<SimulationResult> run_simulation(const ExperimentConfig& cfg, const SimulationOptions& opts) {
@@ -107,10 +131,11 @@ StatusOr<SimulationResult> run_simulation(const ExperimentConfig& cfg, const Sim
   const int64_t baseline_rss = read_rss_bytes();
   // One worker replica serves every client in turn; it is built with the
   // seed, so its initial weights are the initial global model.
+  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  MEMFL_ASSIGN_OR_RETURN(const int64_t budget, parse_memory_budget(sc.memory_budget, total_ram_bytes()));
   // (reserved: the layout reference below must not move with the vector)
-  const int k_workers = std::max(1, sc.parallel_clients);
   std::vector<LocalModel> workers;
-  workers.reserve(static_cast<size_t>(k_workers));
+  workers.reserve(static_cast<size_t>(sc.parallel_clients > 0 ? sc.parallel_clients : cores));
   {
     MEMFL_ASSIGN_OR_RETURN(LocalModel first, make_local_model(cfg, input, /*fill=*/true, sc.seed));
     workers.push_back(std::move(first));
@@ -130,6 +155,25 @@ StatusOr<SimulationResult> run_simulation(const ExperimentConfig& cfg, const Sim
   spdlog::info("model {}: {} parameters, {} ({} tensors), layout {:016x}", cfg.model.model_name, layout.num_params(),
                format_bytes(static_cast<double>(layout.payload_bytes())), layout.size(), layout.hash());
 
+  // parallel_clients: -1 — as many workers as the budget holds, from the
+  // measured cost of the first replica plus its training state.
+  int k_workers = sc.parallel_clients;
+  {
+    const int64_t after_first = read_rss_bytes();
+    const bool trains_here = worker0.replica() != nullptr && cfg.train.trainer != "DummyTrainer";
+    const int64_t opt_models =
+        !trains_here ? 0 : (cfg.train.optim.optim == "Adam" ? 2 : (cfg.train.optim.momentum > 0 ? 1 : 0));
+    const int64_t m_bytes = static_cast<int64_t>(layout.total_bytes());
+    const int64_t replica_cost =
+        std::max<int64_t>(after_first - baseline_rss, m_bytes) + (trains_here ? m_bytes * (1 + opt_models) : 0);
+    if (k_workers < 0) {
+      k_workers = choose_parallel_clients(budget, after_first + 2 * m_bytes, replica_cost, cores);
+      spdlog::info("parallel_clients: -1 → {} worker(s): budget {}, in use {}, one replica ≈ {}", k_workers,
+                   format_bytes(static_cast<double>(budget)),
+                   format_bytes(static_cast<double>(after_first + 2 * m_bytes)),
+                   format_bytes(static_cast<double>(replica_cost)));
+    }
+  }
   // More workers (parallel_clients: K), each one replica; the intra-op
   // threads are split among them so K × threads ≤ cores.
   for (int k = 1; k < k_workers; ++k) {
@@ -138,10 +182,11 @@ StatusOr<SimulationResult> run_simulation(const ExperimentConfig& cfg, const Sim
   }
   if (k_workers > 1 && !synthetic) {
     MEMFL_ASSIGN_OR_RETURN(TrainerBackend * backend, load_trainer_backend());
-    const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
     const int total = cfg.train.num_threads > 0 ? cfg.train.num_threads * k_workers : cores;
     backend->set_num_threads(std::max(1, total / k_workers));
   }
+
+  WorkerGovernor governor(budget, k_workers);
 
   // ServerAgent state: the global model and the aggregator's running sum.
   Arena global(layout.total_bytes(), MemoryCategory::kModel);
@@ -179,8 +224,30 @@ StatusOr<SimulationResult> run_simulation(const ExperimentConfig& cfg, const Sim
     size_t next_fold = 0;
     std::atomic<size_t> next_client{0};
     Status first_error = Status::Ok();
-    auto work = [&](LocalModel& w) {
+    auto work = [&](LocalModel& w, int worker_index) {
       while (true) {
+        {
+          // The governor: warn at 85 % of the budget, one worker fewer at 90 %.
+          std::lock_guard glock(mu);
+          const int64_t rss = read_rss_bytes();
+          switch (governor.observe(rss)) {
+            case WorkerGovernor::Action::kWarn:
+              spdlog::warn("memory: RSS {} is {:.0f} % of the {} budget (server_configs.memory_budget)",
+                           format_bytes(static_cast<double>(rss)),
+                           100.0 * static_cast<double>(rss) / static_cast<double>(budget),
+                           format_bytes(static_cast<double>(budget)));
+              break;
+            case WorkerGovernor::Action::kShed:
+              spdlog::warn("memory: RSS {} is {:.0f} % of the {} budget: shedding a worker, {} left",
+                           format_bytes(static_cast<double>(rss)),
+                           100.0 * static_cast<double>(rss) / static_cast<double>(budget),
+                           format_bytes(static_cast<double>(budget)), governor.active());
+              break;
+            case WorkerGovernor::Action::kNone:
+              break;
+          }
+          if (worker_index >= governor.active()) return;  // shed: the others take its clients
+        }
         const size_t i = next_client.fetch_add(1);
         if (i >= selected.size()) return;
         const int c = selected[i];
@@ -252,9 +319,12 @@ StatusOr<SimulationResult> run_simulation(const ExperimentConfig& cfg, const Sim
     };
     {
       std::vector<std::thread> threads;
-      for (size_t k = 1; k < workers.size(); ++k) threads.emplace_back([&, k] { work(workers[k]); });
-      work(workers[0]);
+      const size_t active = static_cast<size_t>(governor.active());
+      for (size_t k = 1; k < active; ++k) threads.emplace_back([&, k] { work(workers[k], static_cast<int>(k)); });
+      work(workers[0], 0);
       for (auto& th : threads) th.join();
+      // A shed worker's replica goes now, between rounds.
+      for (size_t k = static_cast<size_t>(governor.active()); k < workers.size(); ++k) workers[k] = LocalModel();
     }
     MEMFL_RETURN_IF_ERROR(first_error);
     m.bytes_moved = m.bytes_down + m.bytes_up;
@@ -288,15 +358,7 @@ StatusOr<SimulationResult> run_simulation(const ExperimentConfig& cfg, const Sim
     m.rss_bytes = read_rss_bytes();
     MEMFL_RETURN_IF_ERROR(metrics->append(m));
     result.rounds.push_back(m);
-    if (opts.progress) {
-      fmt::print(
-          "round {:>3}/{}  clients {:>3}  train_loss {:.4f}  val_acc {:.4f}  test_loss {:.4f}  test_acc {:.4f}"
-          "  moved {}  {:.1f} s  peak RSS {}\n",
-          round, sc.num_global_epochs, m.clients, m.train_loss, m.val_accuracy, m.test_loss, m.test_accuracy,
-          format_bytes(static_cast<double>(m.bytes_moved)), m.round_seconds,
-          format_bytes(static_cast<double>(m.peak_rss_bytes)));
-      std::fflush(stdout);
-    }
+    if (opts.progress) print_progress(cfg, m, seconds_since(t_start));
   }
   sampler.mark(sc.num_global_epochs, "done");
   result.peak_rss_bytes = std::max(sampler.peak_rss(), read_peak_rss_bytes());
