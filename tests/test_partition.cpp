@@ -53,7 +53,8 @@ TEST_P(Partitions, CoverEverySampleExactlyOnce) {
 
 INSTANTIATE_TEST_SUITE_P(AllStrategies, Partitions,
                          ::testing::Values(PartitionStrategy::kIid, PartitionStrategy::kDirichlet,
-                                           PartitionStrategy::kClassShards),
+                                           PartitionStrategy::kClassShards, PartitionStrategy::kLognormal,
+                                           PartitionStrategy::kPowerLaw),
                          [](const auto& p) { return std::string(partition_strategy_name(p.param)); });
 
 std::set<int> classes_of(const std::vector<uint32_t>& idx, const std::vector<uint8_t>& l) {
@@ -86,6 +87,21 @@ TEST(Partition, SmallDirichletAlphaSkewsLabels) {
   };
   EXPECT_GT(dominance(*skewed), 0.5);
   EXPECT_LT(dominance(*iid), 0.2);
+}
+
+TEST(Partition, QuantitySkewGivesUnequalSizes) {
+  auto l = labels(20000, 10, 6);
+  for (auto strategy : {PartitionStrategy::kLognormal, PartitionStrategy::kPowerLaw}) {
+    PartitionSpec spec{strategy, 50, 0.5, 2, 8};
+    auto parts = partition_indices(l, 10, spec);
+    ASSERT_TRUE(parts.ok());
+    size_t mn = SIZE_MAX, mx = 0;
+    for (const auto& p : *parts) {
+      mn = std::min(mn, p.size());
+      mx = std::max(mx, p.size());
+    }
+    EXPECT_GE(mx, 4 * mn) << partition_strategy_name(strategy);
+  }
 }
 
 TEST(Partition, IsDeterministicForASeed) {

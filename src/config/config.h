@@ -53,6 +53,8 @@ struct DataConfig {
   std::string partition_strategy = "iid";     // iid | dirichlet | class_shards
   double alpha = 0.5;
   int shards_per_client = 2;
+  double sigma = 1.0;
+  double power_law_a = 1.5;
   double val_ratio = 0.1;
   int64_t max_train_samples = 0;  // 0 = all
   int64_t max_test_samples = 0;

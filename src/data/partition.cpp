@@ -1,6 +1,7 @@
 #include "data/partition.h"
 
 #include <algorithm>
+#include <cmath>
 #include <numeric>
 #include <random>
 
@@ -14,6 +15,10 @@ std::string_view partition_strategy_name(PartitionStrategy s) {
       return "dirichlet";
     case PartitionStrategy::kClassShards:
       return "class_shards";
+    case PartitionStrategy::kLognormal:
+      return "lognormal";
+    case PartitionStrategy::kPowerLaw:
+      return "power_law";
   }
   return "?";
 }
@@ -73,6 +78,35 @@ StatusOr<std::vector<std::vector<uint32_t>>> partition_indices(const std::vector
         if (largest->size() < 2) return invalid_argument("dirichlet partition left a client without samples");
         p.push_back(largest->back());
         largest->pop_back();
+      }
+      break;
+    }
+    case PartitionStrategy::kLognormal:
+    case PartitionStrategy::kPowerLaw: {
+      // Client sizes drawn from the distribution, scaled to n (each ≥ 1),
+      // then a shuffled index list cut at those sizes.
+      std::vector<double> w(k);
+      std::lognormal_distribution<double> lognormal(0.0, spec.sigma);
+      std::uniform_real_distribution<double> u(1e-9, 1.0);
+      for (auto& v : w) {
+        v = spec.strategy == PartitionStrategy::kLognormal ? lognormal(rng) : std::pow(u(rng), -1.0 / spec.power_law_a);
+      }
+      const double total = std::accumulate(w.begin(), w.end(), 0.0);
+      std::vector<size_t> sizes(k, 1);
+      size_t assigned = k;
+      for (size_t c = 0; c < k; ++c) {
+        const size_t extra = static_cast<size_t>(std::floor(w[c] / total * static_cast<double>(n - k)));
+        sizes[c] += extra;
+        assigned += extra;
+      }
+      for (size_t c = 0; assigned < n; c = (c + 1) % k, ++assigned) sizes[c]++;  // rounding remainder
+      std::vector<uint32_t> idx(n);
+      std::iota(idx.begin(), idx.end(), 0u);
+      std::shuffle(idx.begin(), idx.end(), rng);
+      size_t at = 0;
+      for (size_t c = 0; c < k; ++c) {
+        parts[c].assign(idx.begin() + static_cast<ptrdiff_t>(at), idx.begin() + static_cast<ptrdiff_t>(at + sizes[c]));
+        at += sizes[c];
       }
       break;
     }

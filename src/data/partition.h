@@ -1,5 +1,6 @@
 // Partitions of a training set among virtual clients: IID, Dirichlet(alpha)
-// label skew (Hsu et al. 2019) and class shards (McMahan et al. 2017). Every
+// label skew (Hsu et al. 2019), class shards (McMahan et al. 2017), and
+// quantity skew with lognormal or power-law client sizes (IID labels). Every
 // sample goes to exactly one client; each client then splits its indices into
 // train and validation.
 #pragma once
@@ -12,7 +13,7 @@
 
 namespace memfl {
 
-enum class PartitionStrategy { kIid, kDirichlet, kClassShards };
+enum class PartitionStrategy { kIid, kDirichlet, kClassShards, kLognormal, kPowerLaw };
 
 struct PartitionSpec {
   PartitionStrategy strategy = PartitionStrategy::kIid;
@@ -20,6 +21,8 @@ struct PartitionSpec {
   double alpha = 0.5;         // Dirichlet concentration
   int shards_per_client = 2;  // class shards
   uint64_t seed = 0;
+  double sigma = 1.0;        // lognormal client sizes: σ of log(size)
+  double power_law_a = 1.5;  // power-law (Pareto) client sizes: tail exponent
 };
 
 struct ClientPartition {

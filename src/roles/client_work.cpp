@@ -46,7 +46,10 @@ StatusOr<std::vector<ClientPartition>> make_partitions(const ExperimentConfig& c
   PartitionStrategy strategy = PartitionStrategy::kIid;
   if (cfg.data.partition_strategy == "dirichlet") strategy = PartitionStrategy::kDirichlet;
   if (cfg.data.partition_strategy == "class_shards") strategy = PartitionStrategy::kClassShards;
-  PartitionSpec ps{strategy, cfg.server.num_clients, cfg.data.alpha, cfg.data.shards_per_client, cfg.server.seed};
+  if (cfg.data.partition_strategy == "lognormal") strategy = PartitionStrategy::kLognormal;
+  if (cfg.data.partition_strategy == "power_law") strategy = PartitionStrategy::kPowerLaw;
+  PartitionSpec ps{strategy,        cfg.server.num_clients, cfg.data.alpha,      cfg.data.shards_per_client,
+                   cfg.server.seed, cfg.data.sigma,         cfg.data.power_law_a};
   MEMFL_ASSIGN_OR_RETURN(auto parts, partition_indices(train.labels, train.num_classes, ps));
   return split_train_val(std::move(parts), cfg.data.val_ratio, cfg.server.seed);
 }
