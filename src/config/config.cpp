@@ -1,5 +1,7 @@
 #include "config/config.h"
 
+#include "memory/budget.h"
+
 #include <fmt/ranges.h>  // fmt::join (its home since fmt 11; here on 9 too)
 #include <yaml-cpp/yaml.h>
 
@@ -772,6 +774,11 @@ void assign(YAML::Node& root, const std::string& path, const YAML::Node& value) 
 }
 
 Status cross_checks(const ExperimentConfig& c, const std::string& source) {
+  // The budget's syntax is checked here, before any work, not when the
+  // simulator first needs it.
+  if (auto budget = parse_memory_budget(c.server.memory_budget, total_ram_bytes()); !budget.ok()) {
+    return budget.status().with_context(source);
+  }
   if (c.server.parallel_clients == 0) {
     return invalid_argument("{}: key 'server_configs.parallel_clients' must be ≥ 1, or -1 for 'as many as fit'",
                             source);

@@ -8,11 +8,6 @@ namespace memfl {
 
 bool is_synthetic(const ExperimentConfig& cfg) { return cfg.model.model_name == "synthetic"; }
 
-bool needs_torch(const ExperimentConfig& cfg) {
-  // A network's initial weights come from its libtorch init, on every role.
-  return !is_synthetic(cfg);
-}
-
 StatusOr<DatasetSplits> load_data(const ExperimentConfig& cfg) {
   const auto& d = cfg.data;
   if (d.dataset_name == "SyntheticCIFAR10") {

@@ -32,9 +32,6 @@ class LocalModel {
 };
 
 bool is_synthetic(const ExperimentConfig& cfg);
-// Whether a role needs libtorch (the model is a network, not synthetic).
-bool needs_torch(const ExperimentConfig& cfg);
-
 StatusOr<DatasetSplits> load_data(const ExperimentConfig& cfg);
 // model_kwargs that contradict the data set are config errors, named as such.
 StatusOr<InputSpec> input_spec(const ExperimentConfig& cfg, const ImageDataset& train);
