@@ -34,9 +34,24 @@ class FedAvgAggregator::Stream final : public UpdateStream {
       return s;
     }
     std::lock_guard lock(agg_.mu_);
+    double w = weight_;
+    if (agg_.accumulation_ == Accumulation::kRunningMean) {
+      if (agg_.mean_owner_ != this) {
+        if (agg_.mean_owner_ != nullptr) {
+          agg_.tainted_by_ = client_id_;
+          return failed_precondition(
+              "update from {}: a running-mean aggregation folds one update at a time, and another is still open",
+              client_id_);
+        }
+        agg_.mean_owner_ = this;  // our share is fixed when our first byte folds
+        agg_.mean_weight_ += weight_;
+        fraction_ = weight_ / agg_.mean_weight_;
+      }
+      w = fraction_;
+    }
     size_t at = h.offset;
     for (auto part : payload) {  // pieces may cut elements anywhere: fold carries them
-      agg_.fold(at, part, weight_, carry_);
+      agg_.fold(at, part, w, carry_);
       at += part.size();
     }
     next_offset_ += h.length;
@@ -53,6 +68,7 @@ class FedAvgAggregator::Stream final : public UpdateStream {
     }
     std::lock_guard lock(agg_.mu_);
     done_ = true;
+    if (agg_.mean_owner_ == this) agg_.mean_owner_ = nullptr;
     agg_.open_streams_--;
     agg_.total_weight_ += weight_;
     agg_.committed_++;
@@ -65,6 +81,7 @@ class FedAvgAggregator::Stream final : public UpdateStream {
     done_ = true;
     std::lock_guard lock(agg_.mu_);
     agg_.open_streams_--;
+    if (agg_.mean_owner_ == this) agg_.mean_owner_ = nullptr;
     if (next_offset_ > 0 && agg_.tainted_by_.empty()) agg_.tainted_by_ = client_id_;
   }
 
@@ -73,23 +90,48 @@ class FedAvgAggregator::Stream final : public UpdateStream {
   double weight_;
   uint64_t next_offset_ = 0;
   std::byte carry_[8] = {};
+  double fraction_ = 1.0;  // kRunningMean: w_k / W_k
   bool done_ = false;
 };
 
-FedAvgAggregator::FedAvgAggregator(const Layout& layout, ClientWeightsMode mode) : layout_(layout), mode_(mode) {
+size_t FedAvgAggregator::sum_bytes(const Layout& layout) {
+  size_t acc = 0;
+  for (const auto& e : layout.entries()) {
+    acc += (e.numel() * acc_element_size(e.dtype) + kEntryAlignment - 1) / kEntryAlignment * kEntryAlignment;
+  }
+  return acc;
+}
+
+FedAvgAggregator::FedAvgAggregator(const Layout& layout, ClientWeightsMode mode)
+    : FedAvgAggregator(layout, mode, Arena(sum_bytes(layout), MemoryCategory::kAggregation)) {}
+
+FedAvgAggregator::FedAvgAggregator(const Layout& layout, ClientWeightsMode mode, Arena&& sum_storage)
+    : layout_(layout), mode_(mode) {
+  assert(sum_storage.size() >= sum_bytes(layout));
   size_t acc = 0;
   for (const auto& e : layout.entries()) {
     acc_offsets_.push_back(acc);
     acc += (e.numel() * acc_element_size(e.dtype) + kEntryAlignment - 1) / kEntryAlignment * kEntryAlignment;
   }
-  sum_ = Arena(acc, MemoryCategory::kAggregation);
+  sum_ = std::move(sum_storage);
 }
 
-FedAvgAggregator::FedAvgAggregator(const Layout& layout, ClientWeightsMode mode, Arena& in_place)
-    : layout_(layout), mode_(mode) {
-  assert(can_sum_in_place(layout) && in_place.size() >= layout.total_bytes());
+FedAvgAggregator::FedAvgAggregator(const Layout& layout, ClientWeightsMode mode, Arena& in_place,
+                                   Accumulation accumulation)
+    : layout_(layout), mode_(mode), accumulation_(accumulation) {
+  assert((accumulation == Accumulation::kRunningMean || can_sum_in_place(layout)) &&
+         in_place.size() >= layout.total_bytes());
   for (const auto& e : layout.entries()) acc_offsets_.push_back(e.offset);
   in_place_ = &in_place;
+}
+
+Status FedAvgAggregator::retarget(Arena& in_place) {
+  std::lock_guard lock(mu_);
+  if (in_place_ == nullptr) return failed_precondition("retarget: this aggregator keeps its own sum");
+  if (open_streams_ > 0) return failed_precondition("retarget while {} updates are open", open_streams_);
+  if (in_place.size() < layout_.total_bytes()) return failed_precondition("retarget: arena smaller than the model");
+  in_place_ = &in_place;
+  return Status::Ok();
 }
 
 bool FedAvgAggregator::can_sum_in_place(const Layout& layout) {
@@ -107,7 +149,11 @@ bool FedAvgAggregator::tainted() const {
 Status FedAvgAggregator::begin_round(int round) {
   std::lock_guard lock(mu_);
   if (open_streams_ > 0) return failed_precondition("begin_round({}) while {} updates are open", round, open_streams_);
-  if (in_place_ != nullptr) {
+  if (accumulation_ == Accumulation::kRunningMean) {
+    // Nothing to clear: the first update of the round is copied over.
+    mean_weight_ = 0;
+    mean_owner_ = nullptr;
+  } else if (in_place_ != nullptr) {
     in_place_->zero();  // the global model becomes the running sum
   } else if (round_ >= 0) {
     sum_.zero();  // a fresh arena is already zero; don't touch its pages twice
@@ -174,8 +220,77 @@ void FedAvgAggregator::fold(size_t offset, std::span<const std::byte> payload, d
   }
 }
 
+void FedAvgAggregator::mean_elements(const LayoutEntry& e, size_t first, const std::byte* src, size_t count, double f) {
+  std::byte* dst = in_place_->data() + e.offset;
+  const bool copy = f == 1.0;  // the round's first update: exact
+  const float ff = static_cast<float>(f);
+  switch (e.dtype) {
+    case DType::kF32: {
+      float* m = reinterpret_cast<float*>(dst) + first;
+      if (copy) {
+        std::memcpy(m, src, count * 4);
+      } else {
+        for (size_t i = 0; i < count; ++i) m[i] += ff * (load<float>(src + 4 * i) - m[i]);
+      }
+      break;
+    }
+    case DType::kBF16: {
+      uint16_t* m = reinterpret_cast<uint16_t*>(dst) + first;
+      if (copy) {
+        std::memcpy(m, src, count * 2);
+      } else {
+        for (size_t i = 0; i < count; ++i) {
+          const float a = bf16_to_f32(m[i]);
+          m[i] = f32_to_bf16(a + ff * (bf16_to_f32(load<uint16_t>(src + 2 * i)) - a));
+        }
+      }
+      break;
+    }
+    case DType::kF16: {
+      uint16_t* m = reinterpret_cast<uint16_t*>(dst) + first;
+      if (copy) {
+        std::memcpy(m, src, count * 2);
+      } else {
+        for (size_t i = 0; i < count; ++i) {
+          const float a = f16_to_f32(m[i]);
+          m[i] = f32_to_f16(a + ff * (f16_to_f32(load<uint16_t>(src + 2 * i)) - a));
+        }
+      }
+      break;
+    }
+    case DType::kI64: {
+      int64_t* m = reinterpret_cast<int64_t*>(dst) + first;
+      for (size_t i = 0; i < count; ++i) {
+        const double a = static_cast<double>(m[i]);
+        m[i] = static_cast<int64_t>(std::nearbyint(a + f * (static_cast<double>(load<int64_t>(src + 8 * i)) - a)));
+      }
+      break;
+    }
+    case DType::kI32: {
+      int32_t* m = reinterpret_cast<int32_t*>(dst) + first;
+      for (size_t i = 0; i < count; ++i) {
+        const double a = m[i];
+        m[i] = static_cast<int32_t>(std::nearbyint(a + f * (load<int32_t>(src + 4 * i) - a)));
+      }
+      break;
+    }
+    case DType::kU8: {
+      uint8_t* m = reinterpret_cast<uint8_t*>(dst) + first;
+      for (size_t i = 0; i < count; ++i) {
+        const double a = m[i];
+        m[i] = static_cast<uint8_t>(std::nearbyint(a + f * (static_cast<uint8_t>(src[i]) - a)));
+      }
+      break;
+    }
+  }
+}
+
 void FedAvgAggregator::fold_elements(const LayoutEntry& e, size_t acc_offset, size_t first, const std::byte* src,
                                      size_t count, double w) {
+  if (accumulation_ == Accumulation::kRunningMean) {
+    mean_elements(e, first, src, count, w);
+    return;
+  }
   if (dtype_is_float(e.dtype)) {
     float* acc = reinterpret_cast<float*>(this->acc(acc_offset)) + first;
     const float wf = static_cast<float>(w);
@@ -225,6 +340,7 @@ Status FedAvgAggregator::finalize(Arena& global) {
   if (in_place_ != nullptr && in_place_ != &global) {
     return failed_precondition("finalize: the sum lives in another arena than the one given");
   }
+  if (accumulation_ == Accumulation::kRunningMean) return Status::Ok();  // already the mean
   // In place, each element is read (sum) and written (mean) at the same
   // address with the same width, so the loops below are safe either way.
   const auto& entries = layout_.entries();

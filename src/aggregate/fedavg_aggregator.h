@@ -2,11 +2,23 @@
 // computed as a running sum Σ wᵢ·xᵢ over chunks as they arrive, then divided
 // by Σ wᵢ at finalize.
 //
-// Per dtype: f32, bf16 and f16 entries accumulate in f32 (4 bytes per element)
-// and are rounded back to their dtype at finalize (round to nearest even);
-// integer entries (i64/i32/u8, e.g. BatchNorm's num_batches_tracked)
-// accumulate in f64 and are rounded to the nearest integer. So the state is
-// 1× an f32 model, 2× a bf16 one.
+// Per dtype, with the default running sum (Accumulation::kSum): f32, bf16
+// and f16 entries accumulate in f32 (4 bytes per element) and are rounded
+// back to their dtype at finalize (round to nearest even); integer entries
+// (i64/i32/u8, e.g. BatchNorm's num_batches_tracked) accumulate in f64 and are
+// rounded to the nearest integer. So the state is 1× an f32 model, 2× a bf16
+// one.
+//
+// Accumulation::kRunningMean keeps the state in the model's own bytes, for
+// LLM-sized bf16/f16 models where 2× does not fit: after the k-th update
+// (weight w_k, W_k = w_1 + … + w_k) each element is m ← m + (w_k / W_k)·(x_k − m),
+// computed in f32 (f64 for integers) and rounded once to the dtype. The first
+// update is copied exactly; two bf16 updates of equal weight give the
+// correctly rounded mean (x₁ + x₂ fits in f32 exactly); N updates are within
+// (N − 1)/2 units in the last place of the largest input (half an ulp per
+// rounding after the first, exact, update; tested). Updates must then fold
+// one after another (every transport folds in client order anyway); a stream
+// that folds while an earlier one is open is refused.
 //
 // Weights (`client_weights_mode`): `equal` gives every client weight 1;
 // `sample_size` weighs by the sample count the client reported.
@@ -24,6 +36,7 @@
 namespace memfl {
 
 enum class ClientWeightsMode { kEqual, kSampleSize };
+enum class Accumulation { kSum, kRunningMean };
 
 class FedAvgAggregator final : public Aggregator {
  public:
@@ -34,7 +47,17 @@ class FedAvgAggregator final : public Aggregator {
   // (f32 and i64 entries); see sums_in_place(). The caller must have finished
   // broadcasting `in_place` before begin_round(), which zeroes it, and keeps
   // the pre-round checkpoint as the undo.
-  FedAvgAggregator(const Layout& layout, ClientWeightsMode mode, Arena& in_place);
+  FedAvgAggregator(const Layout& layout, ClientWeightsMode mode, Arena& in_place,
+                   Accumulation accumulation = Accumulation::kSum);
+  // The sum in `sum_storage` (e.g. a file-backed arena) instead of memory.
+  FedAvgAggregator(const Layout& layout, ClientWeightsMode mode, Arena&& sum_storage);
+  // Size of the f32/f64 running sum of `layout` (what sum_storage must hold).
+  static size_t sum_bytes(const Layout& layout);
+  // Points the in-place state at another model-sized arena (a file-backed
+  // server folds each round into the next checkpoint's file). Only between
+  // rounds.
+  Status retarget(Arena& in_place);
+  Accumulation accumulation() const { return accumulation_; }
   // Whether a layout's running sum can share the model's bytes.
   static bool can_sum_in_place(const Layout& layout);
   bool sums_in_place() const { return in_place_ != nullptr; }
@@ -55,6 +78,8 @@ class FedAvgAggregator final : public Aggregator {
   void fold(size_t offset, std::span<const std::byte> payload, double w, std::byte* carry);
   void fold_elements(const LayoutEntry& e, size_t acc_offset, size_t first, const std::byte* src, size_t count,
                      double w);
+  // kRunningMean: m ← m + f·(x − m) in the model's dtype (f = 1 copies).
+  void mean_elements(const LayoutEntry& e, size_t first, const std::byte* src, size_t count, double f);
 
   const Layout& layout_;
   ClientWeightsMode mode_;
@@ -62,6 +87,9 @@ class FedAvgAggregator final : public Aggregator {
   std::vector<size_t> acc_offsets_;  // per entry, byte offset into the sum
   Arena sum_;
   Arena* in_place_ = nullptr;
+  Accumulation accumulation_ = Accumulation::kSum;
+  double mean_weight_ = 0;            // kRunningMean: W of the streams that have folded
+  const void* mean_owner_ = nullptr;  // kRunningMean: the stream folding now
   mutable std::mutex mu_;
   int round_ = -1;
   double total_weight_ = 0;

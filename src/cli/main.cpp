@@ -5,11 +5,14 @@
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
+#include <cmath>
 #include <filesystem>
+#include <nlohmann/json.hpp>
 #include <sstream>
 #include <spdlog/spdlog.h>
 
 #include "config/config.h"
+#include "dp/rdp_accountant.h"
 #include "default_config.h"
 #include "roles/run_dir.h"
 #include "roles/simulation.h"
@@ -18,6 +21,7 @@
 #include "roles/compare_methods.h"
 #include "schedule/client_selection.h"
 #include "tensor/safetensors.h"
+#include "tensor/sharded_safetensors.h"
 #ifdef MEMFL_HAVE_MPI
 #include "roles/mpi_roles.h"
 #endif
@@ -62,6 +66,89 @@ void start_profiler(const memfl::ExperimentConfig& cfg, const std::string& dir, 
   }
 }
 
+// memfl inspect PATH: a .safetensors file, an index.json of shards, or a
+// directory holding either. Reads headers only.
+int inspect_checkpoint(const std::string& path) {
+  auto ckpt = memfl::ShardedCheckpoint::open(path);
+  if (!ckpt.ok()) return fail(ckpt.status());
+  size_t params = 0, bytes = 0;
+  std::map<memfl::DType, size_t> bytes_per_dtype;
+  for (const auto& t : ckpt->tensors()) {
+    params += t.numel();
+    bytes += t.nbytes;
+    bytes_per_dtype[t.dtype] += t.nbytes;
+    if (ckpt->sharded()) {
+      fmt::print("{:<48} {:<5} {:<20} {}\n", t.name, memfl::dtype_name(t.dtype),
+                 fmt::format("[{}]", fmt::join(t.shape, ", ")),
+                 std::filesystem::path(ckpt->shard_of(t)).filename().string());
+    } else {
+      fmt::print("{:<48} {:<5} [{}]\n", t.name, memfl::dtype_name(t.dtype), fmt::join(t.shape, ", "));
+    }
+  }
+  fmt::print("{} tensors, {} parameters, {}\n", ckpt->tensors().size(), params,
+             memfl::format_bytes(static_cast<double>(bytes)));
+  std::vector<std::string> per_dtype;
+  for (const auto& [dtype, n] : bytes_per_dtype) {
+    per_dtype.push_back(fmt::format("{} {}", memfl::dtype_name(dtype), memfl::format_bytes(static_cast<double>(n))));
+  }
+  fmt::print("bytes per dtype: {}\n", fmt::join(per_dtype, ", "));
+  if (ckpt->sharded()) fmt::print("{} shards, index {}\n", ckpt->shards().size(), ckpt->index_path());
+  return kExitOk;
+}
+
+// memfl privacy: the (ε, δ) of DP-SGD / DP-FedAvg run for `steps` steps of the
+// Poisson-subsampled Gaussian (σ, q), by the RDP accountant (Opacus's orders
+// and conversion).
+struct PrivacyArgs {
+  double noise_multiplier = 0, sample_rate = 0, delta = 0;
+  int64_t steps = 0;
+  bool json = false;
+};
+
+int privacy_command(const PrivacyArgs& a) {
+  memfl::RdpAccountant accountant;
+  memfl::Status st = accountant.step(a.noise_multiplier, a.sample_rate, a.steps);
+  if (!st.ok()) return fail(st.with_context("privacy"));
+  auto spent = accountant.privacy_spent(a.delta);
+  if (!spent.ok()) return fail(spent.status().with_context("privacy"));
+  const std::vector<double>& orders = accountant.orders();
+  const bool at_edge = a.steps > 0 && (spent->order == orders.front() || spent->order == orders.back());
+  if (a.json) {
+    nlohmann::json j;
+    j["accountant"] = "rdp";
+    j["conversion"] = "balle2020";
+    j["noise_multiplier"] = a.noise_multiplier;
+    j["sample_rate"] = a.sample_rate;
+    j["steps"] = a.steps;
+    j["delta"] = a.delta;
+    j["order_at_edge"] = at_edge;
+    // JSON has no infinity: an unbounded ε is null.
+    j["epsilon"] = std::isfinite(spent->epsilon) ? nlohmann::json(spent->epsilon) : nlohmann::json(nullptr);
+    j["order"] = spent->order > 0 ? nlohmann::json(spent->order) : nlohmann::json(nullptr);
+    fmt::print("{}\n", j.dump());
+    return kExitOk;
+  }
+  std::string eps = fmt::format("{:.2f}", spent->epsilon);
+  if (spent->epsilon == 0) {
+    eps = "0";
+  } else if (spent->epsilon < 0.01) {
+    eps = fmt::format("{:.3g}", spent->epsilon);
+  }
+  std::string order = fmt::format("order {:.1f}", spent->order);
+  if (a.steps == 0) {
+    order = "no steps";
+  } else if (spent->order == 0) {
+    order = "no order gives a finite bound";
+  }
+  fmt::print("epsilon = {} ({}, delta {}, sigma {}, q {:.3g}, steps {})\n", eps, order, a.delta, a.noise_multiplier,
+             a.sample_rate, a.steps);
+  if (at_edge) {
+    fmt::print(stderr, "memfl: note: the best order is the {} one tried ({}); epsilon may be looser than it could be\n",
+               spent->order == orders.front() ? "smallest" : "largest", spent->order);
+  }
+  return kExitOk;
+}
+
 memfl::StatusOr<memfl::ExperimentConfig> load(const std::string& path, const std::vector<std::string>& sets) {
   if (path.empty()) return memfl::load_config_text(memfl::kDefaultConfigYaml, memfl::kDefaultConfigName, sets);
   return memfl::load_config_file(path, sets);
@@ -95,6 +182,15 @@ int main(int argc, char** argv) {
   app.add_subcommand("config-keys", "List every config key with its type, default and meaning");
   app.add_subcommand("list-models", "List the models of the registry");
   app.add_subcommand("list-methods", "List the client selection methods");
+  PrivacyArgs privacy_args;
+  auto* privacy = app.add_subcommand(
+      "privacy", "Epsilon of DP-SGD / DP-FedAvg: RDP accountant of the Poisson-subsampled Gaussian mechanism");
+  privacy->add_option("--noise-multiplier", privacy_args.noise_multiplier, "sigma: noise std / clipping norm, > 0")
+      ->required();
+  privacy->add_option("--sample-rate", privacy_args.sample_rate, "q: chance a record is in a step, (0, 1]")->required();
+  privacy->add_option("--steps", privacy_args.steps, "number of steps (rounds), >= 0")->required();
+  privacy->add_option("--delta", privacy_args.delta, "target delta, (0, 1), e.g. 1e-5")->required();
+  privacy->add_flag("--json", privacy_args.json, "print one JSON object instead of a sentence");
   memfl::CompareMethodsOptions cm;
   std::string methods_csv;
   auto* compare_methods =
@@ -162,8 +258,9 @@ int main(int argc, char** argv) {
   compare->add_option("--out", compare_out, "output directory (default: <first run>/compare)");
 
   std::string st_path;
-  auto* inspect = app.add_subcommand("inspect", "Print the tensors of a safetensors file");
-  inspect->add_option("FILE", st_path, "a .safetensors file")->required();
+  auto* inspect = app.add_subcommand("inspect", "Print the tensors of a safetensors checkpoint (one file or shards)");
+  inspect->add_option("PATH", st_path, "a .safetensors file, a model.safetensors.index.json, or a directory of either")
+      ->required();
 
   try {
     app.parse(argc, argv);
@@ -195,6 +292,7 @@ int main(int argc, char** argv) {
     fmt::print("{}", memfl::describe_config_keys());
     return kExitOk;
   }
+  if (app.got_subcommand("privacy")) return privacy_command(privacy_args);
   if (app.got_subcommand("list-methods")) {
     for (const auto& m : memfl::client_selection_methods()) fmt::print("{:<18} {}\n", m.name, m.description);
     return kExitOk;
@@ -217,21 +315,7 @@ int main(int argc, char** argv) {
     for (const auto& n : memfl::known_model_names()) fmt::print("{}\n", n);
     return kExitOk;
   }
-  if (app.got_subcommand("inspect")) {
-    auto file = memfl::SafetensorsFile::open(st_path);
-    if (!file.ok()) return fail(file.status());
-    size_t params = 0, bytes = 0;
-    for (const auto& t : (*file)->tensors()) {
-      size_t n = 1;
-      for (auto d : t.shape) n *= static_cast<size_t>(d);
-      params += n;
-      bytes += t.data.size();
-      fmt::print("{:<48} {:<5} [{}]\n", t.name, memfl::dtype_name(t.dtype), fmt::join(t.shape, ", "));
-    }
-    fmt::print("{} tensors, {} parameters, {}\n", (*file)->tensors().size(), params,
-               memfl::format_bytes(static_cast<double>(bytes)));
-    return kExitOk;
-  }
+  if (app.got_subcommand("inspect")) return inspect_checkpoint(st_path);
   if (app.got_subcommand("validate")) {
     auto cfg = load(config_path, sets);
     if (!cfg.ok()) return fail(cfg.status());

@@ -66,6 +66,10 @@ Status failed_precondition(fmt::format_string<Args...> f, Args&&... args) {
   return {StatusCode::kFailedPrecondition, fmt::format(f, std::forward<Args>(args)...)};
 }
 template <typename... Args>
+Status resource_exhausted(fmt::format_string<Args...> f, Args&&... args) {
+  return Status(StatusCode::kResourceExhausted, fmt::format(f, std::forward<Args>(args)...));
+}
+template <typename... Args>
 Status internal_error(fmt::format_string<Args...> f, Args&&... args) {
   return {StatusCode::kInternal, fmt::format(f, std::forward<Args>(args)...)};
 }

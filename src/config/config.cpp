@@ -14,7 +14,7 @@
 namespace memfl {
 
 const std::vector<std::string>& known_model_names() {
-  static const std::vector<std::string> names = {"CNN", "MLP", "ResNet18", "synthetic"};
+  static const std::vector<std::string> names = {"CNN", "MLP", "ResNet18", "synthetic", "llama-tiny", "llama-1b", "llama-8b", "llama-70b", "llama"};
   return names;
 }
 
@@ -232,7 +232,7 @@ const std::vector<KeySpec>& schema() {
        {"f32", "bf16", "f16"},
        -kInf,
        kInf,
-       "synthetic model: dtype",
+       "synthetic and llama models: dtype of the weights",
        S(model.dtype)},
       {"client_configs.model_configs.model_kwargs.num_channel",
        Type::kInt,
@@ -264,8 +264,17 @@ const std::vector<KeySpec>& schema() {
        {},
        1,
        1e6,
-       "MLP hidden width",
+       "MLP hidden width; model_name llama: hidden size",
        I(model.hidden_size)},
+      // clang-format off
+      {"client_configs.model_configs.model_kwargs.num_layers", Type::kInt, "2", {}, 1, 1024, "llama: decoder layers", I(model.num_layers)},
+      {"client_configs.model_configs.model_kwargs.num_heads", Type::kInt, "4", {}, 1, 1024, "llama: attention heads", I(model.num_heads)},
+      {"client_configs.model_configs.model_kwargs.num_kv_heads", Type::kInt, "2", {}, 1, 1024, "llama: key/value heads (grouped-query attention)", I(model.num_kv_heads)},
+      {"client_configs.model_configs.model_kwargs.intermediate_size", Type::kInt, "172", {}, 1, 1e7, "llama: SwiGLU MLP width", I(model.intermediate_size)},
+      {"client_configs.model_configs.model_kwargs.vocab_size", Type::kInt, "256", {}, 2, 1e7, "llama: vocabulary", I(model.vocab_size)},
+      {"client_configs.model_configs.model_kwargs.tie_word_embeddings", Type::kBool, "false", {}, -kInf, kInf, "llama: LM head shares the embedding", B(model.tie_word_embeddings)},
+      {"client_configs.model_configs.model_kwargs.seq_length", Type::kInt, "64", {}, 2, 1 << 20, "llama training: tokens per sample", I(model.seq_length)},
+      // clang-format on
       // client_configs.data_configs
       {"client_configs.data_configs.dataset_name",
        Type::kString,
@@ -584,6 +593,11 @@ const std::vector<KeySpec>& schema() {
        "token clients must present at Register (empty = none)",
        S(server.auth_token)},
       // memory_configs
+      // clang-format off
+      {"memory_configs.arena_backing", Type::kString, "memory", {"memory", "file"}, -kInf, kInf, "model-sized arenas in anonymous memory, or in mmap'd files (models larger than RAM)", S(memory.arena_backing)},
+      {"memory_configs.scratch_dir", Type::kString, "\"\"", {}, -kInf, kInf, "arena_backing file: directory of the arena files (empty = the role's run directory)", S(memory.scratch_dir)},
+      {"server_configs.aggregator_kwargs.accumulator", Type::kString, "auto", {"auto", "f32", "model_dtype"}, -kInf, kInf, "FedAvg state for bf16/f16 models: f32 running sum (2x the model), model_dtype running mean in the model's own bytes (1x); auto = model_dtype when arena_backing is file", S(server.accumulator)},
+      // clang-format on
       {"memory_configs.sample_interval_ms",
        Type::kInt,
        "5",

@@ -44,7 +44,12 @@ struct ModelConfig {
   std::string dtype = "f32";       // synthetic: f32 | bf16 | f16
   // 0 = take it from the data set; otherwise must agree with it.
   int num_channel = 0, num_pixel = 0, num_classes = 0;
-  int hidden_size = 200;  // MLP
+  int hidden_size = 200;  // MLP; llama (custom spec)
+  // model_name "llama": a custom spec (the llama-* presets fix their own).
+  int num_layers = 2, num_heads = 4, num_kv_heads = 2;
+  int64_t intermediate_size = 172, vocab_size = 256;
+  bool tie_word_embeddings = false;
+  int seq_length = 64;  // llama training: tokens per sample
 };
 
 struct DataConfig {
@@ -91,6 +96,9 @@ struct ServerConfig {
   double exploration = 0.2;
   double fairness_penalty = 1.0;          // MPI: virtual clients a client rank runs one after another
   std::string memory_mode = "streaming";  // streaming | naive
+  // FedAvg accumulator for 16-bit models: f32 (a running sum, 2× a bf16
+  // model), model_dtype (a running mean in the model's bytes, 1×), or auto.
+  std::string accumulator = "auto";
   bool do_server_eval = true;
   int eval_batch_size = 64;
 };
@@ -99,6 +107,10 @@ struct MemoryConfig {
   int sample_interval_ms = 5;
   bool profile = false;                  // allocation tracker (also --profile)
   int64_t profile_threshold = 64 << 10;  // allocations at or above this get a stack
+  // Where model-sized arenas live: anonymous memory, or files (mmap'd; the
+  // kernel pages them) so a model larger than free RAM can pass through.
+  std::string arena_backing = "memory";  // memory | file
+  std::string scratch_dir;               // file backing: empty = the role's run directory
 };
 
 struct ExperimentConfig {

@@ -1,12 +1,40 @@
+#include <cassert>
 #include "roles/client_work.h"
 
+#include <filesystem>
 #include <thread>
 
+#include "model/llama.h"
 #include "model/synthetic.h"
 
 namespace memfl {
 
-bool is_synthetic(const ExperimentConfig& cfg) { return cfg.model.model_name == "synthetic"; }
+bool is_spec_only(const ExperimentConfig& cfg) {
+  return cfg.model.model_name == "synthetic" ||
+         (is_llama_model(cfg.model.model_name) && cfg.train.trainer == "DummyTrainer");
+}
+
+LocalModel LocalModel::from_arena(Layout layout, Arena arena) {
+  LocalModel m;
+  m.layout_ = std::move(layout);
+  m.arena_ = std::move(arena);
+  return m;
+}
+
+void LocalModel::replace_arena(Arena&& arena) {
+  assert(!replica_ && arena.size() >= layout_.total_bytes());
+  arena_ = std::move(arena);
+}
+
+StatusOr<Arena> make_model_arena(const ExperimentConfig& cfg, size_t bytes, const std::string& run_dir,
+                                 MemoryCategory category) {
+  if (cfg.memory.arena_backing == "file") {
+    std::string dir = cfg.memory.scratch_dir;
+    if (dir.empty()) dir = run_dir.empty() ? std::filesystem::temp_directory_path().string() : run_dir;
+    return Arena::scratch_file(dir, bytes, category);
+  }
+  return Arena(bytes, category, /*populate=*/true);
+}
 
 StatusOr<DatasetSplits> load_data(const ExperimentConfig& cfg) {
   const auto& d = cfg.data;
@@ -49,11 +77,13 @@ StatusOr<std::vector<ClientPartition>> make_partitions(const ExperimentConfig& c
   return split_train_val(std::move(parts), cfg.data.val_ratio, cfg.server.seed);
 }
 
-StatusOr<LocalModel> make_local_model(const ExperimentConfig& cfg, const InputSpec& input, bool fill, uint64_t seed) {
+StatusOr<LocalModel> make_local_model(const ExperimentConfig& cfg, const InputSpec& input, bool fill, uint64_t seed,
+                                      const std::string& run_dir) {
   LocalModel m;
-  if (is_synthetic(cfg)) {
-    MEMFL_ASSIGN_OR_RETURN(m.layout_, synthetic_layout(cfg.model.num_params, *dtype_from_name(cfg.model.dtype)));
-    m.arena_ = Arena(m.layout_.total_bytes(), MemoryCategory::kModel, /*populate=*/true);
+  if (is_spec_only(cfg)) {
+    MEMFL_ASSIGN_OR_RETURN(auto layout, layout_without_network(cfg.model));
+    m.layout_ = std::move(*layout);
+    MEMFL_ASSIGN_OR_RETURN(m.arena_, make_model_arena(cfg, m.layout_.total_bytes(), run_dir));
     if (fill) fill_synthetic(m.layout_, m.arena_, seed);
     return m;
   }

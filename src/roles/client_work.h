@@ -23,15 +23,27 @@ class LocalModel {
   const Layout& layout() const { return replica_ ? replica_->layout() : layout_; }
   Arena& arena() { return replica_ ? replica_->arena() : arena_; }
   ModelReplica* replica() { return replica_.get(); }
+  // A model with no network behind it: a layout and the arena holding it.
+  static LocalModel from_arena(Layout layout, Arena arena);
+  // Swaps in another arena of the same layout (a file-backed server moves to
+  // the next round's checkpoint file). Only for models without a network.
+  void replace_arena(Arena&& arena);
 
  private:
-  friend StatusOr<LocalModel> make_local_model(const ExperimentConfig&, const InputSpec&, bool, uint64_t);
+  friend StatusOr<LocalModel> make_local_model(const ExperimentConfig&, const InputSpec&, bool, uint64_t,
+                                               const std::string&);
   std::unique_ptr<ModelReplica> replica_;
   Layout layout_;
   Arena arena_;
 };
 
-bool is_synthetic(const ExperimentConfig& cfg);
+// Whether the model is described without a network and nothing trains it
+// (synthetic models, llama specs under DummyTrainer): no data set, no libtorch.
+bool is_spec_only(const ExperimentConfig& cfg);
+// A model-sized arena where memory_configs.arena_backing says: anonymous
+// memory, or a scratch file in memory_configs.scratch_dir (else `run_dir`).
+StatusOr<Arena> make_model_arena(const ExperimentConfig& cfg, size_t bytes, const std::string& run_dir,
+                                 MemoryCategory category = MemoryCategory::kModel);
 StatusOr<DatasetSplits> load_data(const ExperimentConfig& cfg);
 // model_kwargs that contradict the data set are config errors, named as such.
 StatusOr<InputSpec> input_spec(const ExperimentConfig& cfg, const ImageDataset& train);
@@ -39,7 +51,10 @@ StatusOr<std::vector<ClientPartition>> make_partitions(const ExperimentConfig& c
 
 // Builds the model. `fill` asks a synthetic model for seeded values (the
 // initial global model); a receiver leaves it zero, to be overwritten.
-StatusOr<LocalModel> make_local_model(const ExperimentConfig& cfg, const InputSpec& input, bool fill, uint64_t seed);
+// A file-backed spec-only model lives in a scratch file of `run_dir` unless
+// memory_configs.scratch_dir names another place.
+StatusOr<LocalModel> make_local_model(const ExperimentConfig& cfg, const InputSpec& input, bool fill, uint64_t seed,
+                                      const std::string& run_dir = {});
 
 // The seed of client `client`'s local training in `round`.
 uint64_t client_train_seed(uint64_t seed, int round, int client);

@@ -123,14 +123,14 @@ Status run_grpc_client(const ExperimentConfig& local, int client_id, const RoleO
   std::optional<DatasetSplits> data;
   std::vector<ClientPartition> parts;
   InputSpec input;
-  if (!is_synthetic(cfg)) {
+  if (!is_spec_only(cfg)) {
     MEMFL_ASSIGN_OR_RETURN(data, load_data(cfg));
     MEMFL_ASSIGN_OR_RETURN(input, input_spec(cfg, data->train));
     MEMFL_ASSIGN_OR_RETURN(parts, make_partitions(cfg, data->train));
   }
   const ClientPartition* part = parts.empty() ? nullptr : &parts[static_cast<size_t>(client_id)];
   const int64_t before_model_rss = read_rss_bytes();
-  MEMFL_ASSIGN_OR_RETURN(LocalModel model, make_local_model(cfg, input, /*fill=*/false, cfg.server.seed));
+  MEMFL_ASSIGN_OR_RETURN(LocalModel model, make_local_model(cfg, input, /*fill=*/false, cfg.server.seed, opts.run_dir));
   const Layout& layout = model.layout();
   const size_t chunk =
       cfg.server.use_model_chunking ? static_cast<size_t>(cfg.server.model_chunk_size) : layout.total_bytes();

@@ -21,6 +21,7 @@
 #include "memory/sampler.h"
 #include "roles/client_work.h"
 #include "roles/grpc_roles.h"
+#include "roles/global_model.h"
 #include "roles/run_dir.h"
 #include "roles/simulation.h"
 #include "tensor/safetensors.h"
@@ -61,7 +62,6 @@ class ServerAgent {
  private:
   Status setup();
   Status play_round(int round, RoundMetrics* m, bool* redo);
-  Status restore_from_checkpoint();
   bool wait_for(std::unique_lock<std::mutex>& lock, Clock::time_point deadline, const std::function<bool()>& pred);
   void fail_locked(int id, const std::string& why);
   bool my_turn_locked(int id) const;
@@ -74,10 +74,10 @@ class ServerAgent {
   RoleOptions opts_;
   MemorySampler sampler_{"server", cfg_.memory.sample_interval_ms};
   std::optional<DatasetSplits> data_;
-  std::optional<LocalModel> model_;  // the global model (its arena), and the network for evaluation
-  std::unique_ptr<FedAvgAggregator> aggregator_;
+  // The global model (its arena, and the network for evaluation) with its
+  // aggregator and undo.
+  std::unique_ptr<GlobalModel> global_;
   size_t chunk_ = 0;
-  std::string checkpoint_;
   int64_t baseline_rss_ = 0;
   bool naive_ = false;
 
@@ -132,41 +132,25 @@ Status ServerAgent::setup() {
   // Measured before the model exists: the bound is stated on top of it.
   baseline_rss_ = read_rss_bytes();
   InputSpec input;
-  if (!is_synthetic(cfg_)) {
+  if (!is_spec_only(cfg_)) {
     MEMFL_ASSIGN_OR_RETURN(data_, load_data(cfg_));
     MEMFL_ASSIGN_OR_RETURN(input, input_spec(cfg_, data_->train));
   }
-  MEMFL_ASSIGN_OR_RETURN(auto m, make_local_model(cfg_, input, /*fill=*/true, cfg_.server.seed));
-  model_.emplace(std::move(m));
-  const Layout& layout = model_->layout();
-  const auto mode =
-      cfg_.server.client_weights_mode == "sample_size" ? ClientWeightsMode::kSampleSize : ClientWeightsMode::kEqual;
   naive_ = cfg_.server.memory_mode == "naive";
-  if (!naive_ && FedAvgAggregator::can_sum_in_place(layout)) {
-    aggregator_ = std::make_unique<FedAvgAggregator>(layout, mode, model_->arena());
-  } else {
-    aggregator_ = std::make_unique<FedAvgAggregator>(layout, mode);
-  }
+  MEMFL_ASSIGN_OR_RETURN(global_, GlobalModel::create(cfg_, input, opts_.run_dir, naive_));
+  const Layout& layout = global_->layout();
   chunk_ = cfg_.server.use_model_chunking ? static_cast<size_t>(cfg_.server.model_chunk_size) : layout.total_bytes();
-  checkpoint_ = (fs::path(opts_.run_dir) / "global_model.safetensors").string();
-  // Round 0's checkpoint is the initial model: the undo of round 1.
-  MEMFL_RETURN_IF_ERROR(write_safetensors(checkpoint_, layout, model_->arena(), {{"round", "0"}}));
   slots_.resize(static_cast<size_t>(cfg_.server.num_clients));
   spdlog::info("server: model {} ({} parameters, {}), layout {:016x}, {} aggregation, chunk {}", cfg_.model.model_name,
                layout.num_params(), format_bytes(static_cast<double>(layout.payload_bytes())), layout.hash(),
-               naive_ ? "naive" : (aggregator_->sums_in_place() ? "in-place streaming" : "streaming"),
+               global_->description(),
                format_bytes(static_cast<double>(chunk_)));
   return Status::Ok();
 }
 
-Status ServerAgent::restore_from_checkpoint() {
-  MEMFL_ASSIGN_OR_RETURN(auto file, SafetensorsFile::open(checkpoint_));
-  return file->load_into(model_->layout(), model_->arena());
-}
-
 grpc::Status ServerAgent::send_model(grpc::ServerReaderWriter<Frame, Frame>* stream, int round,
                                      const std::string& peer) {
-  const Layout& layout = model_->layout();
+  const Layout& layout = global_->model().layout();
   wire::ServerMessage begin;
   begin.mutable_model_begin()->set_round(round);
   begin.mutable_model_begin()->set_layout_hash(layout.hash());
@@ -180,7 +164,7 @@ grpc::Status ServerAgent::send_model(grpc::ServerReaderWriter<Frame, Frame>* str
   // frameworks do (pickle/torch.save); streaming sends from the arena.
   std::vector<std::byte> serialised;
   std::atomic<int64_t> serialised_inflight{0};
-  const std::byte* base = model_->arena().data();
+  const std::byte* base = global_->model().arena().data();
   if (naive_) {
     serialised.assign(base, base + layout.total_bytes());
     base = serialised.data();
@@ -225,11 +209,11 @@ grpc::Status ServerAgent::receive_update(grpc::ServerReaderWriter<Frame, Frame>*
     }
     if (!up_start_) up_start_ = Clock::now();
   }
-  const Layout& layout = model_->layout();
+  const Layout& layout = global_->model().layout();
   std::unique_ptr<UpdateStream> update;
   std::vector<std::byte> naive_copy;
   if (!naive_) {
-    auto u = aggregator_->open_update(peer, md.sample_count());
+    auto u = global_->aggregator().open_update(peer, md.sample_count());
     if (!u.ok()) return {grpc::StatusCode::INVALID_ARGUMENT, u.status().message()};
     update = std::move(*u);
   } else {
@@ -421,11 +405,11 @@ grpc::Status ServerAgent::session(grpc::ServerContext* ctx, grpc::ServerReaderWr
 void ServerAgent::naive_average_locked() {
   // Naive: every client's model was held whole; average them now.
   if (naive_updates_.empty()) return;
-  (void)aggregator_->begin_round(round_);
+  (void)global_->aggregator().begin_round(round_);
   for (auto& [w, bytes] : naive_updates_) {
-    auto u = aggregator_->open_update("naive", w);
+    auto u = global_->aggregator().open_update("naive", w);
     std::span<const std::byte> all(bytes.data(), bytes.size());
-    ChunkHeader h{model_->layout().hash(), 0, bytes.size(), chunk_checksum(all)};
+    ChunkHeader h{global_->model().layout().hash(), 0, bytes.size(), chunk_checksum(all)};
     (void)(*u)->accept(h, all);
     (void)(*u)->commit();
   }
@@ -475,7 +459,7 @@ Status ServerAgent::play_round(int round, RoundMetrics* m, bool* redo) {
   lock.unlock();
   while (inflight_.load() > 0) std::this_thread::sleep_for(std::chrono::microseconds(200));
   lock.lock();
-  MEMFL_RETURN_IF_ERROR(aggregator_->begin_round(round));  // in place: the global model becomes the sum
+  MEMFL_RETURN_IF_ERROR(global_->begin_round(round));  // in place: the global model becomes the sum
   phase_ = Phase::kUpload;
   sampler_.mark(round, "upload");
   cv_.notify_all();
@@ -487,13 +471,12 @@ Status ServerAgent::play_round(int round, RoundMetrics* m, bool* redo) {
   phase_ = Phase::kWaiting;
   sampler_.mark(round, "aggregate");
   if (naive_) naive_average_locked();
-  Status fin = aggregator_->finalize(model_->arena());
+  Status fin = global_->finish_round(round);
   if (!fin.ok()) {
     // A broken update was partly counted (or none completed): the global
     // model is restored from the pre-round checkpoint and the round is redone
     // with the clients that are still in.
     spdlog::warn("round {}: {} — restoring the pre-round checkpoint and redoing the round", round, fin.message());
-    MEMFL_RETURN_IF_ERROR(restore_from_checkpoint());
     *redo = true;
     return Status::Ok();
   }
@@ -517,19 +500,17 @@ Status ServerAgent::play_round(int round, RoundMetrics* m, bool* redo) {
   if (down_start_) m->download_seconds = std::chrono::duration<double>(down_end_ - *down_start_).count();
   if (up_start_) m->upload_seconds = std::chrono::duration<double>(up_end_ - *up_start_).count();
   lock.unlock();
-  if (cfg_.server.do_server_eval && model_->replica() != nullptr) {
+  if (cfg_.server.do_server_eval && global_->model().replica() != nullptr) {
     sampler_.mark(round, "evaluate");
     std::vector<uint32_t> idx(data_->test.size());
     std::iota(idx.begin(), idx.end(), 0u);
-    auto ev = model_->replica()->evaluate(data_->test, idx, cfg_.server.eval_batch_size);
+    auto ev = global_->model().replica()->evaluate(data_->test, idx, cfg_.server.eval_batch_size);
     if (!ev.ok()) return ev.status();
     m->test_loss = ev->loss;
     m->test_accuracy = ev->accuracy;
   }
   sampler_.mark(round, "checkpoint");
-  MEMFL_RETURN_IF_ERROR(write_safetensors(
-      checkpoint_, model_->layout(), model_->arena(),
-      {{"format", "memfl"}, {"round", std::to_string(round)}, {"model_name", cfg_.model.model_name}}));
+  MEMFL_RETURN_IF_ERROR(global_->write_checkpoint(round));
   m->round_seconds = std::chrono::duration<double>(Clock::now() - t_round).count();
   m->peak_rss_bytes = sampler_.peak_rss();
   return Status::Ok();
@@ -631,11 +612,11 @@ Status ServerAgent::run() {
   nlohmann::ordered_json summary;
   summary["role"] = "server";
   summary["rounds"] = rounds.size();
-  summary["model_bytes"] = model_->layout().payload_bytes();
-  summary["num_params"] = model_->layout().num_params();
+  summary["model_bytes"] = global_->model().layout().payload_bytes();
+  summary["num_params"] = global_->model().layout().num_params();
   summary["baseline_rss_bytes"] = baseline_rss_;
   summary["peak_rss_bytes"] = std::max(sampler_.peak_rss(), read_peak_rss_bytes());
-  summary["sum_in_place"] = aggregator_->sums_in_place();
+  summary["sum_in_place"] = global_->aggregator().sums_in_place();
   summary["memory_mode"] = sc.memory_mode;
   summary["final_test_accuracy"] = rounds.empty() ? 0.0 : rounds.back().test_accuracy;
   summary["status"] = result.ok() ? "ok" : result.message();

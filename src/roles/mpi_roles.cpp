@@ -15,6 +15,7 @@
 #include "comm/chunk.h"
 #include "memory/sampler.h"
 #include "roles/client_work.h"
+#include "roles/global_model.h"
 #include "roles/run_dir.h"
 #include "roles/simulation.h"
 #include "tensor/safetensors.h"
@@ -73,26 +74,18 @@ Status run_server(const ExperimentConfig& cfg, int world, const std::string& dir
   const int64_t baseline = read_rss_bytes();
   std::optional<DatasetSplits> data;
   InputSpec input;
-  if (!is_synthetic(cfg)) {
+  if (!is_spec_only(cfg)) {
     MEMFL_ASSIGN_OR_RETURN(data, load_data(cfg));
     MEMFL_ASSIGN_OR_RETURN(input, input_spec(cfg, data->train));
   }
-  MEMFL_ASSIGN_OR_RETURN(LocalModel model, make_local_model(cfg, input, /*fill=*/true, cfg.server.seed));
+  MEMFL_ASSIGN_OR_RETURN(auto global, GlobalModel::create(cfg, input, dir, /*naive=*/false));
+  LocalModel& model = global->model();
   const Layout& layout = model.layout();
-  const auto mode =
-      cfg.server.client_weights_mode == "sample_size" ? ClientWeightsMode::kSampleSize : ClientWeightsMode::kEqual;
-  std::unique_ptr<FedAvgAggregator> agg;
-  if (FedAvgAggregator::can_sum_in_place(layout)) {
-    agg = std::make_unique<FedAvgAggregator>(layout, mode, model.arena());
-  } else {
-    agg = std::make_unique<FedAvgAggregator>(layout, mode);
-  }
+  FedAvgAggregator* agg = &global->aggregator();
   const size_t chunk =
       cfg.server.use_model_chunking ? static_cast<size_t>(cfg.server.model_chunk_size) : layout.total_bytes();
   if (chunk > static_cast<size_t>(INT32_MAX))
     return invalid_argument("model_chunk_size must fit an MPI count (< 2 GiB)");
-  const std::string checkpoint = dir + "/global_model.safetensors";
-  MEMFL_RETURN_IF_ERROR(write_safetensors(checkpoint, layout, model.arena(), {{"round", "0"}}));
   // Register: every client rank says who it is and how many clients it runs.
   for (int r = 1; r < world; ++r) {
     int32_t reg[2];
@@ -147,7 +140,7 @@ Status run_server(const ExperimentConfig& cfg, int world, const std::string& dir
     }
     m.download_seconds = since(t);
     // Every rank has its copy: the global arena becomes the running sum.
-    MEMFL_RETURN_IF_ERROR(agg->begin_round(round));
+    MEMFL_RETURN_IF_ERROR(global->begin_round(round));
     st.sampler.mark(round, "upload");
     t = Clock::now();
     double wsum = 0;
@@ -198,7 +191,7 @@ Status run_server(const ExperimentConfig& cfg, int world, const std::string& dir
       m.val_accuracy /= wsum;
     }
     st.sampler.mark(round, "aggregate");
-    MEMFL_RETURN_IF_ERROR(agg->finalize(model.arena()));
+    MEMFL_RETURN_IF_ERROR(global->finish_round(round));
     if (cfg.server.do_server_eval && model.replica() != nullptr) {
       st.sampler.mark(round, "evaluate");
       std::vector<uint32_t> idx(data->test.size());
@@ -208,8 +201,7 @@ Status run_server(const ExperimentConfig& cfg, int world, const std::string& dir
       m.test_accuracy = ev.accuracy;
     }
     st.sampler.mark(round, "checkpoint");
-    MEMFL_RETURN_IF_ERROR(
-        write_safetensors(checkpoint, layout, model.arena(), {{"format", "memfl"}, {"round", std::to_string(round)}}));
+    MEMFL_RETURN_IF_ERROR(global->write_checkpoint(round));
     m.bytes_moved = m.bytes_down + m.bytes_up;
     m.round_seconds = since(t_round);
     m.peak_rss_bytes = st.sampler.peak_rss();
@@ -247,16 +239,19 @@ Status run_client_rank(const ExperimentConfig& cfg, int rank, const std::string&
   InputSpec input;
   ExperimentConfig local = cfg;
   if (local.train.num_threads == 0) local.train.num_threads = 1;  // ranks share the machine's cores
-  if (!is_synthetic(cfg)) {
+  if (!is_spec_only(cfg)) {
     MEMFL_ASSIGN_OR_RETURN(data, load_data(cfg));
     MEMFL_ASSIGN_OR_RETURN(input, input_spec(cfg, data->train));
     MEMFL_ASSIGN_OR_RETURN(parts, make_partitions(cfg, data->train));
   }
-  MEMFL_ASSIGN_OR_RETURN(LocalModel model, make_local_model(local, input, /*fill=*/false, cfg.server.seed));
+  MEMFL_ASSIGN_OR_RETURN(LocalModel model, make_local_model(local, input, /*fill=*/false, cfg.server.seed, dir));
   const Layout& layout = model.layout();
   // With several virtual clients the rank keeps the round's global model and
   // starts each client from it; with one, the model is received in place.
-  Arena global_copy = k > 1 ? Arena(layout.total_bytes(), MemoryCategory::kCommBuffers, true) : Arena();
+  Arena global_copy;
+  if (k > 1) {
+    MEMFL_ASSIGN_OR_RETURN(global_copy, make_model_arena(local, layout.total_bytes(), dir, MemoryCategory::kCommBuffers));
+  }
   Arena& into = k > 1 ? global_copy : model.arena();
   int32_t reg[2] = {rank, k};
   MPI_Send(reg, 2, MPI_INT32_T, 0, kTagRegister, MPI_COMM_WORLD);

@@ -104,7 +104,7 @@ StatusOr<SimulationResult> run_simulation(const ExperimentConfig& cfg, const Sim
 
   sampler.mark(0, "setup");
   const auto& sc = cfg.server;
-  const bool synthetic = is_synthetic(cfg);
+  const bool synthetic = is_spec_only(cfg);
   std::optional<DatasetSplits> data;
   std::vector<ClientPartition> clients(static_cast<size_t>(sc.num_clients));
   InputSpec input;
@@ -137,7 +137,7 @@ StatusOr<SimulationResult> run_simulation(const ExperimentConfig& cfg, const Sim
   std::vector<LocalModel> workers;
   workers.reserve(static_cast<size_t>(sc.parallel_clients > 0 ? sc.parallel_clients : cores));
   {
-    MEMFL_ASSIGN_OR_RETURN(LocalModel first, make_local_model(cfg, input, /*fill=*/true, sc.seed));
+    MEMFL_ASSIGN_OR_RETURN(LocalModel first, make_local_model(cfg, input, /*fill=*/true, sc.seed, opts.run_dir));
     workers.push_back(std::move(first));
   }
   LocalModel& worker0 = workers[0];
@@ -177,7 +177,7 @@ StatusOr<SimulationResult> run_simulation(const ExperimentConfig& cfg, const Sim
   // More workers (parallel_clients: K), each one replica; the intra-op
   // threads are split among them so K × threads ≤ cores.
   for (int k = 1; k < k_workers; ++k) {
-    MEMFL_ASSIGN_OR_RETURN(LocalModel extra, make_local_model(cfg, input, /*fill=*/false, sc.seed));
+    MEMFL_ASSIGN_OR_RETURN(LocalModel extra, make_local_model(cfg, input, /*fill=*/false, sc.seed, opts.run_dir));
     workers.push_back(std::move(extra));
   }
   if (k_workers > 1 && !synthetic) {

@@ -2,7 +2,12 @@
 
 #include "memory/alloc_tracker.h"
 
+#include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
 
 #include <cassert>
 #include <cstdlib>
@@ -38,6 +43,104 @@ Arena::Arena(size_t size, MemoryCategory category, bool populate) : size_(size),
   Ledger::instance().add(category_, static_cast<int64_t>(size_));
 }
 
+StatusOr<Arena> Arena::scratch_file(const std::string& dir, size_t size, MemoryCategory category) {
+  int fd = ::open(dir.c_str(), O_TMPFILE | O_RDWR | O_CLOEXEC, 0600);
+  std::string shown = dir + "/<unnamed scratch file>";
+  if (fd < 0 && (errno == EOPNOTSUPP || errno == EISDIR || errno == EINVAL)) {
+    // File systems without O_TMPFILE: a named file unlinked at once.
+    std::string templ = dir + "/memfl-arena-XXXXXX";
+    fd = mkstemp(templ.data());
+    if (fd >= 0) {
+      ::unlink(templ.c_str());
+      shown = templ;
+    }
+  }
+  if (fd < 0) return not_found("scratch_dir {}: cannot create a scratch file: {}", dir, std::strerror(errno));
+  if (size > 0 && ::ftruncate(fd, static_cast<off_t>(size)) != 0) {
+    const int err = errno;
+    ::close(fd);
+    return resource_exhausted("{}: cannot size to {} bytes: {}", shown, size, std::strerror(err));
+  }
+  Arena a;
+  a.category_ = category;
+  a.size_ = size;
+  a.file_backed_ = true;
+  if (size > 0) {
+    void* p = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (p == MAP_FAILED) {
+      const int err = errno;
+      ::close(fd);
+      return internal_error("{}: mmap of {} bytes failed: {}", shown, size, std::strerror(err));
+    }
+    a.data_ = static_cast<std::byte*>(p);
+    a.mapped_ = size;
+    track_mapping(p, size);
+  }
+  ::close(fd);  // the mapping keeps the file alive
+  Ledger::instance().add(category, static_cast<int64_t>(size));
+  return a;
+}
+
+StatusOr<Arena> Arena::map_file(const std::string& path, size_t offset, size_t size, bool writable,
+                                MemoryCategory category) {
+  const long page = sysconf(_SC_PAGESIZE);
+  if (offset % static_cast<size_t>(page) != 0) {
+    return invalid_argument("{}: offset {} is not a multiple of the page size {}", path, offset, page);
+  }
+  int fd = ::open(path.c_str(), (writable ? O_RDWR | O_CREAT : O_RDONLY) | O_CLOEXEC, 0644);
+  if (fd < 0) return not_found("{}: cannot open: {}", path, std::strerror(errno));
+  struct stat st {};
+  if (fstat(fd, &st) != 0) {
+    ::close(fd);
+    return not_found("{}: cannot stat: {}", path, std::strerror(errno));
+  }
+  const size_t need = offset + size;
+  if (static_cast<size_t>(st.st_size) < need) {
+    if (!writable) {
+      ::close(fd);
+      return data_loss("{}: file is {} bytes, the arena needs {}", path, st.st_size, need);
+    }
+    if (::ftruncate(fd, static_cast<off_t>(need)) != 0) {
+      const int err = errno;
+      ::close(fd);
+      return resource_exhausted("{}: cannot grow to {} bytes: {}", path, need, std::strerror(err));
+    }
+  }
+  Arena a;
+  a.category_ = category;
+  a.size_ = size;
+  a.file_backed_ = true;
+  if (size > 0) {
+    void* p =
+        mmap(nullptr, size, writable ? PROT_READ | PROT_WRITE : PROT_READ, MAP_SHARED, fd, static_cast<off_t>(offset));
+    if (p == MAP_FAILED) {
+      const int err = errno;
+      ::close(fd);
+      return internal_error("{}: mmap of {} bytes at {} failed: {}", path, size, offset, std::strerror(err));
+    }
+    a.data_ = static_cast<std::byte*>(p);
+    a.mapped_ = size;
+    track_mapping(p, size);
+  }
+  ::close(fd);
+  Ledger::instance().add(category, static_cast<int64_t>(size));
+  return a;
+}
+
+Status Arena::sync() {
+  if (!file_backed_ || mapped_ == 0) return Status::Ok();
+  if (msync(data_, mapped_, MS_SYNC) != 0)
+    return internal_error("msync of a file-backed arena failed: {}", std::strerror(errno));
+  return Status::Ok();
+}
+
+void Arena::release_pages() {
+  if (mapped_ == 0) return;
+  // For a shared file mapping this only drops clean pages from this
+  // process's RSS; the data stays in the file.
+  if (file_backed_) madvise(data_, mapped_, MADV_DONTNEED);
+}
+
 Arena::~Arena() { release(); }
 
 void Arena::release() {
@@ -52,12 +155,14 @@ void Arena::release() {
   data_ = nullptr;
   size_ = 0;
   mapped_ = 0;
+  file_backed_ = false;
 }
 
 Arena::Arena(Arena&& other) noexcept
     : data_(std::exchange(other.data_, nullptr)),
       size_(std::exchange(other.size_, 0)),
       mapped_(std::exchange(other.mapped_, 0)),
+      file_backed_(std::exchange(other.file_backed_, false)),
       category_(other.category_) {}
 
 Arena& Arena::operator=(Arena&& other) noexcept {
@@ -66,6 +171,7 @@ Arena& Arena::operator=(Arena&& other) noexcept {
     data_ = std::exchange(other.data_, nullptr);
     size_ = std::exchange(other.size_, 0);
     mapped_ = std::exchange(other.mapped_, 0);
+    file_backed_ = std::exchange(other.file_backed_, false);
     category_ = other.category_;
   }
   return *this;

@@ -11,6 +11,9 @@
 
 #include <cstddef>
 #include <span>
+#include <string>
+
+#include "common/status.h"
 
 #include "memory/ledger.h"
 
@@ -26,6 +29,23 @@ class Arena {
   // the tensors' old storage is freed (binding a libtorch module), since it
   // would hold both at once.
   Arena(size_t size, MemoryCategory category, bool populate = false);
+  // File-backed arenas (memory_configs.arena_backing: file): the bytes are a
+  // shared mapping of a file, so they are page cache the kernel can write
+  // back and drop, not anonymous memory — a model larger than free RAM can be
+  // received, aggregated and sent. `scratch_file` makes an unnamed file in
+  // `dir` (O_TMPFILE: gone when the arena is, even after a crash);
+  // `map_file` maps [offset, offset + size) of `path` (offset a multiple of
+  // the page size), growing the file when `writable` and it is shorter.
+  static StatusOr<Arena> scratch_file(const std::string& dir, size_t size, MemoryCategory category);
+  static StatusOr<Arena> map_file(const std::string& path, size_t offset, size_t size, bool writable,
+                                  MemoryCategory category);
+  bool file_backed() const { return file_backed_; }
+  // Writes a file-backed arena's dirty pages to its file (msync); a no-op
+  // for anonymous memory.
+  Status sync();
+  // Tells the kernel these pages will not be needed soon (file-backed: they
+  // may be dropped from the page cache once written back).
+  void release_pages();
   ~Arena();
   Arena(const Arena&) = delete;
   Arena& operator=(const Arena&) = delete;
@@ -56,6 +76,7 @@ class Arena {
   std::byte* data_ = nullptr;
   size_t size_ = 0;
   size_t mapped_ = 0;  // >0 when data_ is an mmap of this many bytes
+  bool file_backed_ = false;
   MemoryCategory category_ = MemoryCategory::kOther;
 };
 

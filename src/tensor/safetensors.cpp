@@ -171,27 +171,48 @@ Status SafetensorsFile::load_into(const Layout& layout, Arena& arena) const {
     if (layout.find(t.name) == nullptr) return invalid_argument("{}: tensor '{}' is not in the model", path_, t.name);
   }
   for (const auto& e : layout.entries()) {
-    const SafetensorsTensor* t = find(e.name);
-    if (t == nullptr) return invalid_argument("{}: tensor '{}' is missing", path_, e.name);
-    if (t->dtype != e.dtype) {
-      return invalid_argument("{}: tensor '{}' is {} in the file but {} in the model", path_, e.name,
-                              dtype_name(t->dtype), dtype_name(e.dtype));
+    if (find(e.name) == nullptr) return invalid_argument("{}: tensor '{}' is missing", path_, e.name);
+  }
+  return copy_into(layout, arena);
+}
+
+Status SafetensorsFile::copy_into(const Layout& layout, Arena& arena) const {
+  if (arena.size() < layout.total_bytes()) {
+    return failed_precondition("{}: arena of {} bytes is smaller than the layout's {}", path_, arena.size(),
+                               layout.total_bytes());
+  }
+  std::vector<const LayoutEntry*> targets;
+  targets.reserve(tensors_.size());
+  for (const auto& t : tensors_) {
+    const LayoutEntry* e = layout.find(t.name);
+    if (e == nullptr) return invalid_argument("{}: tensor '{}' is not in the model", path_, t.name);
+    if (t.dtype != e->dtype) {
+      return invalid_argument("{}: tensor '{}' is {} in the file but {} in the model", path_, e->name,
+                              dtype_name(t.dtype), dtype_name(e->dtype));
     }
-    if (t->shape != e.shape) {
-      return invalid_argument("{}: tensor '{}' has shape [{}] in the file but [{}] in the model", path_, e.name,
-                              fmt::join(t->shape, ","), fmt::join(e.shape, ","));
+    if (t.shape != e->shape) {
+      return invalid_argument("{}: tensor '{}' has shape [{}] in the file but [{}] in the model", path_, e->name,
+                              fmt::join(t.shape, ","), fmt::join(e->shape, ","));
     }
-    std::memcpy(arena.data() + e.offset, t->data.data(), t->data.size());
+    targets.push_back(e);
+  }
+  for (size_t i = 0; i < tensors_.size(); ++i) {
+    std::memcpy(arena.data() + targets[i]->offset, tensors_[i].data.data(), tensors_[i].data.size());
   }
   return Status::Ok();
 }
 
 Status write_safetensors(const std::string& path, const Layout& layout, const Arena& arena,
                          const std::map<std::string, std::string>& metadata) {
+  return write_safetensors(path, std::span<const LayoutEntry>(layout.entries()), arena, metadata);
+}
+
+Status write_safetensors(const std::string& path, std::span<const LayoutEntry> entries, const Arena& arena,
+                         const std::map<std::string, std::string>& metadata) {
   nlohmann::ordered_json header = nlohmann::ordered_json::object();
   if (!metadata.empty()) header["__metadata__"] = metadata;
   size_t pos = 0;
-  for (const auto& e : layout.entries()) {
+  for (const auto& e : entries) {
     header[e.name] = {
         {"dtype", dtype_safetensors_name(e.dtype)}, {"shape", e.shape}, {"data_offsets", {pos, pos + e.nbytes()}}};
     pos += e.nbytes();
@@ -205,7 +226,7 @@ Status write_safetensors(const std::string& path, const Layout& layout, const Ar
   uint64_t n = text.size();
   for (int i = 0; i < 8; ++i) len[i] = static_cast<uint8_t>(n >> (8 * i));
   bool ok = std::fwrite(len, 1, 8, f) == 8 && std::fwrite(text.data(), 1, text.size(), f) == text.size();
-  for (const auto& e : layout.entries()) {
+  for (const auto& e : entries) {
     if (!ok) break;
     ok = std::fwrite(arena.data() + e.offset, 1, e.nbytes(), f) == e.nbytes();
   }

@@ -47,8 +47,15 @@ class SafetensorsFile {
   StatusOr<Layout> layout() const;
   // Copies every tensor of `layout` from the file into `arena`, by name, with
   // dtype and shape checks. Tensors in the file but not in the layout are an
-  // error too, so a wrong checkpoint is not half-loaded silently.
+  // error too, so a wrong checkpoint is not half-loaded silently. Every check
+  // runs before the first byte is copied.
   Status load_into(const Layout& layout, Arena& arena) const;
+  // Copies every tensor of this file into the entry of `layout` with the same
+  // name (dtype and shape checked, all before the first copy); entries of
+  // `layout` that the file lacks are left as they are. A tensor of the file
+  // that `layout` lacks is an error. One shard of a sharded checkpoint is
+  // loaded this way (tensor/sharded_safetensors.h).
+  Status copy_into(const Layout& layout, Arena& arena) const;
 
  private:
   SafetensorsFile() = default;
@@ -62,6 +69,10 @@ class SafetensorsFile {
 // Writes the tensors of `layout` from `arena` to `path` (atomically, through
 // `path`.tmp and rename).
 Status write_safetensors(const std::string& path, const Layout& layout, const Arena& arena,
+                         const std::map<std::string, std::string>& metadata = {});
+// The same for some entries of a layout (in the order given; their offsets
+// are where their bytes lie in `arena`): one shard of a sharded checkpoint.
+Status write_safetensors(const std::string& path, std::span<const LayoutEntry> entries, const Arena& arena,
                          const std::map<std::string, std::string>& metadata = {});
 
 }  // namespace memfl

@@ -1,0 +1,132 @@
+#include "roles/global_model.h"
+
+#include <cstdio>
+#include <filesystem>
+
+#include "model/llama.h"
+#include "model/synthetic.h"
+#include "tensor/safetensors.h"
+#include "tensor/safetensors_arena.h"
+
+namespace memfl {
+
+namespace fs = std::filesystem;
+
+Accumulation resolve_accumulation(const ExperimentConfig& cfg, const Layout& layout) {
+  if (cfg.server.accumulator == "model_dtype") return Accumulation::kRunningMean;
+  if (cfg.server.accumulator == "f32") return Accumulation::kSum;
+  // auto: a 16-bit model under file backing is one that does not fit twice.
+  if (cfg.memory.arena_backing == "file" && !FedAvgAggregator::can_sum_in_place(layout)) {
+    return Accumulation::kRunningMean;
+  }
+  return Accumulation::kSum;
+}
+
+StatusOr<std::unique_ptr<GlobalModel>> GlobalModel::create(const ExperimentConfig& cfg, const InputSpec& input,
+                                                           const std::string& run_dir, bool naive) {
+  std::unique_ptr<GlobalModel> g(new GlobalModel());
+  g->cfg_ = cfg;
+  g->checkpoint_ = (fs::path(run_dir) / "global_model.safetensors").string();
+  const bool file = cfg.memory.arena_backing == "file";
+  const std::map<std::string, std::string> meta = {
+      {"format", "memfl"}, {"round", "0"}, {"model_name", cfg.model.model_name}};
+  if (file && !naive && is_spec_only(cfg)) {
+    MEMFL_ASSIGN_OR_RETURN(auto layout, layout_without_network(cfg.model));
+    if (layout_is_dense(*layout)) {
+      // Round 0's file is the initial model, written in place, renamed when whole.
+      const std::string tmp = g->checkpoint_ + ".tmp";
+      MEMFL_ASSIGN_OR_RETURN(Arena a, create_safetensors_arena(tmp, *layout, meta));
+      fill_synthetic(*layout, a, cfg.server.seed);
+      MEMFL_RETURN_IF_ERROR(a.sync());
+      if (std::rename(tmp.c_str(), g->checkpoint_.c_str()) != 0) {
+        return internal_error("{}: rename from {} failed", g->checkpoint_, tmp);
+      }
+      g->model_ = LocalModel::from_arena(std::move(*layout), std::move(a));
+      g->mapped_ = true;
+    }
+  }
+  if (!g->mapped_) {
+    MEMFL_ASSIGN_OR_RETURN(g->model_, make_local_model(cfg, input, /*fill=*/true, cfg.server.seed, run_dir));
+  }
+  const Layout& layout = g->model_.layout();
+  const auto mode =
+      cfg.server.client_weights_mode == "sample_size" ? ClientWeightsMode::kSampleSize : ClientWeightsMode::kEqual;
+  const Accumulation acc = resolve_accumulation(cfg, layout);
+  if (naive) {
+    g->aggregator_ = std::make_unique<FedAvgAggregator>(layout, mode);
+    g->description_ = "naive";
+  } else if (g->mapped_) {
+    g->aggregator_ = std::make_unique<FedAvgAggregator>(layout, mode, g->model_.arena(), Accumulation::kRunningMean);
+    g->description_ = "running mean into the next checkpoint file";
+  } else if (acc == Accumulation::kRunningMean) {
+    g->aggregator_ = std::make_unique<FedAvgAggregator>(layout, mode, g->model_.arena(), Accumulation::kRunningMean);
+    g->description_ = "in-place running mean";
+  } else if (FedAvgAggregator::can_sum_in_place(layout)) {
+    g->aggregator_ = std::make_unique<FedAvgAggregator>(layout, mode, g->model_.arena());
+    g->description_ = "in-place streaming";
+  } else {
+    MEMFL_ASSIGN_OR_RETURN(
+        Arena sum, make_model_arena(cfg, FedAvgAggregator::sum_bytes(layout), run_dir, MemoryCategory::kAggregation));
+    g->aggregator_ = std::make_unique<FedAvgAggregator>(layout, mode, std::move(sum));
+    g->description_ = "streaming (f32 sum)";
+  }
+  if (file) g->description_ += ", file-backed";
+  if (!g->mapped_) MEMFL_RETURN_IF_ERROR(write_safetensors(g->checkpoint_, layout, g->model_.arena(), meta));
+  return g;
+}
+
+Status GlobalModel::begin_round(int round) {
+  if (mapped_) {
+    next_.reset();
+    MEMFL_ASSIGN_OR_RETURN(Arena next, create_safetensors_arena(checkpoint_ + ".next", layout(),
+                                                                {{"format", "memfl"},
+                                                                 {"round", std::to_string(round)},
+                                                                 {"model_name", cfg_.model.model_name}}));
+    next_.emplace(std::move(next));
+    MEMFL_RETURN_IF_ERROR(aggregator_->retarget(*next_));
+  }
+  return aggregator_->begin_round(round);
+}
+
+Status GlobalModel::restore() {
+  if (mapped_) {
+    // The current file was never written this round: drop the next one.
+    next_.reset();
+    std::remove((checkpoint_ + ".next").c_str());
+    return aggregator_->retarget(model_.arena());
+  }
+  MEMFL_ASSIGN_OR_RETURN(auto file, SafetensorsFile::open(checkpoint_));
+  return file->load_into(model_.layout(), model_.arena());
+}
+
+Status GlobalModel::finish_round(int round) {
+  Arena& into = mapped_ && next_ ? *next_ : model_.arena();
+  Status fin = aggregator_->finalize(into);
+  if (!fin.ok()) {
+    MEMFL_RETURN_IF_ERROR(restore().with_context(fmt::format("round {}: restoring the pre-round model", round)));
+    return fin;
+  }
+  if (mapped_) {
+    MEMFL_RETURN_IF_ERROR(next_->sync());
+    const std::string next_path = checkpoint_ + ".next";
+    if (std::rename(next_path.c_str(), checkpoint_.c_str()) != 0) {
+      return internal_error("{}: rename from {} failed", checkpoint_, next_path);
+    }
+    // The old file's mapping goes; its blocks are freed with it.
+    model_.replace_arena(std::move(*next_));
+    next_.reset();
+    MEMFL_RETURN_IF_ERROR(aggregator_->retarget(model_.arena()));
+  }
+  return Status::Ok();
+}
+
+Status GlobalModel::write_checkpoint(int round) {
+  if (mapped_) return Status::Ok();
+  return write_safetensors(
+      checkpoint_, model_.layout(), model_.arena(),
+      {{"format", "memfl"}, {"round", std::to_string(round)}, {"model_name", cfg_.model.model_name}});
+}
+
+std::string GlobalModel::description() const { return description_; }
+
+}  // namespace memfl

@@ -1,0 +1,66 @@
+// The server's global model and its FedAvg aggregator, shared by every
+// transport (gRPC server, MPI rank 0), with the round's undo.
+//
+// Where the bytes live and how a round folds into them:
+//   memory, f32 model        the running sum shares the global arena after the
+//                            broadcast (1× model); undo = the checkpoint file
+//                            written after every round.
+//   memory, bf16/f16 model   an f32 running sum beside the model (3× in all),
+//                            or with accumulator: model_dtype a running mean
+//                            in the global arena (1×); undo = the checkpoint.
+//   file (dense layout)      the global model *is* the checkpoint file,
+//                            mapped; each round folds a running mean into the
+//                            next round's file, which replaces it (rename)
+//                            once the round completes; undo = the untouched
+//                            current file. Anonymous memory: chunks only.
+//   file (layout with gaps)  the global arena is a scratch file, otherwise as
+//                            for memory.
+//   naive                    own f32 sum; the server keeps whole client copies
+//                            elsewhere (memory_mode: naive).
+#pragma once
+
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "aggregate/fedavg_aggregator.h"
+#include "roles/client_work.h"
+
+namespace memfl {
+
+class GlobalModel {
+ public:
+  static StatusOr<std::unique_ptr<GlobalModel>> create(const ExperimentConfig& cfg, const InputSpec& input,
+                                                       const std::string& run_dir, bool naive);
+  LocalModel& model() { return model_; }
+  const Layout& layout() const { return model_.layout(); }
+  Arena& arena() { return model_.arena(); }
+  FedAvgAggregator& aggregator() { return *aggregator_; }
+  const std::string& checkpoint_path() const { return checkpoint_; }
+  // After the broadcast (the in-place modes overwrite the global arena).
+  Status begin_round(int round);
+  // Finalizes the aggregate into the global model. On failure the pre-round
+  // model is back in place and the failure is returned: redo the round.
+  Status finish_round(int round);
+  // Writes the checkpoint after a round (nothing to do when the global model
+  // is the checkpoint file).
+  Status write_checkpoint(int round);
+  // "in-place streaming", ... for the log line.
+  std::string description() const;
+
+ private:
+  GlobalModel() = default;
+  Status restore();
+  ExperimentConfig cfg_;
+  LocalModel model_;
+  std::unique_ptr<FedAvgAggregator> aggregator_;
+  std::string checkpoint_;
+  std::string description_;
+  bool mapped_ = false;        // the global arena is the checkpoint file's data
+  std::optional<Arena> next_;  // mapped: the next round's file, being folded into
+};
+
+// Which accumulation a config asks of the aggregator (see the table above).
+Accumulation resolve_accumulation(const ExperimentConfig& cfg, const Layout& layout);
+
+}  // namespace memfl
