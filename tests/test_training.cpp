@@ -17,6 +17,7 @@
 
 #include "config/config.h"
 #include "data/dataset.h"
+#include "model/llama.h"
 #include "tensor/safetensors.h"
 #include "cli_util.h"
 #include "test_util.h"
@@ -152,6 +153,69 @@ TEST_F(Plugin, ParametersAreViewsIntoTheArena) {
   ASSERT_NE(nbt, nullptr) << "BatchNorm buffers are in the arena too";
   EXPECT_EQ(nbt->dtype, DType::kI64);
   EXPECT_NEAR(static_cast<double>((*rep)->layout().num_params()), 11.17e6, 0.05e6);
+}
+
+TEST_F(Plugin, LlamaLayoutFromTheSpecIsTheInstantiatedModulesLayout) {
+  for (const char* dtype : {"f32", "bf16"}) {
+    ModelConfig m;
+    m.model_name = "llama-tiny";
+    m.dtype = dtype;
+    auto rep = backend->create_replica(m, {1, 1, 65, 256}, "cpu", 3);
+    ASSERT_TRUE(rep.ok()) << rep.status().to_string();
+    auto spec_layout = layout_without_network(m);
+    ASSERT_TRUE(spec_layout.ok());
+    const Layout& built = (*rep)->layout();
+    ASSERT_EQ(built.size(), spec_layout->size());
+    for (size_t i = 0; i < built.size(); ++i) {
+      const auto& a = built.entries()[i];
+      const auto& b = spec_layout->entries()[i];
+      EXPECT_EQ(a.name, b.name);
+      EXPECT_EQ(a.shape, b.shape) << a.name;
+      EXPECT_EQ(a.dtype, b.dtype) << a.name;
+      EXPECT_EQ(a.offset, b.offset) << a.name;
+    }
+    EXPECT_EQ(built.hash(), spec_layout->hash()) << dtype;
+  }
+  // A custom spec with tied embeddings too.
+  ModelConfig tied;
+  tied.model_name = "llama";
+  tied.hidden_size = 32;
+  tied.num_layers = 1;
+  tied.num_heads = 4;
+  tied.num_kv_heads = 1;
+  tied.intermediate_size = 64;
+  tied.vocab_size = 256;
+  tied.tie_word_embeddings = true;
+  auto rep = backend->create_replica(tied, {1, 1, 17, 256}, "cpu", 3);
+  ASSERT_TRUE(rep.ok()) << rep.status().to_string();
+  EXPECT_EQ((*rep)->layout().hash(), layout_without_network(tied)->hash());
+  EXPECT_EQ((*rep)->layout().find("lm_head.weight"), nullptr);
+}
+
+TEST_F(Plugin, TinyLlamaLossFallsOnSyntheticTokens) {
+  auto data = make_synthetic_tokens(512, 64, 32, 7);
+  std::vector<uint32_t> train(512), test(64);
+  std::iota(train.begin(), train.end(), 0u);
+  std::iota(test.begin(), test.end(), 0u);
+  ModelConfig m;
+  m.model_name = "llama-tiny";
+  auto rep = backend->create_replica(m, {1, 1, 33, 256}, "cpu", 11);
+  ASSERT_TRUE(rep.ok()) << rep.status().to_string();
+  auto before = (*rep)->evaluate(data.test, test, 32);
+  ASSERT_TRUE(before.ok()) << before.status().to_string();
+  EXPECT_NEAR(before->loss, std::log(256.0), 0.3);  // small initial weights: near uniform
+  TrainConfig tc;
+  tc.mode = "step";
+  tc.num_local_steps = 60;
+  tc.train_batch_size = 16;
+  tc.optim.optim = "Adam";
+  tc.optim.lr = 3e-3;
+  tc.do_validation = false;
+  auto tr = (*rep)->train(data.train, train, {}, tc, 1);
+  ASSERT_TRUE(tr.ok()) << tr.status().to_string();
+  auto after = (*rep)->evaluate(data.test, test, 32);
+  ASSERT_TRUE(after.ok());
+  EXPECT_LT(after->loss, before->loss - 0.5) << "before " << before->loss << " after " << after->loss;
 }
 
 TEST_F(Plugin, TrainingChangesTheArenaInPlace) {

@@ -279,7 +279,7 @@ const std::vector<KeySpec>& schema() {
       {"client_configs.data_configs.dataset_name",
        Type::kString,
        "FashionMNIST",
-       {"FashionMNIST", "SyntheticCIFAR10"},
+       {"FashionMNIST", "SyntheticCIFAR10", "SyntheticTokens", "TextFile"},
        -kInf,
        kInf,
        "data set",
@@ -796,6 +796,21 @@ Status cross_checks(const ExperimentConfig& c, const std::string& source) {
   if (c.server.parallel_clients == 0) {
     return invalid_argument("{}: key 'server_configs.parallel_clients' must be ≥ 1, or -1 for 'as many as fit'",
                             source);
+  }
+  const bool llama = c.model.model_name == "llama" || c.model.model_name.starts_with("llama-");
+  const bool tokens = c.data.dataset_name == "SyntheticTokens" || c.data.dataset_name == "TextFile";
+  if (llama && c.train.trainer != "DummyTrainer" && !tokens) {
+    return invalid_argument(
+        "{}: model_name '{}' trains on tokens; set 'client_configs.data_configs.dataset_name' to SyntheticTokens or "
+        "TextFile (or the trainer to DummyTrainer)",
+        source, c.model.model_name);
+  }
+  if (tokens && !llama) {
+    return invalid_argument("{}: dataset '{}' holds tokens, for a llama model, not '{}'", source, c.data.dataset_name,
+                            c.model.model_name);
+  }
+  if (c.data.dataset_name == "TextFile" && c.data.dataset_path.empty()) {
+    return invalid_argument("{}: dataset TextFile needs 'client_configs.data_configs.dataset_path'", source);
   }
   if (c.model.model_name == "synthetic" && c.train.trainer != "DummyTrainer") {
     return invalid_argument(

@@ -1,5 +1,9 @@
 #include "data/dataset.h"
 
+#include <cstring>
+#include <fstream>
+#include <iterator>
+
 #include <zlib.h>
 
 #include <algorithm>
@@ -154,6 +158,60 @@ DatasetSplits make_synthetic_cifar10(size_t num_train, size_t num_test, uint64_t
   std::uniform_real_distribution<float> u(64.f, 192.f);
   for (auto& m : means) m = u(rng);
   DatasetSplits s{synth_split(num_train, seed + 1, means), synth_split(num_test, seed + 2, means)};
+  Ledger::instance().add(MemoryCategory::kData, static_cast<int64_t>(s.train.pixels.size() + s.test.pixels.size()));
+  return s;
+}
+
+namespace {
+ImageDataset token_split(std::string name, size_t n, int seq_length) {
+  ImageDataset d;
+  d.name = std::move(name);
+  d.channels = 1;
+  d.height = 1;
+  d.width = seq_length + 1;
+  d.num_classes = 256;
+  d.pixels.resize(n * static_cast<size_t>(seq_length + 1));
+  d.labels.assign(n, 0);
+  return d;
+}
+}  // namespace
+
+DatasetSplits make_synthetic_tokens(size_t num_train, size_t num_test, int seq_length, uint64_t seed) {
+  std::mt19937_64 rng(seed ^ 0x70c3e5ULL);
+  std::vector<uint8_t> rule(256);  // the likely next token after each token
+  for (auto& r : rule) r = static_cast<uint8_t>(rng());
+  auto fill = [&](ImageDataset& d, uint64_t s) {
+    std::mt19937_64 g(s);
+    std::uniform_real_distribution<double> u(0, 1);
+    const size_t len = d.sample_bytes();
+    for (size_t i = 0; i < d.size(); ++i) {
+      uint8_t* t = d.pixels.data() + i * len;
+      t[0] = static_cast<uint8_t>(g());
+      for (size_t j = 1; j < len; ++j) t[j] = u(g) < 0.8 ? rule[t[j - 1]] : static_cast<uint8_t>(g());
+    }
+  };
+  DatasetSplits s{token_split("SyntheticTokens", num_train, seq_length),
+                  token_split("SyntheticTokens (test)", num_test, seq_length)};
+  fill(s.train, seed + 1);
+  fill(s.test, seed + 2);
+  Ledger::instance().add(MemoryCategory::kData, static_cast<int64_t>(s.train.pixels.size() + s.test.pixels.size()));
+  return s;
+}
+
+StatusOr<DatasetSplits> load_text_tokens(const std::string& path, int seq_length) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return not_found("client_configs.data_configs.dataset_path: cannot open text file '{}'", path);
+  std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const size_t len = static_cast<size_t>(seq_length) + 1;
+  const size_t n = bytes.size() / len;
+  if (n < 10) {
+    return invalid_argument("{}: {} bytes make {} sequences of {} tokens; at least 10 are needed", path, bytes.size(),
+                            n, len);
+  }
+  const size_t n_test = std::max<size_t>(1, n / 10);
+  DatasetSplits s{token_split(path, n - n_test, seq_length), token_split(path + " (test)", n_test, seq_length)};
+  std::memcpy(s.train.pixels.data(), bytes.data(), (n - n_test) * len);
+  std::memcpy(s.test.pixels.data(), bytes.data() + (n - n_test) * len, n_test * len);
   Ledger::instance().add(MemoryCategory::kData, static_cast<int64_t>(s.train.pixels.size() + s.test.pixels.size()));
   return s;
 }

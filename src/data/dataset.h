@@ -42,6 +42,16 @@ StatusOr<DatasetSplits> load_fashion_mnist(const std::string& dir, size_t max_tr
 // each class has its own mean pattern plus noise, so a model can learn it.
 DatasetSplits make_synthetic_cifar10(size_t num_train, size_t num_test, uint64_t seed);
 
+// Token data for language models, in the same container: each sample is
+// seq_length + 1 byte-sized token ids (vocabulary 256) in `pixels` (1×1×(T+1)),
+// labels unused (0). SyntheticTokens come from a seeded stochastic "grammar"
+// (each token is a fixed function of the one before it with probability 0.8,
+// else uniform: entropy ≈ 1.6 nats), so a model can learn it and its loss can
+// fall well below log 256 ≈ 5.5; TextFile cuts a file's bytes into sequences (the last tenth is the
+// test split).
+DatasetSplits make_synthetic_tokens(size_t num_train, size_t num_test, int seq_length, uint64_t seed);
+StatusOr<DatasetSplits> load_text_tokens(const std::string& path, int seq_length);
+
 // Reads one IDX file (gzip or plain) of the given magic type.
 StatusOr<std::vector<uint8_t>> read_idx_file(const std::string& path, int expected_dims, std::vector<int64_t>* dims);
 

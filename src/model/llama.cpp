@@ -90,19 +90,19 @@ StatusOr<Layout> llama_layout(const LlamaSpec& s, DType dtype) {
   return std::move(b).build();
 }
 
-StatusOr<std::optional<Layout>> layout_without_network(const ModelConfig& model) {
+bool describable_without_network(const ModelConfig& model) {
+  return model.model_name == "synthetic" || is_llama_model(model.model_name);
+}
+
+StatusOr<Layout> layout_without_network(const ModelConfig& model) {
   auto dtype = dtype_from_name(model.dtype);
   if (!dtype) return invalid_argument("model_kwargs.dtype: unknown dtype '{}'", model.dtype);
-  if (model.model_name == "synthetic") {
-    MEMFL_ASSIGN_OR_RETURN(Layout l, synthetic_layout(model.num_params, *dtype));
-    return std::optional<Layout>(std::move(l));
-  }
+  if (model.model_name == "synthetic") return synthetic_layout(model.num_params, *dtype);
   if (is_llama_model(model.model_name)) {
     MEMFL_ASSIGN_OR_RETURN(LlamaSpec spec, llama_spec_from_config(model));
-    MEMFL_ASSIGN_OR_RETURN(Layout l, llama_layout(spec, *dtype));
-    return std::optional<Layout>(std::move(l));
+    return llama_layout(spec, *dtype);
   }
-  return std::optional<Layout>();
+  return failed_precondition("model {}: its layout comes from its network", model.model_name);
 }
 
 }  // namespace memfl

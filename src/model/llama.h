@@ -56,9 +56,10 @@ Status validate_llama_spec(const LlamaSpec& spec);
 int64_t llama_num_params(const LlamaSpec& spec);
 StatusOr<Layout> llama_layout(const LlamaSpec& spec, DType dtype);
 
-// The layout of a model that needs no network to describe it (synthetic,
-// every llama spec); nullopt for registry networks (CNN, ...), whose layout
-// comes from the instantiated module.
-StatusOr<std::optional<Layout>> layout_without_network(const ModelConfig& model);
+// Whether a model's layout follows from its config alone (synthetic, every
+// llama spec); registry networks (CNN, ...) get theirs from the module.
+bool describable_without_network(const ModelConfig& model);
+// That layout; an error for a model that needs its network.
+StatusOr<Layout> layout_without_network(const ModelConfig& model);
 
 }  // namespace memfl

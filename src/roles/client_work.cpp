@@ -38,6 +38,11 @@ StatusOr<Arena> make_model_arena(const ExperimentConfig& cfg, size_t bytes, cons
 
 StatusOr<DatasetSplits> load_data(const ExperimentConfig& cfg) {
   const auto& d = cfg.data;
+  if (d.dataset_name == "SyntheticTokens") {
+    return make_synthetic_tokens(static_cast<size_t>(d.num_train_samples), static_cast<size_t>(d.num_test_samples),
+                                 cfg.model.seq_length, cfg.server.seed);
+  }
+  if (d.dataset_name == "TextFile") return load_text_tokens(d.dataset_path, cfg.model.seq_length);
   if (d.dataset_name == "SyntheticCIFAR10") {
     return make_synthetic_cifar10(static_cast<size_t>(d.num_train_samples), static_cast<size_t>(d.num_test_samples),
                                   cfg.server.seed);
@@ -81,8 +86,7 @@ StatusOr<LocalModel> make_local_model(const ExperimentConfig& cfg, const InputSp
                                       const std::string& run_dir) {
   LocalModel m;
   if (is_spec_only(cfg)) {
-    MEMFL_ASSIGN_OR_RETURN(auto layout, layout_without_network(cfg.model));
-    m.layout_ = std::move(*layout);
+    MEMFL_ASSIGN_OR_RETURN(m.layout_, layout_without_network(cfg.model));
     MEMFL_ASSIGN_OR_RETURN(m.arena_, make_model_arena(cfg, m.layout_.total_bytes(), run_dir));
     if (fill) fill_synthetic(m.layout_, m.arena_, seed);
     return m;

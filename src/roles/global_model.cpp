@@ -31,17 +31,17 @@ StatusOr<std::unique_ptr<GlobalModel>> GlobalModel::create(const ExperimentConfi
   const std::map<std::string, std::string> meta = {
       {"format", "memfl"}, {"round", "0"}, {"model_name", cfg.model.model_name}};
   if (file && !naive && is_spec_only(cfg)) {
-    MEMFL_ASSIGN_OR_RETURN(auto layout, layout_without_network(cfg.model));
-    if (layout_is_dense(*layout)) {
+    MEMFL_ASSIGN_OR_RETURN(Layout layout, layout_without_network(cfg.model));
+    if (layout_is_dense(layout)) {
       // Round 0's file is the initial model, written in place, renamed when whole.
       const std::string tmp = g->checkpoint_ + ".tmp";
-      MEMFL_ASSIGN_OR_RETURN(Arena a, create_safetensors_arena(tmp, *layout, meta));
-      fill_synthetic(*layout, a, cfg.server.seed);
+      MEMFL_ASSIGN_OR_RETURN(Arena a, create_safetensors_arena(tmp, layout, meta));
+      fill_synthetic(layout, a, cfg.server.seed);
       MEMFL_RETURN_IF_ERROR(a.sync());
       if (std::rename(tmp.c_str(), g->checkpoint_.c_str()) != 0) {
         return internal_error("{}: rename from {} failed", g->checkpoint_, tmp);
       }
-      g->model_ = LocalModel::from_arena(std::move(*layout), std::move(a));
+      g->model_ = LocalModel::from_arena(std::move(layout), std::move(a));
       g->mapped_ = true;
     }
   }

@@ -2,6 +2,9 @@
 
 #include <fmt/ranges.h>  // fmt::join
 
+#include "train/dp_sgd.h"  // CNN_GN
+#include "train/llama_module.h"
+
 namespace memfl::torch_internal {
 
 namespace {
@@ -108,8 +111,24 @@ StatusOr<std::shared_ptr<Net>> make_model(const ModelConfig& m, const InputSpec&
     return std::shared_ptr<Net>(
         std::make_shared<MLP>(in.channels * in.height * in.width, m.hidden_size, in.num_classes));
   }
+  if (m.model_name == "CNN_GN") {  // the CNN with GroupNorm, from DP layers (train/dp_sgd.h)
+    if (in.height != in.width || in.height < 16) {
+      return invalid_argument("model CNN_GN needs square inputs of at least 16×16, got {}×{}", in.height, in.width);
+    }
+    return dp::make_groupnorm_cnn(in.channels, in.height, in.num_classes);
+  }
   if (m.model_name == "ResNet18") {
     return std::shared_ptr<Net>(std::make_shared<ResNet18>(in.channels, in.num_classes));
+  }
+  if (is_llama_model(m.model_name)) {
+    MEMFL_ASSIGN_OR_RETURN(LlamaSpec spec, llama_spec_from_config(m));
+    if (in.num_classes > spec.vocab_size) {
+      return invalid_argument("model {}: the data's tokens go up to {} but the vocabulary has {}", m.model_name,
+                              in.num_classes, spec.vocab_size);
+    }
+    auto net = make_llama(spec);
+    if (m.dtype != "f32") net->to(scalar_type_of(*dtype_from_name(m.dtype)));
+    return net;
   }
   return invalid_argument("unknown model '{}'; known models: {}", m.model_name, fmt::join(known_model_names(), ", "));
 }

@@ -14,6 +14,9 @@ namespace memfl::torch_internal {
 // Every registry model is a module with a forward over N×C×H×W batches.
 struct Net : torch::nn::Module {
   virtual torch::Tensor forward(torch::Tensor x) = 0;
+  // Language models take token ids [B, T] and return logits [B, T, vocab];
+  // they are trained on next-token loss.
+  virtual bool is_language_model() const { return false; }
 };
 
 // Builds `model.model_name` for `input`; unknown names fail with the list.

@@ -37,6 +37,36 @@ void fill_batch(const ImageDataset& data, std::span<const uint32_t> idx, torch::
   }
 }
 
+// Language-model batches: each sample is seq_length + 1 token ids (stored as
+// the data set's uint8 "pixels"); the input is the first seq_length, the
+// target the last seq_length (next-token prediction).
+void fill_token_batch(const ImageDataset& data, std::span<const uint32_t> idx, torch::Tensor& x, torch::Tensor& y) {
+  const int64_t b = static_cast<int64_t>(idx.size());
+  const int64_t len = static_cast<int64_t>(data.sample_bytes());
+  auto all = torch::empty({b, len}, torch::kInt64);
+  int64_t* p = all.data_ptr<int64_t>();
+  for (int64_t i = 0; i < b; ++i) {
+    const uint8_t* s = data.sample(idx[static_cast<size_t>(i)]);
+    for (int64_t j = 0; j < len; ++j) p[i * len + j] = s[j];
+  }
+  x = all.narrow(1, 0, len - 1).contiguous();
+  y = all.narrow(1, 1, len - 1).contiguous();
+}
+
+// Loss and correct predictions of a batch, for classifiers and language models alike.
+torch::Tensor batch_loss(const torch::Tensor& logits, const torch::Tensor& y, bool sum = false) {
+  auto opts = torch::nn::functional::CrossEntropyFuncOptions();
+  if (sum) opts = opts.reduction(torch::kSum);
+  if (logits.dim() == 3) {
+    return torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}).to(torch::kFloat32),
+                                                y.reshape({-1}), opts);
+  }
+  return torch::nn::functional::cross_entropy(logits, y, opts);
+}
+int64_t batch_correct(const torch::Tensor& logits, const torch::Tensor& y) {
+  return logits.argmax(-1).eq(y).sum().item<int64_t>();
+}
+
 int64_t tensor_bytes(const torch::Tensor& t) {
   return t.defined() ? static_cast<int64_t>(t.numel() * t.element_size()) : 0;
 }
@@ -119,29 +149,36 @@ class TorchReplica final : public ModelReplica {
     const int epochs = cfg.mode == "step" ? INT32_MAX : cfg.num_local_epochs;
     TrainResult r;
     double loss_sum = 0;
-    int64_t correct = 0;
+    double correct = 0;
     torch::Tensor x, y;
+    const bool lm = net_->is_language_model();
     for (int ep = 0; ep < epochs && r.num_steps < max_steps; ++ep) {
       if (cfg.train_data_shuffle) std::shuffle(order.begin(), order.end(), rng);
       for (size_t b = 0; b < order.size() && r.num_steps < max_steps; b += bs) {
         const size_t n = std::min(bs, order.size() - b);
-        fill_batch(data, std::span<const uint32_t>(order).subspan(b, n), x, y);
+        if (lm) {
+          fill_token_batch(data, std::span<const uint32_t>(order).subspan(b, n), x, y);
+        } else {
+          fill_batch(data, std::span<const uint32_t>(order).subspan(b, n), x, y);
+        }
         x = x.to(device_);
         y = y.to(device_);
         opt->zero_grad();
         auto logits = net_->forward(x);
-        auto loss = torch::nn::functional::cross_entropy(logits, y);
+        auto loss = batch_loss(logits, y);
         loss.backward();
         opt->step();
         loss_sum += loss.item<double>() * static_cast<double>(n);
-        correct += logits.argmax(1).eq(y).sum().item<int64_t>();
+        // Accuracy per predicted element (per token for a language model).
+        correct += static_cast<double>(batch_correct(logits, y)) * static_cast<double>(n) /
+                   static_cast<double>(std::max<int64_t>(1, y.numel()));
         r.num_samples += static_cast<int64_t>(n);
         r.num_steps++;
       }
     }
     if (r.num_samples > 0) {
       r.train_loss = loss_sum / static_cast<double>(r.num_samples);
-      r.train_accuracy = static_cast<double>(correct) / static_cast<double>(r.num_samples);
+      r.train_accuracy = correct / static_cast<double>(r.num_samples);
     }
     // What training cost on top of the model, for the ledger and reports.
     for (auto& p : net_->parameters()) r.gradient_bytes += tensor_bytes(p.grad());
@@ -183,24 +220,30 @@ class TorchReplica final : public ModelReplica {
     net_->eval();
     EvalResult r;
     double loss_sum = 0;
-    int64_t correct = 0;
+    int64_t correct = 0, predicted = 0;
     torch::Tensor x, y;
     const size_t bs = static_cast<size_t>(batch_size);
     for (size_t b = 0; b < idx.size(); b += bs) {
       const size_t n = std::min(bs, idx.size() - b);
-      fill_batch(data, idx.subspan(b, n), x, y);
+      if (net_->is_language_model()) {
+        fill_token_batch(data, idx.subspan(b, n), x, y);
+      } else {
+        fill_batch(data, idx.subspan(b, n), x, y);
+      }
       x = x.to(device_);
       y = y.to(device_);
       auto logits = net_->forward(x);
-      loss_sum += torch::nn::functional::cross_entropy(
-                      logits, y, torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum))
-                      .item<double>();
-      correct += logits.argmax(1).eq(y).sum().item<int64_t>();
+      // Per sample: a language model's summed token loss is divided by its
+      // tokens per sample, so loss and accuracy are per token.
+      const double per = static_cast<double>(std::max<int64_t>(1, y.numel() / std::max<int64_t>(1, y.size(0))));
+      loss_sum += batch_loss(logits, y, /*sum=*/true).item<double>() / per;
+      correct += batch_correct(logits, y);
       r.num_samples += static_cast<int64_t>(n);
+      predicted += y.numel();
     }
     if (r.num_samples > 0) {
       r.loss = loss_sum / static_cast<double>(r.num_samples);
-      r.accuracy = static_cast<double>(correct) / static_cast<double>(r.num_samples);
+      r.accuracy = static_cast<double>(correct) / static_cast<double>(predicted);
     }
     return r;
   }
@@ -212,7 +255,9 @@ class TorchReplica final : public ModelReplica {
 
 class TorchBackend final : public TrainerBackend {
  public:
-  std::vector<std::string> model_names() const override { return {"CNN", "MLP", "ResNet18"}; }
+  std::vector<std::string> model_names() const override {
+    return {"CNN", "MLP", "ResNet18", "llama-tiny", "llama-1b", "llama-8b", "llama-70b", "llama"};
+  }
 
   StatusOr<std::unique_ptr<ModelReplica>> create_replica(const ModelConfig& model, const InputSpec& input,
                                                          const std::string& device, uint64_t seed) override {
