@@ -9,6 +9,7 @@
 #include <filesystem>
 
 #include "cli_util.h"
+#include "model/llama.h"
 #include "model/synthetic.h"
 #include "tensor/safetensors.h"
 #include "test_util.h"
@@ -105,6 +106,47 @@ TEST_P(GrpcFaults, FaultyClientNeverCorruptsTheGlobalModel) {
   fill_synthetic(*layout, initial, 42);
   ASSERT_TRUE(write_safetensors(tmp.file("initial.safetensors"), *layout, initial).ok());
   EXPECT_TRUE(same_model(tmp.file("initial.safetensors"), tmp.file("run/server/global_model.safetensors")));
+}
+
+// The LLM path: a bf16 llama whose arenas are files (the server's global
+// model is its checkpoint file, mapped; each round folds a running mean into
+// the next round's file). The same faults leave the checkpoint whole: the
+// next file is dropped and the round redone; nothing is left behind.
+TEST_P(GrpcFaults, FileBackedLlamaCheckpointSurvivesTheFault) {
+  testing::TempDir tmp;
+  const std::string path = tmp.file("llama.yaml");
+  std::ofstream(path) << "client_configs:\n  train_configs:\n    trainer: DummyTrainer\n"
+                      << "  model_configs:\n    model_name: llama-tiny\n    model_kwargs:\n      dtype: bf16\n"
+                      << "server_configs:\n  num_clients: 3\n  num_global_epochs: 2\n  round_timeout_s: 30\n"
+                      << "  comm_configs:\n    grpc_configs:\n      server_uri: 127.0.0.1:0\n"
+                      << "      model_chunk_size: 7777\nmemory_configs:\n  arena_backing: file\n";
+  setenv("MEMFL_FAULT", GetParam().c_str(), 1);
+  setenv("MEMFL_FAULT_CLIENT", "2", 1);
+  Result r = memfl_cli("launch " + path + " --clients 3 -q --out " + tmp.file("run"));
+  unsetenv("MEMFL_FAULT");
+  unsetenv("MEMFL_FAULT_CLIENT");
+  EXPECT_NE(r.exit_code, 0) << "the faulty client fails";
+  auto metrics = read_csv(tmp.file("run/server/metrics.csv"));
+  ASSERT_EQ(metrics.size(), 3u) << "both rounds completed";
+  EXPECT_EQ(metrics[2][1], "2");
+  ModelConfig m;
+  m.model_name = "llama-tiny";
+  m.dtype = "bf16";
+  auto layout = layout_without_network(m);
+  ASSERT_TRUE(layout.ok());
+  Arena initial(layout->total_bytes(), MemoryCategory::kModel);
+  fill_synthetic(*layout, initial, 42);
+  ASSERT_TRUE(write_safetensors(tmp.file("initial.safetensors"), *layout, initial).ok());
+  EXPECT_TRUE(same_model(tmp.file("initial.safetensors"), tmp.file("run/server/global_model.safetensors")));
+  auto file = SafetensorsFile::open(tmp.file("run/server/global_model.safetensors"));
+  ASSERT_TRUE(file.ok());
+  EXPECT_EQ((*file)->metadata().at("round"), "2");
+  EXPECT_FALSE(fs::exists(tmp.file("run/server/global_model.safetensors.next")));
+  for (const char* d : {"server", "client_0", "client_1", "client_2"}) {
+    for (const auto& f : fs::directory_iterator(tmp.file(std::string("run/") + d))) {
+      EXPECT_EQ(f.path().string().find("memfl-arena"), std::string::npos) << "scratch file left: " << f.path();
+    }
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Injected, GrpcFaults,

@@ -192,6 +192,15 @@ TEST_F(Plugin, LlamaLayoutFromTheSpecIsTheInstantiatedModulesLayout) {
   EXPECT_EQ((*rep)->layout().find("lm_head.weight"), nullptr);
 }
 
+TEST(Inspect, DescribesALlamaPresetWithoutBuildingIt) {
+  Result r = memfl_cli("inspect llama-70b --dtype bf16");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("70553706496 parameters"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("server, arena_backing: file"), std::string::npos) << r.output;
+  Result bad = memfl_cli("inspect llama-9b");
+  EXPECT_NE(bad.exit_code, 0);
+}
+
 TEST_F(Plugin, TinyLlamaLossFallsOnSyntheticTokens) {
   auto data = make_synthetic_tokens(512, 64, 32, 7);
   std::vector<uint32_t> train(512), test(64);

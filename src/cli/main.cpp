@@ -21,6 +21,7 @@
 #include "roles/compare_methods.h"
 #include "schedule/client_selection.h"
 #include "tensor/safetensors.h"
+#include "model/llama.h"
 #include "tensor/sharded_safetensors.h"
 #ifdef MEMFL_HAVE_MPI
 #include "roles/mpi_roles.h"
@@ -64,6 +65,46 @@ void start_profiler(const memfl::ExperimentConfig& cfg, const std::string& dir, 
                "cannot be written; running without it\n",
                dir + "/profile.bin");
   }
+}
+
+// memfl inspect MODEL: a llama preset (or "synthetic"), described from its
+// spec alone — parameters, bytes per dtype, and the predicted peak per role
+// from the bounds in docs/ARCHITECTURE.md with the constants measured in
+// docs/BENCHMARKS.md (2-core machine, 16 MiB chunks).
+int inspect_model(const std::string& name, const std::string& dtype, int64_t chunk) {
+  memfl::ModelConfig m;
+  m.model_name = name;
+  m.dtype = dtype;
+  auto layout = memfl::layout_without_network(m);
+  if (!layout.ok()) return fail(layout.status());
+  const double model = static_cast<double>(layout->payload_bytes());
+  const double c = static_cast<double>(chunk);
+  constexpr double kMiB = 1 << 20;
+  const double server_base = 16.5 * kMiB, client_base = 21 * kMiB;  // measured baselines (no libtorch)
+  const bool wide = dtype == "f32";
+  fmt::print("{}: {} parameters ({:.2f} B), {} tensors, {} as {}\n", name, layout->num_params(),
+             static_cast<double>(layout->num_params()) / 1e9, layout->size(), memfl::format_bytes(model), dtype);
+  fmt::print("predicted peak per role (model M = {}, chunk {}):\n", memfl::format_bytes(model),
+             memfl::format_bytes(c));
+  auto row = [](const char* role, const char* formula, double anon, double file, double disk) {
+    fmt::print("  {:<44} {:<34} anon {:>10}  file-backed {:>10}  disk {:>10}\n", role, formula,
+               memfl::format_bytes(anon), memfl::format_bytes(file), memfl::format_bytes(disk));
+  };
+  row("server, memory, in-place (f32 / model_dtype)", "base + M + 4·chunk", server_base + model + 4 * c, 0, model);
+  if (!wide) row("server, memory, f32 accumulator", "base + 3·M + 4·chunk", server_base + 3 * model + 4 * c, 0, model);
+  row("server, arena_backing: file", "base + 6·chunk; disk 2·M", server_base + 6 * c, model, 2 * model);
+  row("client (DummyTrainer), memory", "base + M + 2·chunk", client_base + model + 2 * c, 0, 0);
+  row("client (DummyTrainer), arena_backing: file", "base + 2·chunk; disk M", client_base + 2 * c, model, model);
+  const double f32_model = static_cast<double>(layout->num_params()) * 4;
+  row("client training, f32 weights + Adam", "4·M(f32) + activations", client_base + 4 * f32_model, 0, 0);
+  // Per-byte costs measured here with 2 clients (docs/BENCHMARKS.md): memory
+  // 0.92 GB/s down, 0.76 GB/s up (llama-1b); files 0.80 / 0.28 GB/s (llama-8b).
+  const double mem_round = 2 * model / 0.92e9 + 2 * model / 0.76e9;
+  const double file_round = 2 * model / 0.80e9 + 2 * model / 0.28e9;
+  fmt::print("predicted round time with 2 DummyTrainer clients at the rates measured here: {:.0f} s in memory, "
+             "{:.0f} s file-backed\n",
+             mem_round, file_round);
+  return 0;
 }
 
 // memfl inspect PATH: a .safetensors file, an index.json of shards, or a
@@ -257,10 +298,17 @@ int main(int argc, char** argv) {
   compare->add_option("RUNS", compare_dirs, "run directories; the first is the baseline")->required()->expected(2, -1);
   compare->add_option("--out", compare_out, "output directory (default: <first run>/compare)");
 
-  std::string st_path;
-  auto* inspect = app.add_subcommand("inspect", "Print the tensors of a safetensors checkpoint (one file or shards)");
-  inspect->add_option("PATH", st_path, "a .safetensors file, a model.safetensors.index.json, or a directory of either")
+  std::string st_path, inspect_dtype = "bf16";
+  int64_t inspect_chunk = 16 << 20;
+  auto* inspect = app.add_subcommand(
+      "inspect", "Describe a model preset (llama-1b, llama-70b, ...) or a safetensors checkpoint (one file or shards)");
+  inspect
+      ->add_option("MODEL_OR_PATH", st_path,
+                   "a model name (llama-tiny|llama-1b|llama-8b|llama-70b), a .safetensors file, a "
+                   "model.safetensors.index.json, or a directory of either")
       ->required();
+  inspect->add_option("--dtype", inspect_dtype, "model name: dtype of the weights (f32, bf16, f16)");
+  inspect->add_option("--chunk", inspect_chunk, "model name: model_chunk_size in bytes for the prediction");
 
   try {
     app.parse(argc, argv);
@@ -315,7 +363,12 @@ int main(int argc, char** argv) {
     for (const auto& n : memfl::known_model_names()) fmt::print("{}\n", n);
     return kExitOk;
   }
-  if (app.got_subcommand("inspect")) return inspect_checkpoint(st_path);
+  if (app.got_subcommand("inspect")) {
+    if (memfl::is_llama_model(st_path) && !std::filesystem::exists(st_path)) {
+      return inspect_model(st_path, inspect_dtype, inspect_chunk);
+    }
+    return inspect_checkpoint(st_path);
+  }
   if (app.got_subcommand("validate")) {
     auto cfg = load(config_path, sets);
     if (!cfg.ok()) return fail(cfg.status());

@@ -67,14 +67,6 @@ Tensor sq_sum(const Tensor& t) {  // Σ over all but dim 0 of t², without a t-s
   return t.flatten(1).norm(2, {1}).pow(2);
 }
 
-// ‖G_iᵀA_i‖² through the per-sample gradients (n×d_out×d_in): the naive
-// mode's whole batch, or the fused mode's chunk of it.
-Tensor dense_per_sample(const Tensor& a, const Tensor& g, Tensor* keep = nullptr) {
-  Tensor p = torch::bmm(g.transpose(1, 2), a);
-  if (keep) *keep = p;
-  return sq_sum(p);
-}
-
 // T = 1: ‖g aᵀ‖² = ‖a‖²‖g‖², exact and cheap.
 Tensor dense_single_position(const Tensor& a, const Tensor& g) { return sq_sum(a) * sq_sum(g); }
 
@@ -123,16 +115,18 @@ Tensor token_dense(const Tensor& idx, const Tensor& g, int64_t vocab) {
 }
 
 // ‖G_iᵀA_i‖² per sample for a Linear-like layer. `get(b0, b1)` returns A
-// (n×T×d_in) and G (n×T×d_out) for samples [b0, b1); `a_costs` is what A costs
-// per sample to produce (0 for a view, T·d_in for Conv2d's im2col). Naive mode
-// returns its per-sample gradients in *naive_grads.
-template <typename Get>
-Tensor dense_weight_sq(int64_t batch, int64_t t_len, int64_t d_in, int64_t d_out, int64_t a_costs, const Get& get,
-                       const DpOptions& o, Tensor* naive_grads) {
+// (n×T×d_in) and G (n×T×d_out) for samples [b0, b1); `grads(b0, b1)` their
+// per-sample gradients (n×d_out×d_in); `a_cost` is what A costs per sample to
+// build (0 for Linear, whose A is a view; T·d_in for Conv2d's unfolded input,
+// which its per-sample route does not need). Naive mode returns its per-sample
+// gradients in *naive_grads.
+template <typename Get, typename Grads>
+Tensor dense_weight_sq(int64_t batch, int64_t t_len, int64_t d_in, int64_t d_out, int64_t a_cost, const Get& get,
+                       const Grads& grads, const DpOptions& o, Tensor* naive_grads) {
   switch (o.mode) {
     case ClipMode::kNaive: {
-      auto [a, g] = get(0, batch);
-      return dense_per_sample(a, g, naive_grads);
+      *naive_grads = grads(0, batch);
+      return sq_sum(*naive_grads);
     }
     case ClipMode::kGhost: {
       auto [a, g] = get(0, batch);
@@ -142,25 +136,51 @@ Tensor dense_weight_sq(int64_t batch, int64_t t_len, int64_t d_in, int64_t d_out
       break;
   }
   if (t_len == 1) {
-    return over_chunks(batch, chunk_size(batch, o.tile, a_costs + 1), [&](int64_t b0, int64_t b1) {
+    return over_chunks(batch, chunk_size(batch, o.tile, a_cost + 1), [&](int64_t b0, int64_t b1) {
       auto [a, g] = get(b0, b1);
       return dense_single_position(a, g);
     });
   }
-  const bool per_sample =
-      o.fused_route == FusedRoute::kPerSample || (o.fused_route == FusedRoute::kAuto && d_in * d_out < t_len * t_len);
-  if (per_sample) {
-    // d_in·d_out per sample beats T²: per-sample gradients, a few samples at a time.
-    return over_chunks(batch, chunk_size(batch, o.tile, a_costs + d_in * d_out), [&](int64_t b0, int64_t b1) {
-      auto [a, g] = get(b0, b1);
-      return dense_per_sample(a, g);
-    });
+  // Per sample, the per-sample route holds d_in·d_out, the Gram route T²
+  // (plus A, where A must be built): take the smaller.
+  const bool per_sample = o.fused_route == FusedRoute::kPerSample ||
+                          (o.fused_route == FusedRoute::kAuto && d_in * d_out < t_len * t_len + a_cost);
+  if (per_sample) {  // a few samples at a time
+    return over_chunks(batch, chunk_size(batch, o.tile, d_in * d_out),
+                       [&](int64_t b0, int64_t b1) { return sq_sum(grads(b0, b1)); });
   }
   const int64_t tile = std::min(o.tile, t_len);
-  return over_chunks(batch, chunk_size(batch, o.tile, a_costs + tile * tile), [&](int64_t b0, int64_t b1) {
+  return over_chunks(batch, chunk_size(batch, o.tile, a_cost + tile * tile), [&](int64_t b0, int64_t b1) {
     auto [a, g] = get(b0, b1);
     return gram_sq(a, g, tile, false);
   });
+}
+
+// Conv2d's input as im2col patches, n×L×(in·k·k) in the weight's (c, ki, kj)
+// order, through strided views (unfold) and one copy: libtorch 1.13's CPU
+// im2col is about 40 times slower.
+Tensor unfold_patches(const Tensor& x, int64_t k, int64_t stride, int64_t padding, int64_t dilation) {
+  Tensor xp = padding > 0 ? torch::constant_pad_nd(x, {padding, padding, padding, padding}) : x;
+  const int64_t span = dilation * (k - 1) + 1;
+  Tensor u = xp.unfold(2, span, stride).unfold(3, span, stride);  // n×C×Ho×Wo×span×span
+  if (dilation > 1) u = u.slice(4, 0, span, dilation).slice(5, 0, span, dilation);
+  const int64_t n = x.size(0), c = x.size(1), l = u.size(2) * u.size(3);
+  return u.permute({0, 2, 3, 1, 4, 5}).reshape({n, l, c * k * k});
+}
+
+// Per-sample Conv2d weight gradients, n×out×(in·k·k): the n samples as the
+// groups of one grouped convolution's weight backward (1×(n·in)×H×W input,
+// 1×(n·out)×Ho×Wo output gradient), so the convolution kernels do the work.
+Tensor conv_per_sample_grads(const Tensor& x, const Tensor& g, int64_t k, int64_t stride, int64_t padding,
+                             int64_t dilation) {
+  const int64_t n = x.size(0), c_in = x.size(1), c_out = g.size(1);
+  Tensor shape_only = torch::empty({n * c_out, c_in, k, k}, g.options());  // read for its shape only
+  const std::array<int64_t, 1> bias_sizes{n * c_out};
+  auto r = at::convolution_backward(g.reshape({1, n * c_out, g.size(2), g.size(3)}),
+                                    x.reshape({1, n * c_in, x.size(2), x.size(3)}), shape_only,
+                                    at::IntArrayRef(bias_sizes), {stride, stride}, {padding, padding},
+                                    {dilation, dilation}, false, {0, 0}, n, {false, true, false});
+  return std::get<1>(r).view({n, c_out, c_in * k * k});
 }
 
 // Book-keeping: Σ_i c_i G_iᵀA_i = (c ⊙ G)ᵀA in one matmul; the smaller of A
@@ -392,10 +412,11 @@ torch::Tensor LinearImpl::per_sample_sq_norms(const DpOptions& o) {
   const Tensor &a = ag.first, &g = ag.second;
   const int64_t batch = g.size(0), t_len = g.size(1);
   cache_.assign(2, Tensor());
-  Tensor sq = dense_weight_sq(
-      batch, t_len, a.size(2), g.size(2), 0,
-      [&](int64_t b0, int64_t b1) { return std::make_pair(a.narrow(0, b0, b1 - b0), g.narrow(0, b0, b1 - b0)); }, o,
-      &cache_[0]);
+  auto get = [&](int64_t b0, int64_t b1) { return std::make_pair(a.narrow(0, b0, b1 - b0), g.narrow(0, b0, b1 - b0)); };
+  auto grads = [&](int64_t b0, int64_t b1) {  // G_iᵀA_i: n×d_out×d_in
+    return torch::bmm(g.narrow(0, b0, b1 - b0).transpose(1, 2), a.narrow(0, b0, b1 - b0));
+  };
+  Tensor sq = dense_weight_sq(batch, t_len, a.size(2), g.size(2), 0, get, grads, o, &cache_[0]);
   if (bias.defined()) {
     cache_[1] = g.sum(1);  // per-sample bias gradients: B×d_out
     sq = sq + sq_sum(cache_[1]);
@@ -502,9 +523,11 @@ std::vector<torch::Tensor> Conv2dImpl::dp_parameters() {
 }
 
 torch::Tensor Conv2dImpl::per_sample_sq_norms(const DpOptions& o) {
-  // Conv2d is Linear on im2col(x): A_i = L×(in·k²), G_i = L×out, L = output
-  // positions. The unfolded input (k² times the input) is built here, per
-  // sample chunk in fused mode, never kept between steps.
+  // Conv2d is Linear on the unfolded input: A_i = L×(in·k²), G_i = L×out,
+  // L = output positions. The Gram route unfolds here, per sample chunk in
+  // fused mode, never kept between steps; the per-sample route needs no
+  // unfolding: conv2d's weight backward with groups = n gives the n per-sample
+  // gradients at once.
   auto records = take_records_copy();
   const int64_t batch = records.front()[1].size(0), d_in = weight[0].numel(), d_out = out_channels;
   int64_t t_len = 0;
@@ -515,16 +538,23 @@ torch::Tensor Conv2dImpl::per_sample_sq_norms(const DpOptions& o) {
   auto get = [&](int64_t b0, int64_t b1) {
     std::vector<Tensor> as, gs;
     for (const auto& r : records) {
-      Tensor cols = at::im2col(r[0].narrow(0, b0, b1 - b0), {kernel, kernel}, {dilation, dilation}, {padding, padding},
-                               {stride, stride});
-      as.push_back(cols.transpose(1, 2));                                    // n×L×(in·k²)
-      gs.push_back(r[1].narrow(0, b0, b1 - b0).flatten(2).transpose(1, 2));  // n×L×out
+      as.push_back(unfold_patches(r[0].narrow(0, b0, b1 - b0), kernel, stride, padding, dilation));  // n×L×(in·k²)
+      gs.push_back(r[1].narrow(0, b0, b1 - b0).flatten(2).transpose(1, 2));                          // n×L×out
     }
     if (records.size() == 1) return std::make_pair(as[0], gs[0]);
     return std::make_pair(torch::cat(as, 1), torch::cat(gs, 1));
   };
+  auto grads = [&](int64_t b0, int64_t b1) {
+    Tensor sum;
+    for (const auto& r : records) {
+      Tensor p = conv_per_sample_grads(r[0].narrow(0, b0, b1 - b0), r[1].narrow(0, b0, b1 - b0), kernel, stride,
+                                       padding, dilation);
+      sum = sum.defined() ? sum.add_(p) : p;
+    }
+    return sum;
+  };
   cache_.assign(2, Tensor());
-  Tensor sq = dense_weight_sq(batch, t_len, d_in, d_out, t_len * d_in, get, o, &cache_[0]);
+  Tensor sq = dense_weight_sq(batch, t_len, d_in, d_out, t_len * d_in, get, grads, o, &cache_[0]);
   if (bias.defined()) {
     for (const auto& r : records) cache_[1] = cache_[1].defined() ? cache_[1] + r[1].sum({2, 3}) : r[1].sum({2, 3});
     sq = sq + sq_sum(cache_[1]);

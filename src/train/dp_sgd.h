@@ -13,7 +13,7 @@
 //     Function records, in the backward, the output gradient G next to it.
 //     For Linear, ∇W = Σ_i G_iᵀA_i (A_i: T×d_in, G_i: T×d_out; T = 1 for 2-D
 //     inputs, T = tokens for sequences, T = output positions for Conv2d, whose
-//     A is im2col(x)).
+//     A is the unfolded input, im2col(x)).
 //   * DpSgd::step() then gets ‖g_i‖² = Σ_layers ‖G_iᵀA_i‖² + ‖Σ_t G_i,t‖² and
 //     writes the clipped sum by "book-keeping": ∇W = (c ⊙ G)ᵀA, one matmul per
 //     layer on the stored A and G — no per-sample gradients and no second
@@ -170,11 +170,13 @@ class EmbeddingImpl : public torch::nn::Module, public DpLayer {
 };
 TORCH_MODULE(Embedding);
 
-// nn::Conv2d, square kernel, groups = 1. The forward is libtorch's conv2d; for
-// the norms the input is unfolded (im2col) in step(), one sample chunk at a
-// time in fused mode, which makes it Linear with T = output positions and
-// d_in = in·k². The clipped weight gradient is conv2d's own weight backward on
-// c ⊙ G (no unfold).
+// nn::Conv2d, square kernel, groups = 1. The forward is libtorch's conv2d and
+// the layer keeps only its input; it is Linear on the unfolded input (T =
+// output positions, d_in = in·k²). The Gram route unfolds in step(), a sample
+// chunk at a time in fused mode; the per-sample route (chosen when in·k²·out
+// < T² + T·in·k², the unfolded input counted) and naive mode get per-sample
+// gradients from one grouped-convolution weight backward (groups = samples);
+// the clipped gradient is conv2d's weight backward on c ⊙ G. No unfolding there.
 class Conv2dImpl : public torch::nn::Module, public DpLayer {
  public:
   Conv2dImpl(int64_t in_channels, int64_t out_channels, int64_t kernel_size, int64_t stride = 1, int64_t padding = 0,
