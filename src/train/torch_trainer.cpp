@@ -1,5 +1,6 @@
 // VanillaTrainer on libtorch: the plugin's TrainerBackend and ModelReplica.
 #include <algorithm>
+#include <optional>
 #include <numeric>
 #include <random>
 
@@ -9,6 +10,8 @@
 // libtorch (the GPU machine's); Debian's is CPU-only.
 #if __has_include(<c10/cuda/CUDACachingAllocator.h>) && __has_include(<cuda_runtime_api.h>)
 #include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 #define MEMFL_HAVE_CUDA_STATS 1
 #endif
 #include "train/torch_models.h"
@@ -76,6 +79,11 @@ class TorchReplica final : public ModelReplica {
   TorchReplica(std::shared_ptr<Net> net, BoundModel bound, torch::Device device)
       : net_(std::move(net)), bound_(std::move(bound)), device_(device) {
     if (device_.is_cuda()) net_->to(device_);  // the arena stays the host copy
+#ifdef MEMFL_HAVE_CUDA_STATS
+    // Each replica (a simulator worker) gets its own stream, so K workers'
+    // kernels can overlap instead of queueing on the default stream.
+    if (device_.is_cuda()) stream_.emplace(c10::cuda::getStreamFromPool(false, device_.has_index() ? device_.index() : 0));
+#endif
   }
   const Layout& layout() const override { return bound_.layout; }
   Arena& arena() override { return bound_.arena; }
@@ -83,6 +91,10 @@ class TorchReplica final : public ModelReplica {
   StatusOr<TrainResult> train(const ImageDataset& data, std::span<const uint32_t> train_idx,
                               std::span<const uint32_t> val_idx, const TrainConfig& cfg, uint64_t seed) override {
     try {
+#ifdef MEMFL_HAVE_CUDA_STATS
+      std::optional<c10::cuda::CUDAStreamGuard> on_stream;
+      if (stream_) on_stream.emplace(*stream_);
+#endif
       return train_impl(data, train_idx, val_idx, cfg, seed);
     } catch (const std::exception& e) {
       return internal_error("training failed in libtorch: {}", e.what());
@@ -91,6 +103,10 @@ class TorchReplica final : public ModelReplica {
 
   StatusOr<EvalResult> evaluate(const ImageDataset& data, std::span<const uint32_t> idx, int batch_size) override {
     try {
+#ifdef MEMFL_HAVE_CUDA_STATS
+      std::optional<c10::cuda::CUDAStreamGuard> on_stream;
+      if (stream_) on_stream.emplace(*stream_);
+#endif
       sync_to_device();
       return evaluate_impl(data, idx, batch_size);
     } catch (const std::exception& e) {
@@ -251,6 +267,9 @@ class TorchReplica final : public ModelReplica {
   std::shared_ptr<Net> net_;
   BoundModel bound_;
   torch::Device device_;
+#ifdef MEMFL_HAVE_CUDA_STATS
+  std::optional<c10::cuda::CUDAStream> stream_;
+#endif
 };
 
 class TorchBackend final : public TrainerBackend {
