@@ -143,7 +143,7 @@ std::vector<Tensor> params_of(const Case& c) { return c.model->parameters(); }
 
 Tensor flat_grads(const std::vector<Tensor>& ps) {
   std::vector<Tensor> gs;
-  for (auto& p : ps) gs.push_back(p.grad().defined() ? p.grad().flatten() : torch::zeros({p.numel()}));
+  for (auto& p : ps) gs.push_back(p.grad().defined() ? p.grad().flatten() : torch::zeros({p.numel()}, p.options()));
   return torch::cat(gs);
 }
 
@@ -189,8 +189,9 @@ Reference per_sample_reference(const Case& c, const Tensor& r, const Tensor& w) 
   return ref;
 }
 
-void expect_rel_close(const Tensor& got, const Tensor& want, double rel, const std::string& what) {
-  ASSERT_TRUE(got.defined()) << what;
+void expect_rel_close(const Tensor& got_any, const Tensor& want_any, double rel, const std::string& what) {
+  ASSERT_TRUE(got_any.defined()) << what;
+  const Tensor got = got_any.cpu(), want = want_any.cpu();
   ASSERT_EQ(got.sizes(), want.sizes()) << what;
   if (want.dim() == 1 && want.numel() < 64) {  // norms: each one within rel
     Tensor err = (got - want).abs() / want.abs().clamp_min(1e-12);
@@ -221,8 +222,10 @@ std::vector<Variant> variants() {
   o.fused_route = FusedRoute::kGram;
   v.push_back({"fused-tile3-gram", o});
   o.tile = 2;  // a budget of B·4 elements: per-sample gradients one sample at a time
-  o.fused_route = FusedRoute::kPerSample;
-  v.push_back({"fused-tile2-per-sample", o});
+  o.fused_route = FusedRoute::kPerSampleNorms;
+  v.push_back({"fused-tile2-per-sample-norms", o});
+  o.fused_route = FusedRoute::kKeepPerSample;
+  v.push_back({"fused-keep-per-sample", o});
   return v;
 }
 
@@ -243,16 +246,18 @@ std::pair<Tensor, Tensor> run_dp(const Case& c, const DpOptions& o, const Tensor
   return {norms, flat_grads(ps)};
 }
 
-TEST(DpSgd, EveryLayerAndModeMatchesPerSampleAutogradAndNaive) {
-  for (const Case& c : make_cases()) {
+void check_every_layer_and_mode(torch::Device device) {
+  for (Case c : make_cases()) {
     SCOPED_TRACE(c.name);
+    c.model->to(device);
+    c.input = c.input.to(device);
     // The DP layer in plain mode (no DpSgd) is the libtorch layer.
     Tensor y_ref = c.reference(c.input);
     Tensor y = c.forward(c.input);
     ASSERT_TRUE(torch::allclose(y, y_ref, 1e-5, 1e-5)) << c.name << ": forward differs from the reference";
 
     const Tensor r = torch::randn_like(y_ref.detach());
-    const Tensor w = sample_weights(c.input.size(0));
+    const Tensor w = sample_weights(c.input.size(0)).to(device);
     const Reference ref = per_sample_reference(c, r, w);
     // C at the median norm: about half the samples are clipped.
     const double c_max = ref.norms.median().item<double>();
@@ -273,6 +278,16 @@ TEST(DpSgd, EveryLayerAndModeMatchesPerSampleAutogradAndNaive) {
       }
     }
   }
+}
+
+TEST(DpSgd, EveryLayerAndModeMatchesPerSampleAutogradAndNaive) { check_every_layer_and_mode(torch::kCPU); }
+
+TEST(DpSgd, EveryLayerAndModeMatchesOnCuda) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  // fp32 means fp32: no TF32 in cuDNN convolutions or cuBLAS matmuls.
+  at::globalContext().setAllowTF32CuDNN(false);
+  at::globalContext().setAllowTF32CuBLAS(false);
+  check_every_layer_and_mode(torch::kCUDA);
 }
 
 TEST(DpSgd, FusedTilesSmallerThanTGiveTheSameNorms) {

@@ -301,6 +301,46 @@ TEST(Simulation, CompareMethodsWritesTheTableAndPlot) {
   EXPECT_NE(bad.output.find("greedy"), std::string::npos) << bad.output;
 }
 
+#ifdef MEMFL_HAVE_GRPC  // `memfl bench` exists in gRPC builds
+// `memfl bench dp` on the tiny DP Llama classifier: one record per (seq, mode)
+// with a measured peak and time, and the HTML report.
+TEST(BenchDp, TinySweepWritesRecordsAndReport) {
+  testing::TempDir tmp;
+  const std::string json_path = tmp.file("dp.json");
+  Result r = memfl_cli("bench dp --model llama-dp-tiny --seq 16,32 --batch 2 --warmup 1 --iters 1 --json " + json_path);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  std::ifstream in(json_path);
+  ASSERT_TRUE(in.good()) << json_path;
+  auto records = nlohmann::json::parse(in);
+  ASSERT_TRUE(records.is_array());
+  ASSERT_EQ(records.size(), 8u) << "2 sequence lengths × 4 modes";
+  std::set<std::pair<std::string, int>> runs;
+  for (const auto& rec : records) {
+    const std::string mode = rec.value("mode", "");
+    runs.insert({mode, rec.value("seq_length", 0)});
+    EXPECT_FALSE(rec.contains("error")) << rec.dump();
+    EXPECT_GT(rec.value("peak_memory_bytes", int64_t{0}), 0) << rec.dump();
+    EXPECT_GT(rec.value("avg_iteration_ms", 0.0), 0.0) << rec.dump();
+    EXPECT_EQ(rec.value("batch_size", 0), 2);
+    EXPECT_EQ(rec.value("device", ""), "cpu");
+    EXPECT_GT(rec.value("num_params", int64_t{0}), 100000);
+    EXPECT_EQ(rec["config"].value("hidden_size", 0), 64);
+    if (mode != "no_dp") {
+      EXPECT_GT(rec.value("mean_per_sample_norm", 0.0), 0.0) << rec.dump();
+    }
+  }
+  EXPECT_EQ(runs.size(), 8u) << "every (mode, seq) once";
+  EXPECT_TRUE(std::filesystem::exists(tmp.file("dp_sweep/dp_sweep.html"))) << r.output;
+
+  Result bad = memfl_cli("bench dp --model llama-dp-tiny --modes no_dp,clipall --json " + tmp.file("bad.json"));
+  EXPECT_NE(bad.exit_code, 0);
+  EXPECT_NE(bad.output.find("clipall"), std::string::npos) << bad.output;
+  Result model = memfl_cli("bench dp --model llama-dp-9b --seq 16 --json " + tmp.file("bad.json"));
+  EXPECT_NE(model.exit_code, 0);
+  EXPECT_NE(model.output.find("llama-dp-9b"), std::string::npos) << model.output;
+}
+#endif
+
 }  // namespace
 }  // namespace memfl
 

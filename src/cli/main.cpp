@@ -27,6 +27,8 @@
 #include "roles/mpi_roles.h"
 #endif
 #ifdef MEMFL_HAVE_GRPC
+#include "report/dp_sweep.h"
+#include "train/trainer_backend.h"
 #include "roles/bench_transfer.h"
 #include "roles/grpc_roles.h"
 #endif
@@ -277,6 +279,18 @@ int main(int argc, char** argv) {
   transfer->add_option("--memory-mode", tb.memory_mode, "streaming | naive")->capture_default_str();
   transfer->add_option("--json", tb.json_out, "write the JSON here too");
   transfer->add_option("--keep", tb.run_dir, "keep the run directory here");
+  memfl::DpBenchOptions dpb;
+  std::string dp_json = "dp_sweep.json", dp_report;
+  auto* bench_dp = bench->add_subcommand("dp", "DP-SGD clipping modes: peak memory and time per mode and sequence length");
+  bench_dp->add_option("--model", dpb.model, "llama-dp-tiny | llama-dp-0.5b")->capture_default_str();
+  bench_dp->add_option("--seq", dpb.seq_lengths, "sequence lengths, comma separated")->delimiter(',')->capture_default_str();
+  bench_dp->add_option("--batch", dpb.batch_size, "samples per batch")->capture_default_str();
+  bench_dp->add_option("--modes", dpb.modes, "no_dp,naive,ghost,fused")->delimiter(',')->capture_default_str();
+  bench_dp->add_option("--warmup", dpb.warmup, "untimed iterations per run")->capture_default_str();
+  bench_dp->add_option("--iters", dpb.iters, "timed iterations per run")->capture_default_str();
+  bench_dp->add_option("--device", dpb.device, "cpu | cuda")->capture_default_str();
+  bench_dp->add_option("--json", dp_json, "records (one per run) as a JSON array")->capture_default_str();
+  bench_dp->add_option("--report", dp_report, "directory for dp_sweep.html and .csv (default: beside --json)");
   bench->require_subcommand(1);
 #endif
 
@@ -386,6 +400,38 @@ int main(int argc, char** argv) {
     return kExitOk;
   }
 #endif
+  if (bench_dp->parsed()) {
+    for (const auto& m : dpb.modes) {
+      if (m != "no_dp" && m != "naive" && m != "ghost" && m != "fused") {
+        return fail(memfl::invalid_argument("bench dp: --modes: unknown mode '{}' (no_dp, naive, ghost, fused)", m));
+      }
+    }
+    if (dpb.seq_lengths.empty() || dpb.batch_size < 1 || dpb.iters < 1) {
+      return fail(memfl::invalid_argument("bench dp: --seq, --batch and --iters must be positive"));
+    }
+    auto backend = memfl::load_trainer_backend();
+    if (!backend.ok()) return fail(backend.status());
+    auto recs = (*backend)->bench_dp(dpb);
+    if (!recs.ok()) return fail(recs.status());
+    std::vector<nlohmann::ordered_json> records;
+    for (const auto& r : *recs) records.push_back(nlohmann::ordered_json::parse(r));
+    const std::string dir = dp_report.empty()
+                                ? (std::filesystem::path(dp_json).parent_path() / "dp_sweep").string()
+                                : dp_report;
+    memfl::Status st = memfl::write_dp_sweep(records, dp_json, dir);
+    if (!st.ok()) return fail(st);
+    fmt::print("{:<7} {:>6} {:>12} {:>8} {:>10} {:>8}\n", "mode", "seq", "peak MiB", "x no_dp", "ms/iter", "x no_dp");
+    for (const auto& r : records) {
+      const std::string m = r.value("mode", "");
+      const int sl = r.value("seq_length", 0);
+      fmt::print("{:<7} {:>6} {:>12.1f} {:>8.3f} {:>10.2f} {:>8.3f}\n", m, sl,
+                 static_cast<double>(r.value("peak_memory_bytes", int64_t{0})) / (1 << 20),
+                 memfl::dp_overhead(records, m, sl, "peak_memory_bytes"), r.value("avg_iteration_ms", 0.0),
+                 memfl::dp_overhead(records, m, sl, "avg_iteration_ms"));
+    }
+    fmt::print("wrote {} and {}/dp_sweep.html\n", dp_json, dir);
+    return kExitOk;
+  }
 #ifdef MEMFL_HAVE_GRPC
   if (app.got_subcommand("bench")) {
     auto r = memfl::run_bench_transfer(tb);

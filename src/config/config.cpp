@@ -14,7 +14,7 @@
 namespace memfl {
 
 const std::vector<std::string>& known_model_names() {
-  static const std::vector<std::string> names = {"CNN", "MLP", "ResNet18", "synthetic", "llama-tiny", "llama-1b", "llama-8b", "llama-70b", "llama"};
+  static const std::vector<std::string> names = {"CNN", "MLP", "ResNet18", "CNN_GN", "synthetic", "llama-tiny", "llama-1b", "llama-8b", "llama-70b", "llama"};
   return names;
 }
 
@@ -215,6 +215,14 @@ const std::vector<KeySpec>& schema() {
        1024,
        "libtorch intra-op threads (0 = cores)",
        I(train.num_threads)},
+      // clang-format off
+      {"client_configs.train_configs.dp.enabled", Type::kBool, "false", {}, -kInf, kInf, "DP-SGD: per-sample clipping, Gaussian noise, Poisson batches, RDP accounting", B(train.dp.enabled)},
+      {"client_configs.train_configs.dp.noise_multiplier", Type::kFloat, "1.0", {}, 0, 1e6, "DP-SGD: noise std ÷ max_grad_norm (σ)", F(train.dp.noise_multiplier)},
+      {"client_configs.train_configs.dp.max_grad_norm", Type::kFloat, "1.0", {}, 1e-12, 1e12, "DP-SGD: per-sample clipping bound C", F(train.dp.max_grad_norm)},
+      {"client_configs.train_configs.dp.clipping", Type::kString, "fused", {"naive", "ghost", "fused"}, -kInf, kInf, "DP-SGD: how per-sample norms are computed", S(train.dp.clipping)},
+      {"client_configs.train_configs.dp.accountant", Type::kString, "rdp", {"rdp"}, -kInf, kInf, "DP-SGD: privacy accountant", S(train.dp.accountant)},
+      {"client_configs.train_configs.dp.delta", Type::kFloat, "1e-5", {}, 1e-300, 0.999999, "DP-SGD: δ of the reported (ε, δ)", F(train.dp.delta)},
+      // clang-format on
       // client_configs.model_configs
       {"client_configs.model_configs.model_name", Type::kString, "CNN", known_model_names(), -kInf, kInf,
        "model from the registry", S(model.model_name)},
@@ -811,6 +819,12 @@ Status cross_checks(const ExperimentConfig& c, const std::string& source) {
   }
   if (c.data.dataset_name == "TextFile" && c.data.dataset_path.empty()) {
     return invalid_argument("{}: dataset TextFile needs 'client_configs.data_configs.dataset_path'", source);
+  }
+  if (c.train.dp.enabled && c.model.model_name != "CNN_GN") {
+    return invalid_argument(
+        "{}: 'client_configs.train_configs.dp.enabled' needs a model built from DP layers; model '{}' is not one "
+        "(use CNN_GN: the CNN with GroupNorm, since BatchNorm mixes samples and DP cannot use it)",
+        source, c.model.model_name);
   }
   if (c.model.model_name == "synthetic" && c.train.trainer != "DummyTrainer") {
     return invalid_argument(

@@ -24,6 +24,20 @@ struct OptimConfig {
   double beta1 = 0.9, beta2 = 0.999, eps = 1e-8;
 };
 
+// train_configs.dp: sample-level DP-SGD inside each client (Abadi et al.
+// 2016): per-sample clipping to max_grad_norm, Gaussian noise of std
+// noise_multiplier × max_grad_norm, Poisson-sampled batches of expected size
+// train_batch_size; the RDP accountant gives each client's ε for `delta`
+// over the steps it took in every round it took part in.
+struct DpConfig {
+  bool enabled = false;
+  double noise_multiplier = 1.0;
+  double max_grad_norm = 1.0;
+  std::string clipping = "fused";  // naive | ghost | fused
+  std::string accountant = "rdp";
+  double delta = 1e-5;
+};
+
 struct TrainConfig {
   std::string trainer = "VanillaTrainer";
   std::string mode = "epoch";  // epoch | step
@@ -36,6 +50,7 @@ struct TrainConfig {
   bool do_validation = true;
   std::string device = "cpu";
   int num_threads = 0;  // libtorch intra-op threads; 0 = number of cores
+  DpConfig dp;
 };
 
 struct ModelConfig {

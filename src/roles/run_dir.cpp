@@ -63,4 +63,11 @@ Status write_text_file(const std::string& path, const std::string& text) {
   return out ? Status::Ok() : internal_error("writing {} failed", path);
 }
 
+Status append_text_file(const std::string& path, const std::string& text) {
+  std::ofstream out(path, std::ios::app);
+  if (!out) return not_found("cannot append to {}", path);
+  out << text;
+  return out ? Status::Ok() : internal_error("appending to {} failed", path);
+}
+
 }  // namespace memfl

@@ -43,5 +43,7 @@ class MetricsWriter {
 };
 
 Status write_text_file(const std::string& path, const std::string& text);
+// Appends (a CSV's rows written as a run goes, so a killed run keeps them).
+Status append_text_file(const std::string& path, const std::string& text);
 
 }  // namespace memfl

@@ -1,5 +1,7 @@
 #include "roles/simulation.h"
 
+#include "dp/rdp_accountant.h"
+
 #include <algorithm>
 #include <chrono>
 #include <cstring>
@@ -204,6 +206,11 @@ StatusOr<SimulationResult> run_simulation(const ExperimentConfig& cfg, const Sim
     stats[c].samples = update_sample_count(cfg, synthetic ? nullptr : &clients[c]);
   std::mt19937_64 selection_rng(sc.seed * 7919 + 17);
   const std::string checkpoint = (fs::path(opts.run_dir) / "global_model.safetensors").string();
+  const std::string privacy_csv = (fs::path(opts.run_dir) / "privacy.csv").string();
+  double max_epsilon = 0;
+  if (cfg.train.dp.enabled) {
+    MEMFL_RETURN_IF_ERROR(write_text_file(privacy_csv, "round,client,dp_steps,sample_rate,delta,epsilon\n"));
+  }
 
   for (int round = 1; round <= sc.num_global_epochs; ++round) {
     const auto t_round = std::chrono::steady_clock::now();
@@ -303,6 +310,8 @@ StatusOr<SimulationResult> run_simulation(const ExperimentConfig& cfg, const Sim
           cs.last_loss = tr->train_loss;
           cs.times_picked++;
           cs.last_round = round;
+          cs.dp_steps += tr->dp_steps;
+          if (tr->dp_steps > 0) cs.dp_sample_rate = tr->dp_sample_rate;
           wsum += samples;
           m.train_loss += samples * tr->train_loss;
           m.train_accuracy += samples * tr->train_accuracy;
@@ -339,6 +348,20 @@ StatusOr<SimulationResult> run_simulation(const ExperimentConfig& cfg, const Sim
 
     sampler.mark(round, "aggregate");
     MEMFL_RETURN_IF_ERROR(aggregator.finalize(global));
+    if (cfg.train.dp.enabled) {
+      // Each client's ε over the rounds it took part in (privacy.csv), and the
+      // largest one so far in the log.
+      std::string rows;
+      for (int c : selected) {
+        const auto& cs = stats[static_cast<size_t>(c)];
+        auto eps = rdp_epsilon(cfg.train.dp.noise_multiplier, cs.dp_sample_rate, cs.dp_steps, cfg.train.dp.delta);
+        const double e = eps.ok() ? *eps : std::numeric_limits<double>::infinity();
+        max_epsilon = std::max(max_epsilon, e);
+        rows += fmt::format("{},{},{},{:.6f},{},{:.6f}\n", round, c, cs.dp_steps, cs.dp_sample_rate,
+                            cfg.train.dp.delta, e);
+      }
+      MEMFL_RETURN_IF_ERROR(append_text_file(privacy_csv, rows));
+    }
 
     if (sc.do_server_eval && worker0.replica() != nullptr) {
       sampler.mark(round, "evaluate");
@@ -363,9 +386,17 @@ StatusOr<SimulationResult> run_simulation(const ExperimentConfig& cfg, const Sim
   sampler.mark(sc.num_global_epochs, "done");
   result.peak_rss_bytes = std::max(sampler.peak_rss(), read_peak_rss_bytes());
   result.wall_seconds = seconds_since(t_start);
+  result.max_epsilon = max_epsilon;
 
   nlohmann::ordered_json summary;
   summary["role"] = "simulation";
+  if (cfg.train.dp.enabled) {
+    summary["dp"] = {{"noise_multiplier", cfg.train.dp.noise_multiplier},
+                     {"max_grad_norm", cfg.train.dp.max_grad_norm},
+                     {"clipping", cfg.train.dp.clipping},
+                     {"delta", cfg.train.dp.delta},
+                     {"max_client_epsilon", result.max_epsilon}};
+  }
   summary["rounds"] = result.rounds.size();
   summary["final_test_accuracy"] = result.rounds.empty() ? 0.0 : result.rounds.back().test_accuracy;
   summary["final_test_loss"] = result.rounds.empty() ? 0.0 : result.rounds.back().test_loss;

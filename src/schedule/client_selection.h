@@ -23,6 +23,10 @@ struct ClientStats {
   double last_loss = -1;  // < 0: never trained
   int times_picked = 0;
   int last_round = 0;
+  // DP-SGD: steps taken over every round so far and their Poisson rate (the
+  // accountant's input for this client's ε).
+  int64_t dp_steps = 0;
+  double dp_sample_rate = 0;
 };
 
 struct SelectionOptions {

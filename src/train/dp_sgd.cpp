@@ -114,48 +114,6 @@ Tensor token_dense(const Tensor& idx, const Tensor& g, int64_t vocab) {
   return torch::zeros({n * vocab, d}, g.options()).index_add_(0, keys, g.reshape({-1, d})).view({n, vocab, d});
 }
 
-// ‖G_iᵀA_i‖² per sample for a Linear-like layer. `get(b0, b1)` returns A
-// (n×T×d_in) and G (n×T×d_out) for samples [b0, b1); `grads(b0, b1)` their
-// per-sample gradients (n×d_out×d_in); `a_cost` is what A costs per sample to
-// build (0 for Linear, whose A is a view; T·d_in for Conv2d's unfolded input,
-// which its per-sample route does not need). Naive mode returns its per-sample
-// gradients in *naive_grads.
-template <typename Get, typename Grads>
-Tensor dense_weight_sq(int64_t batch, int64_t t_len, int64_t d_in, int64_t d_out, int64_t a_cost, const Get& get,
-                       const Grads& grads, const DpOptions& o, Tensor* naive_grads) {
-  switch (o.mode) {
-    case ClipMode::kNaive: {
-      *naive_grads = grads(0, batch);
-      return sq_sum(*naive_grads);
-    }
-    case ClipMode::kGhost: {
-      auto [a, g] = get(0, batch);
-      return t_len == 1 ? dense_single_position(a, g) : gram_sq(a, g, t_len, false);
-    }
-    case ClipMode::kFused:
-      break;
-  }
-  if (t_len == 1) {
-    return over_chunks(batch, chunk_size(batch, o.tile, a_cost + 1), [&](int64_t b0, int64_t b1) {
-      auto [a, g] = get(b0, b1);
-      return dense_single_position(a, g);
-    });
-  }
-  // Per sample, the per-sample route holds d_in·d_out, the Gram route T²
-  // (plus A, where A must be built): take the smaller.
-  const bool per_sample = o.fused_route == FusedRoute::kPerSample ||
-                          (o.fused_route == FusedRoute::kAuto && d_in * d_out < t_len * t_len + a_cost);
-  if (per_sample) {  // a few samples at a time
-    return over_chunks(batch, chunk_size(batch, o.tile, d_in * d_out),
-                       [&](int64_t b0, int64_t b1) { return sq_sum(grads(b0, b1)); });
-  }
-  const int64_t tile = std::min(o.tile, t_len);
-  return over_chunks(batch, chunk_size(batch, o.tile, a_cost + tile * tile), [&](int64_t b0, int64_t b1) {
-    auto [a, g] = get(b0, b1);
-    return gram_sq(a, g, tile, false);
-  });
-}
-
 // Conv2d's input as im2col patches, n×L×(in·k·k) in the weight's (c, ki, kj)
 // order, through strided views (unfold) and one copy: libtorch 1.13's CPU
 // im2col is about 40 times slower.
@@ -168,12 +126,16 @@ Tensor unfold_patches(const Tensor& x, int64_t k, int64_t stride, int64_t paddin
   return u.permute({0, 2, 3, 1, 4, 5}).reshape({n, l, c * k * k});
 }
 
-// Per-sample Conv2d weight gradients, n×out×(in·k·k): the n samples as the
-// groups of one grouped convolution's weight backward (1×(n·in)×H×W input,
-// 1×(n·out)×Ho×Wo output gradient), so the convolution kernels do the work.
+// Per-sample Conv2d weight gradients, n×out×(in·k·k). On CUDA, G_iᵀA_i in one
+// bmm over the unfolded input (cuDNN's grouped convolutions with one group per
+// sample were 37 times slower on an H200 at B = 256). On CPU, the n samples as
+// the groups of one grouped convolution's weight backward (1×(n·in)×H×W input,
+// 1×(n·out)×Ho×Wo output gradient): oneDNN does the work with no unfolding,
+// 3 to 5 times faster than bmm with the reference BLAS of Debian's libtorch.
 Tensor conv_per_sample_grads(const Tensor& x, const Tensor& g, int64_t k, int64_t stride, int64_t padding,
                              int64_t dilation) {
   const int64_t n = x.size(0), c_in = x.size(1), c_out = g.size(1);
+  if (x.is_cuda()) return torch::bmm(g.flatten(2), unfold_patches(x, k, stride, padding, dilation));
   Tensor shape_only = torch::empty({n * c_out, c_in, k, k}, g.options());  // read for its shape only
   const std::array<int64_t, 1> bias_sizes{n * c_out};
   auto r = at::convolution_backward(g.reshape({1, n * c_out, g.size(2), g.size(3)}),
@@ -183,6 +145,57 @@ Tensor conv_per_sample_grads(const Tensor& x, const Tensor& g, int64_t k, int64_
   return std::get<1>(r).view({n, c_out, c_in * k * k});
 }
 
+// Whether a layer call keeps its per-sample gradients (grad_elems per sample)
+// instead of A and G (kept_elems per sample): naive always, ghost never,
+// fused when they are no larger (or as forced).
+bool keep_per_sample(const DpOptions& o, int64_t grad_elems, int64_t kept_elems) {
+  switch (o.mode) {
+    case ClipMode::kNaive:
+      return true;
+    case ClipMode::kGhost:
+      return false;
+    case ClipMode::kFused:
+      break;
+  }
+  if (o.fused_route == FusedRoute::kKeepPerSample) return true;
+  if (o.fused_route != FusedRoute::kAuto) return false;
+  return grad_elems <= kept_elems;
+}
+
+// ‖G_iᵀA_i‖² per sample for a Linear-like layer whose A and G were kept.
+// `get(b0, b1)` returns A (n×T×d_in) and G (n×T×d_out) for samples [b0, b1);
+// `grads(b0, b1)` their per-sample gradients (n×d_out×d_in); `a_cost` is what
+// A costs per sample to build (0 for Linear, whose A is a view; T·d_in for
+// Conv2d's unfolded input, which its per-sample gradients do not need).
+template <typename Get, typename Grads>
+Tensor dense_weight_sq(int64_t batch, int64_t t_len, int64_t d_in, int64_t d_out, int64_t a_cost, const Get& get,
+                       const Grads& grads, const DpOptions& o) {
+  if (o.mode == ClipMode::kNaive) return sq_sum(grads(0, batch));
+  if (o.mode == ClipMode::kGhost) {
+    auto [a, g] = get(0, batch);
+    return t_len == 1 ? dense_single_position(a, g) : gram_sq(a, g, t_len, false);
+  }
+  if (t_len == 1) {
+    return over_chunks(batch, chunk_size(batch, o.tile, a_cost + 1), [&](int64_t b0, int64_t b1) {
+      auto [a, g] = get(b0, b1);
+      return dense_single_position(a, g);
+    });
+  }
+  // Per sample, per-sample gradients take d_in·d_out, the Gram route T² (plus
+  // A, where A must be built): take the smaller.
+  const bool per_sample = o.fused_route == FusedRoute::kPerSampleNorms ||
+                          (o.fused_route == FusedRoute::kAuto && d_in * d_out < t_len * t_len + a_cost);
+  if (per_sample) {  // a few samples at a time
+    return over_chunks(batch, chunk_size(batch, o.tile, d_in * d_out),
+                       [&](int64_t b0, int64_t b1) { return sq_sum(grads(b0, b1)); });
+  }
+  const int64_t tile = std::min(o.tile, t_len);
+  return over_chunks(batch, chunk_size(batch, o.tile, a_cost + tile * tile), [&](int64_t b0, int64_t b1) {
+    auto [a, g] = get(b0, b1);
+    return gram_sq(a, g, tile, false);
+  });
+}
+
 // Book-keeping: Σ_i c_i G_iᵀA_i = (c ⊙ G)ᵀA in one matmul; the smaller of A
 // and G is the one scaled (a temporary of its size).
 Tensor bookkeeping_dense(const Tensor& a, const Tensor& g, const Tensor& clip) {
@@ -190,6 +203,49 @@ Tensor bookkeeping_dense(const Tensor& a, const Tensor& g, const Tensor& clip) {
   Tensor c = clip.to(g.scalar_type()).view({batch, 1, 1});
   if (d_in <= d_out) return g.reshape({-1, d_out}).t().mm((a * c).reshape({-1, d_in}));
   return (g * c).reshape({-1, d_out}).t().mm(a.reshape({-1, d_in}));
+}
+
+// Per-sample gradients of a layer summed over its calls (records), one B×…
+// tensor per parameter; records that kept A and G get theirs from `compute`.
+template <typename F>
+std::vector<Tensor> summed_per_sample(const std::vector<DpRecord>& records, F&& compute) {
+  std::vector<Tensor> sum;
+  for (const DpRecord& r : records) {
+    std::vector<Tensor> ps = r.condensed() ? r.per_sample : compute(r);
+    if (sum.empty()) {
+      sum = std::move(ps);
+    } else {
+      for (size_t i = 0; i < sum.size(); ++i) sum[i] = sum[i] + ps[i];
+    }
+  }
+  return sum;
+}
+
+bool any_condensed(const std::vector<DpRecord>& records) {
+  return std::any_of(records.begin(), records.end(), [](const DpRecord& r) { return r.condensed(); });
+}
+
+Tensor sq_sum_all(const std::vector<Tensor>& per_sample) {
+  Tensor sq = sq_sum(per_sample.front());
+  for (size_t i = 1; i < per_sample.size(); ++i) sq = sq + sq_sum(per_sample[i]);
+  return sq;
+}
+
+// p.grad = Σ_i c_i g_i from kept per-sample gradients (B×…, one per parameter).
+void write_from_per_sample(const std::vector<Tensor>& params, const std::vector<Tensor>& per_sample,
+                           const Tensor& clip) {
+  for (size_t i = 0; i < params.size(); ++i) {
+    const Tensor& ps = per_sample[i];
+    set_grad(params[i], clip.to(ps.scalar_type()).matmul(ps.reshape({ps.size(0), -1})));
+  }
+}
+
+int64_t batch_of(const std::vector<DpRecord>& records, const char* layer) {
+  const int64_t batch = records.front().batch_size();
+  for (const DpRecord& r : records) {
+    TORCH_CHECK(r.batch_size() == batch, layer, ": records of different batch sizes (one backward per step())");
+  }
+  return batch;
 }
 
 // y = x̂ ⊙ w broadcast over `channel_dim` (1 or -1): the affine part of
@@ -205,12 +261,20 @@ Tensor per_channel_sum(const Tensor& t, int64_t channels, int64_t channel_dim) {
   return channel_dim == 1 ? t.reshape({batch, channels, -1}).sum(2) : t.reshape({batch, -1, channels}).sum(1);
 }
 
+// Per-sample gradients of x̂ ⊙ w (+ b): Σ over positions of G ⊙ x̂ (and of G).
+std::vector<Tensor> affine_per_sample(const Tensor& xhat, const Tensor& g, int64_t channels, int64_t channel_dim,
+                                      bool with_bias) {
+  std::vector<Tensor> ps{per_channel_sum(g * xhat, channels, channel_dim)};  // activation-sized temporary
+  if (with_bias) ps.push_back(per_channel_sum(g, channels, channel_dim));
+  return ps;
+}
+
 // ---------------------------------------------------------------- autograd
 // Each Function's backward returns the input gradient only and records
-// (activation, output gradient) in its layer; the weight gradient is left to
-// DpSgd::step, which computes it once, already clipped. If the layer was
-// detached between forward and backward, the plain summed gradient is
-// returned instead.
+// (activation, output gradient) in its layer, which may condense them into
+// per-sample gradients; the weight gradient is left to DpSgd::step, which
+// computes it once, already clipped. If the layer was detached between
+// forward and backward, the plain summed gradient is returned instead.
 
 struct LinearFn : torch::autograd::Function<LinearFn> {
   static Tensor forward(AutogradContext* ctx, const Tensor& x, const Tensor& w, int64_t layer) {
@@ -223,7 +287,7 @@ struct LinearFn : torch::autograd::Function<LinearFn> {
     const Tensor &x = saved[0], &w = saved[1], &g = grads[0];
     Tensor gx, gw;
     if (ctx->needs_input_grad(0)) gx = g.matmul(w);
-    if (!layer_of(ctx)->record({x.detach(), g.detach()})) {
+    if (!layer_of(ctx)->record(x.detach(), g.detach())) {
       gw = g.reshape({-1, g.size(-1)}).t().mm(x.reshape({-1, x.size(-1)}));
     }
     return {gx, gw, Tensor()};
@@ -241,7 +305,7 @@ struct EmbeddingFn : torch::autograd::Function<EmbeddingFn> {
     Tensor idx = ctx->get_saved_variables()[0];
     const Tensor& g = grads[0];
     Tensor gw;
-    if (!layer_of(ctx)->record({idx.detach(), g.detach()})) {
+    if (!layer_of(ctx)->record(idx.detach(), g.detach())) {
       const int64_t d = g.size(-1);
       gw = torch::zeros({ctx->saved_data["vocab"].toInt(), d}, g.options())
                .index_add_(0, idx.flatten(), g.reshape({-1, d}));
@@ -263,7 +327,7 @@ struct ConvFn : torch::autograd::Function<ConvFn> {
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     auto saved = ctx->get_saved_variables();
     const Tensor &x = saved[0], &w = saved[1], &g = grads[0];
-    const bool recorded = layer_of(ctx)->record({x.detach(), g.detach()});
+    const bool recorded = layer_of(ctx)->record(x.detach(), g.detach());
     const bool need_x = ctx->needs_input_grad(0);
     Tensor gx, gw;
     if (need_x || !recorded) {
@@ -292,46 +356,10 @@ struct AffineFn : torch::autograd::Function<AffineFn> {
     const int64_t cd = ctx->saved_data["channel_dim"].toInt();
     Tensor gx, gw;
     if (ctx->needs_input_grad(0)) gx = g * channel_view(w, xhat.dim(), cd);
-    if (!layer_of(ctx)->record({xhat.detach(), g.detach()})) gw = per_channel_sum(g * xhat, w.size(0), cd).sum(0);
+    if (!layer_of(ctx)->record(xhat.detach(), g.detach())) gw = per_channel_sum(g * xhat, w.size(0), cd).sum(0);
     return {gx, gw, Tensor(), Tensor()};
   }
 };
-
-// Per-sample gradients of an affine (x̂ ⊙ w + b) from its records: B×C each,
-// summed over the calls of the layer. These are small: computed in every mode.
-std::pair<Tensor, Tensor> affine_per_sample(const std::vector<std::vector<Tensor>>& records, int64_t channels,
-                                            int64_t channel_dim, bool with_bias) {
-  Tensor gw, gb;
-  for (const auto& r : records) {
-    Tensor w = per_channel_sum(r[1] * r[0], channels, channel_dim);  // activation-sized temporary, freed at once
-    gw = gw.defined() ? gw + w : w;
-    if (with_bias) {
-      Tensor b = per_channel_sum(r[1], channels, channel_dim);
-      gb = gb.defined() ? gb + b : b;
-    }
-  }
-  return {gw, gb};
-}
-
-Tensor affine_norms(std::vector<Tensor>& cache, const std::vector<std::vector<Tensor>>& records, int64_t channels,
-                    int64_t channel_dim, bool with_bias) {
-  auto [gw, gb] = affine_per_sample(records, channels, channel_dim, with_bias);
-  cache = {gw, gb};
-  Tensor sq = sq_sum(gw);
-  if (gb.defined()) sq = sq + sq_sum(gb);
-  return sq;
-}
-
-void affine_write(std::vector<Tensor>& cache, const std::vector<std::vector<Tensor>>& records, const Tensor& clip,
-                  const Tensor& weight, const Tensor& bias, int64_t channel_dim) {
-  if (cache.size() != 2 || !cache[0].defined()) {
-    auto [gw, gb] = affine_per_sample(records, weight.size(0), channel_dim, bias.defined());
-    cache = {gw, gb};
-  }
-  set_grad(weight, clip.to(cache[0].scalar_type()).matmul(cache[0]));
-  if (bias.defined()) set_grad(bias, clip.to(cache[1].scalar_type()).matmul(cache[1]));
-  cache.clear();
-}
 
 Tensor plain_uniform(std::vector<int64_t> shape, int64_t fan_in) {  // nn::Linear / nn::Conv2d's initialisation
   const double bound = 1.0 / std::sqrt(static_cast<double>(fan_in));
@@ -342,10 +370,25 @@ Tensor plain_uniform(std::vector<int64_t> shape, int64_t fan_in) {  // nn::Linea
 
 // ---------------------------------------------------------------- DpLayer
 
-bool DpLayer::record(std::vector<torch::Tensor> saved) {
-  std::lock_guard<std::mutex> lock(mu_);  // CPU and CUDA backward threads may both reach a layer
+bool DpLayer::record(const torch::Tensor& input, const torch::Tensor& grad_output) {
+  DpOptions o;
+  {
+    std::lock_guard<std::mutex> lock(mu_);  // CPU and CUDA backward threads may both reach a layer
+    if (owner_ == nullptr) return false;
+    o = owner_->options();
+  }
+  DpRecord r;
+  {
+    torch::NoGradGuard no_grad;  // even under create_graph: these are gradients, not graph
+    r.per_sample = condense(input, grad_output, o);
+  }
+  if (!r.condensed()) {
+    r.input = input;
+    r.grad_output = grad_output;
+  }
+  std::lock_guard<std::mutex> lock(mu_);
   if (owner_ == nullptr) return false;
-  records_.push_back(std::move(saved));
+  records_.push_back(std::move(r));
   return true;
 }
 
@@ -356,7 +399,7 @@ bool DpLayer::has_records() {
 
 int64_t DpLayer::recorded_batch_size() {
   std::lock_guard<std::mutex> lock(mu_);
-  return records_.empty() ? -1 : records_.front()[1].size(0);
+  return records_.empty() ? -1 : records_.front().batch_size();
 }
 
 void DpLayer::clear_records() {
@@ -369,12 +412,37 @@ bool DpLayer::recording(const torch::Tensor& weight) const {
   return owner_ != nullptr && torch::GradMode::is_enabled() && weight.requires_grad();
 }
 
-std::vector<std::vector<torch::Tensor>> DpLayer::take_records_copy() {
+std::vector<DpRecord> DpLayer::records_copy() {
   std::lock_guard<std::mutex> lock(mu_);
   return records_;
 }
 
 // ---------------------------------------------------------------- Linear
+
+namespace {
+
+// A layer called k times in one forward has per-sample gradient
+// Σ_k G_kᵀA_k = [G_1;…;G_k]ᵀ[A_1;…;A_k]: its records concatenate along T.
+std::pair<Tensor, Tensor> gather_sequences(const std::vector<DpRecord>& records, int64_t batch, int64_t d_in,
+                                           int64_t d_out) {
+  std::vector<Tensor> as, gs;
+  for (const DpRecord& r : records) {
+    as.push_back(r.input.reshape({batch, -1, d_in}));
+    gs.push_back(r.grad_output.reshape({batch, -1, d_out}));
+  }
+  if (records.size() == 1) return {as[0], gs[0]};
+  return {torch::cat(as, 1), torch::cat(gs, 1)};
+}
+
+std::vector<Tensor> linear_per_sample(const Tensor& x, const Tensor& g, int64_t d_in, int64_t d_out, bool with_bias) {
+  const int64_t batch = g.size(0);
+  Tensor a3 = x.reshape({batch, -1, d_in}), g3 = g.reshape({batch, -1, d_out});
+  std::vector<Tensor> ps{torch::bmm(g3.transpose(1, 2), a3)};  // G_iᵀA_i: B×d_out×d_in
+  if (with_bias) ps.push_back(g3.sum(1));
+  return ps;
+}
+
+}  // namespace
 
 LinearImpl::LinearImpl(int64_t in_features, int64_t out_features, bool with_bias) {
   weight = register_parameter("weight", plain_uniform({out_features, in_features}, in_features));
@@ -392,49 +460,45 @@ std::vector<torch::Tensor> LinearImpl::dp_parameters() {
   return {weight};
 }
 
-// A layer called k times in one forward has per-sample gradient
-// Σ_k G_kᵀA_k = [G_1;…;G_k]ᵀ[A_1;…;A_k]: its records concatenate along T.
-std::pair<torch::Tensor, torch::Tensor> LinearImpl::gathered() {
-  auto records = take_records_copy();
-  const int64_t batch = records.front()[1].size(0), d_in = weight.size(1), d_out = weight.size(0);
-  std::vector<Tensor> as, gs;
-  for (const auto& r : records) {
-    TORCH_CHECK(r[1].size(0) == batch, "dp::Linear: records of different batch sizes (one backward per step)");
-    as.push_back(r[0].reshape({batch, -1, d_in}));
-    gs.push_back(r[1].reshape({batch, -1, d_out}));
-  }
-  if (records.size() == 1) return {as[0], gs[0]};
-  return {torch::cat(as, 1), torch::cat(gs, 1)};
+std::vector<torch::Tensor> LinearImpl::condense(const torch::Tensor& x, const torch::Tensor& g, const DpOptions& o) {
+  const int64_t d_in = weight.size(1), d_out = weight.size(0), batch = g.size(0);
+  if (batch == 0) return {};
+  const int64_t t_len = g.numel() / (batch * d_out);
+  if (!keep_per_sample(o, d_in * d_out, t_len * (d_in + d_out))) return {};
+  return linear_per_sample(x, g, d_in, d_out, bias.defined());
 }
 
 torch::Tensor LinearImpl::per_sample_sq_norms(const DpOptions& o) {
-  const auto ag = gathered();
+  const auto records = records_copy();
+  const int64_t batch = batch_of(records, "dp::Linear"), d_in = weight.size(1), d_out = weight.size(0);
+  cache_.clear();
+  if (any_condensed(records)) {
+    cache_ = summed_per_sample(records, [&](const DpRecord& r) {
+      return linear_per_sample(r.input, r.grad_output, d_in, d_out, bias.defined());
+    });
+    return sq_sum_all(cache_);
+  }
+  const auto ag = gather_sequences(records, batch, d_in, d_out);
   const Tensor &a = ag.first, &g = ag.second;
-  const int64_t batch = g.size(0), t_len = g.size(1);
-  cache_.assign(2, Tensor());
   auto get = [&](int64_t b0, int64_t b1) { return std::make_pair(a.narrow(0, b0, b1 - b0), g.narrow(0, b0, b1 - b0)); };
-  auto grads = [&](int64_t b0, int64_t b1) {  // G_iᵀA_i: n×d_out×d_in
+  auto grads = [&](int64_t b0, int64_t b1) {
     return torch::bmm(g.narrow(0, b0, b1 - b0).transpose(1, 2), a.narrow(0, b0, b1 - b0));
   };
-  Tensor sq = dense_weight_sq(batch, t_len, a.size(2), g.size(2), 0, get, grads, o, &cache_[0]);
-  if (bias.defined()) {
-    cache_[1] = g.sum(1);  // per-sample bias gradients: B×d_out
-    sq = sq + sq_sum(cache_[1]);
-  }
+  Tensor sq = dense_weight_sq(batch, g.size(1), d_in, d_out, 0, get, grads, o);
+  if (bias.defined()) sq = sq + sq_sum(g.sum(1));  // per-sample bias gradients: B×d_out
   return sq;
 }
 
 void LinearImpl::write_clipped_grads(const torch::Tensor& clip, const DpOptions& o) {
-  auto [a, g] = gathered();
-  const int64_t batch = g.size(0);
-  Tensor c = clip.to(g.scalar_type());
-  const bool have = cache_.size() == 2;
-  if (o.mode == ClipMode::kNaive && have && cache_[0].defined()) {
-    set_grad(weight, c.matmul(cache_[0].reshape({batch, -1})));  // Σ_i c_i g_i from the per-sample gradients
+  const auto records = records_copy();
+  if (cache_.empty() && any_condensed(records)) per_sample_sq_norms(o);
+  if (!cache_.empty()) {
+    write_from_per_sample(dp_parameters(), cache_, clip);
   } else {
-    set_grad(weight, bookkeeping_dense(a, g, clip));
+    const auto ag = gather_sequences(records, batch_of(records, "dp::Linear"), weight.size(1), weight.size(0));
+    set_grad(weight, bookkeeping_dense(ag.first, ag.second, clip));
+    if (bias.defined()) set_grad(bias, clip.to(ag.second.scalar_type()).matmul(ag.second.sum(1)));
   }
-  if (bias.defined()) set_grad(bias, c.matmul(have && cache_[1].defined() ? cache_[1] : g.sum(1)));
   cache_.clear();
 }
 
@@ -451,32 +515,37 @@ torch::Tensor EmbeddingImpl::forward(const torch::Tensor& indices) {
 
 std::vector<torch::Tensor> EmbeddingImpl::dp_parameters() { return {weight}; }
 
-std::pair<torch::Tensor, torch::Tensor> EmbeddingImpl::gathered() {
-  auto records = take_records_copy();
-  const int64_t batch = records.front()[1].size(0), d = weight.size(1);
+namespace {
+
+std::pair<Tensor, Tensor> gather_tokens(const std::vector<DpRecord>& records, int64_t batch, int64_t d) {
   std::vector<Tensor> xs, gs;
-  for (const auto& r : records) {
-    TORCH_CHECK(r[1].size(0) == batch, "dp::Embedding: records of different batch sizes (one backward per step)");
-    xs.push_back(r[0].to(torch::kLong).reshape({batch, -1}));
-    gs.push_back(r[1].reshape({batch, -1, d}));
+  for (const DpRecord& r : records) {
+    xs.push_back(r.input.to(torch::kLong).reshape({batch, -1}));
+    gs.push_back(r.grad_output.reshape({batch, -1, d}));
   }
   if (records.size() == 1) return {xs[0], gs[0]};
   return {torch::cat(xs, 1), torch::cat(gs, 1)};
 }
 
+}  // namespace
+
 torch::Tensor EmbeddingImpl::per_sample_sq_norms(const DpOptions& o) {
-  const auto xg = gathered();
+  const auto records = records_copy();
+  const int64_t batch = batch_of(records, "dp::Embedding"), d = weight.size(1), vocab = weight.size(0);
+  const auto xg = gather_tokens(records, batch, d);
   const Tensor &idx = xg.first, &g = xg.second;
-  const int64_t batch = g.size(0), t_len = g.size(1), d = g.size(2), vocab = weight.size(0);
-  cache_.assign(1, Tensor());
+  const int64_t t_len = g.size(1);
+  cache_.clear();
   if (o.mode == ClipMode::kNaive) {
-    cache_[0] = token_dense(idx, g, vocab);
+    cache_ = {token_dense(idx, g, vocab)};
     return sq_sum(cache_[0]);
   }
   if (t_len == 1) return sq_sum(g);  // one token: its row of the gradient is g
   if (o.mode == ClipMode::kGhost) return gram_sq(idx, g, t_len, true);
-  const bool per_sample = o.fused_route == FusedRoute::kPerSample ||
-                          (o.fused_route == FusedRoute::kAuto && std::min(t_len, vocab) * d < t_len * t_len);
+  // Sparse per-sample gradients hold at most min(T, V)·d per sample, the Gram route T².
+  const bool per_sample = o.fused_route == FusedRoute::kGram
+                              ? false
+                              : o.fused_route != FusedRoute::kAuto || std::min(t_len, vocab) * d < t_len * t_len;
   if (per_sample) {
     return over_chunks(batch, chunk_size(batch, o.tile, t_len * d), [&](int64_t b0, int64_t b1) {
       return token_per_sample(idx.narrow(0, b0, b1 - b0), g.narrow(0, b0, b1 - b0), vocab);
@@ -486,14 +555,15 @@ torch::Tensor EmbeddingImpl::per_sample_sq_norms(const DpOptions& o) {
 }
 
 void EmbeddingImpl::write_clipped_grads(const torch::Tensor& clip, const DpOptions& o) {
-  auto [idx, g] = gathered();
-  const int64_t batch = g.size(0), d = g.size(2);
-  Tensor c = clip.to(g.scalar_type());
-  if (o.mode == ClipMode::kNaive && cache_.size() == 1 && cache_[0].defined()) {
-    set_grad(weight, c.matmul(cache_[0].reshape({batch, -1})));
+  if (!cache_.empty()) {  // naive: Σ_i c_i g_i from the per-sample gradients
+    write_from_per_sample({weight}, cache_, clip);
   } else {  // book-keeping: scatter c_i·g_t into the rows of the tokens
-    set_grad(weight, torch::zeros_like(weight, g.options())
-                         .index_add_(0, idx.flatten(), (g * c.view({batch, 1, 1})).reshape({-1, d})));
+    const auto records = records_copy();
+    const int64_t batch = batch_of(records, "dp::Embedding"), d = weight.size(1);
+    const auto xg = gather_tokens(records, batch, d);
+    Tensor c = clip.to(xg.second.scalar_type()).view({batch, 1, 1});
+    set_grad(weight, torch::zeros_like(weight, xg.second.options())
+                         .index_add_(0, xg.first.flatten(), (xg.second * c).reshape({-1, d})));
   }
   cache_.clear();
 }
@@ -522,76 +592,110 @@ std::vector<torch::Tensor> Conv2dImpl::dp_parameters() {
   return {weight};
 }
 
+std::vector<torch::Tensor> Conv2dImpl::condense(const torch::Tensor& x, const torch::Tensor& g, const DpOptions& o) {
+  const int64_t batch = g.size(0);
+  if (batch == 0) return {};
+  // Book-keeping keeps the input and G (not the unfolded input): compare with those.
+  if (!keep_per_sample(o, weight.numel(), (x.numel() + g.numel()) / batch)) return {};
+  std::vector<Tensor> ps{conv_per_sample_grads(x, g, kernel, stride, padding, dilation)};
+  if (bias.defined()) ps.push_back(g.sum({2, 3}));
+  return ps;
+}
+
 torch::Tensor Conv2dImpl::per_sample_sq_norms(const DpOptions& o) {
   // Conv2d is Linear on the unfolded input: A_i = L×(in·k²), G_i = L×out,
-  // L = output positions. The Gram route unfolds here, per sample chunk in
-  // fused mode, never kept between steps; the per-sample route needs no
-  // unfolding: conv2d's weight backward with groups = n gives the n per-sample
-  // gradients at once.
-  auto records = take_records_copy();
-  const int64_t batch = records.front()[1].size(0), d_in = weight[0].numel(), d_out = out_channels;
-  int64_t t_len = 0;
-  for (const auto& r : records) {
-    TORCH_CHECK(r[1].size(0) == batch, "dp::Conv2d: records of different batch sizes (one backward per step)");
-    t_len += r[1].size(2) * r[1].size(3);
+  // L = output positions. The Gram route unfolds here, a sample chunk at a
+  // time in fused mode, never kept between steps; per-sample gradients need
+  // no unfolding (a grouped convolution's weight backward).
+  const auto records = records_copy();
+  const int64_t batch = batch_of(records, "dp::Conv2d"), d_in = weight[0].numel(), d_out = out_channels;
+  auto per_sample_of = [&](const DpRecord& r) {
+    std::vector<Tensor> ps{conv_per_sample_grads(r.input, r.grad_output, kernel, stride, padding, dilation)};
+    if (bias.defined()) ps.push_back(r.grad_output.sum({2, 3}));
+    return ps;
+  };
+  cache_.clear();
+  if (any_condensed(records)) {
+    cache_ = summed_per_sample(records, per_sample_of);
+    return sq_sum_all(cache_);
   }
+  int64_t t_len = 0;
+  for (const DpRecord& r : records) t_len += r.grad_output.size(2) * r.grad_output.size(3);
   auto get = [&](int64_t b0, int64_t b1) {
     std::vector<Tensor> as, gs;
-    for (const auto& r : records) {
-      as.push_back(unfold_patches(r[0].narrow(0, b0, b1 - b0), kernel, stride, padding, dilation));  // n×L×(in·k²)
-      gs.push_back(r[1].narrow(0, b0, b1 - b0).flatten(2).transpose(1, 2));                          // n×L×out
+    for (const DpRecord& r : records) {
+      as.push_back(unfold_patches(r.input.narrow(0, b0, b1 - b0), kernel, stride, padding, dilation));  // n×L×in·k²
+      gs.push_back(r.grad_output.narrow(0, b0, b1 - b0).flatten(2).transpose(1, 2));                    // n×L×out
     }
     if (records.size() == 1) return std::make_pair(as[0], gs[0]);
     return std::make_pair(torch::cat(as, 1), torch::cat(gs, 1));
   };
   auto grads = [&](int64_t b0, int64_t b1) {
     Tensor sum;
-    for (const auto& r : records) {
-      Tensor p = conv_per_sample_grads(r[0].narrow(0, b0, b1 - b0), r[1].narrow(0, b0, b1 - b0), kernel, stride,
-                                       padding, dilation);
+    for (const DpRecord& r : records) {
+      Tensor p = conv_per_sample_grads(r.input.narrow(0, b0, b1 - b0), r.grad_output.narrow(0, b0, b1 - b0), kernel,
+                                       stride, padding, dilation);
       sum = sum.defined() ? sum.add_(p) : p;
     }
     return sum;
   };
-  cache_.assign(2, Tensor());
-  Tensor sq = dense_weight_sq(batch, t_len, d_in, d_out, t_len * d_in, get, grads, o, &cache_[0]);
+  Tensor sq = dense_weight_sq(batch, t_len, d_in, d_out, t_len * d_in, get, grads, o);
   if (bias.defined()) {
-    for (const auto& r : records) cache_[1] = cache_[1].defined() ? cache_[1] + r[1].sum({2, 3}) : r[1].sum({2, 3});
-    sq = sq + sq_sum(cache_[1]);
+    Tensor gb;
+    for (const DpRecord& r : records) gb = gb.defined() ? gb + r.grad_output.sum({2, 3}) : r.grad_output.sum({2, 3});
+    sq = sq + sq_sum(gb);
   }
   return sq;
 }
 
 void Conv2dImpl::write_clipped_grads(const torch::Tensor& clip, const DpOptions& o) {
-  auto records = take_records_copy();
-  const int64_t batch = records.front()[1].size(0);
-  Tensor c = clip.to(weight.scalar_type());
-  const bool have = cache_.size() == 2;
-  if (o.mode == ClipMode::kNaive && have && cache_[0].defined()) {
-    set_grad(weight, c.matmul(cache_[0].reshape({batch, -1})));
-  } else {
-    // Book-keeping without im2col: conv2d's own weight backward on c ⊙ G.
-    Tensor gw;
-    const std::array<int64_t, 1> bias_sizes{out_channels};
-    for (const auto& r : records) {
-      auto res = at::convolution_backward(r[1] * c.view({batch, 1, 1, 1}), r[0], weight.detach(),
-                                          at::IntArrayRef(bias_sizes), {stride, stride}, {padding, padding},
-                                          {dilation, dilation}, false, {0, 0}, 1, {false, true, false});
-      gw = gw.defined() ? gw + std::get<1>(res) : std::get<1>(res);
-    }
-    set_grad(weight, gw);
+  const auto records = records_copy();
+  if (cache_.empty() && any_condensed(records)) per_sample_sq_norms(o);
+  if (!cache_.empty()) {
+    write_from_per_sample(dp_parameters(), cache_, clip);
+    cache_.clear();
+    return;
   }
-  if (bias.defined()) {
-    Tensor gb = have ? cache_[1] : Tensor();
-    if (!gb.defined()) {
-      for (const auto& r : records) gb = gb.defined() ? gb + r[1].sum({2, 3}) : r[1].sum({2, 3});
-    }
-    set_grad(bias, c.matmul(gb));
+  // Book-keeping without unfolding: conv2d's own weight backward on c ⊙ G.
+  const int64_t batch = batch_of(records, "dp::Conv2d");
+  Tensor c = clip.to(weight.scalar_type()).view({batch, 1, 1, 1});
+  Tensor gw, gb;
+  const std::array<int64_t, 1> bias_sizes{out_channels};
+  for (const DpRecord& r : records) {
+    Tensor gc = r.grad_output * c;
+    auto res =
+        at::convolution_backward(gc, r.input, weight.detach(), at::IntArrayRef(bias_sizes), {stride, stride},
+                                 {padding, padding}, {dilation, dilation}, false, {0, 0}, 1, {false, true, false});
+    gw = gw.defined() ? gw + std::get<1>(res) : std::get<1>(res);
+    if (bias.defined()) gb = gb.defined() ? gb + gc.sum({0, 2, 3}) : gc.sum({0, 2, 3});
   }
-  cache_.clear();
+  set_grad(weight, gw);
+  if (bias.defined()) set_grad(bias, gb);
 }
 
 // ---------------------------------------------------------------- norms
+// x̂ through libtorch's own normalisation (no affine), then the recording
+// affine, whose backward keeps only the d-sized per-sample gradients.
+
+namespace {
+
+Tensor affine_norms(std::vector<Tensor>& cache, const std::vector<DpRecord>& records, int64_t channels,
+                    int64_t channel_dim, bool with_bias) {
+  batch_of(records, "dp affine");
+  cache = summed_per_sample(records, [&](const DpRecord& r) {
+    return affine_per_sample(r.input, r.grad_output, channels, channel_dim, with_bias);
+  });
+  return sq_sum_all(cache);
+}
+
+void affine_write(std::vector<Tensor>& cache, const std::vector<DpRecord>& records, const Tensor& clip,
+                  const std::vector<Tensor>& params, int64_t channels, int64_t channel_dim) {
+  if (cache.empty()) affine_norms(cache, records, channels, channel_dim, params.size() > 1);
+  write_from_per_sample(params, cache, clip);
+  cache.clear();
+}
+
+}  // namespace
 
 LayerNormImpl::LayerNormImpl(int64_t dim_, double eps_) : dim(dim_), eps(eps_) {
   weight = register_parameter("weight", torch::ones({dim}));
@@ -600,19 +704,23 @@ LayerNormImpl::LayerNormImpl(int64_t dim_, double eps_) : dim(dim_), eps(eps_) {
 
 torch::Tensor LayerNormImpl::forward(const torch::Tensor& x) {
   if (!recording(weight)) return torch::layer_norm(x, {dim}, weight, bias, eps);
-  // x̂ through libtorch's layer_norm (no affine), then the recording affine.
   Tensor xhat = torch::layer_norm(x, {dim}, {}, {}, eps);
   return AffineFn::apply(xhat, weight, layer_handle(this), int64_t{-1}) + bias;
 }
 
 std::vector<torch::Tensor> LayerNormImpl::dp_parameters() { return {weight, bias}; }
 
+std::vector<torch::Tensor> LayerNormImpl::condense(const torch::Tensor& xhat, const torch::Tensor& g,
+                                                   const DpOptions&) {
+  return affine_per_sample(xhat, g, dim, -1, true);
+}
+
 torch::Tensor LayerNormImpl::per_sample_sq_norms(const DpOptions&) {
-  return affine_norms(cache_, take_records_copy(), dim, -1, true);
+  return affine_norms(cache_, records_copy(), dim, -1, true);
 }
 
 void LayerNormImpl::write_clipped_grads(const torch::Tensor& clip, const DpOptions&) {
-  affine_write(cache_, take_records_copy(), clip, weight, bias, -1);
+  affine_write(cache_, records_copy(), clip, dp_parameters(), dim, -1);
 }
 
 RMSNormImpl::RMSNormImpl(int64_t dim_, double eps_) : dim(dim_), eps(eps_) {
@@ -627,12 +735,16 @@ torch::Tensor RMSNormImpl::forward(const torch::Tensor& x) {
 
 std::vector<torch::Tensor> RMSNormImpl::dp_parameters() { return {weight}; }
 
+std::vector<torch::Tensor> RMSNormImpl::condense(const torch::Tensor& xhat, const torch::Tensor& g, const DpOptions&) {
+  return affine_per_sample(xhat, g, dim, -1, false);
+}
+
 torch::Tensor RMSNormImpl::per_sample_sq_norms(const DpOptions&) {
-  return affine_norms(cache_, take_records_copy(), dim, -1, false);
+  return affine_norms(cache_, records_copy(), dim, -1, false);
 }
 
 void RMSNormImpl::write_clipped_grads(const torch::Tensor& clip, const DpOptions&) {
-  affine_write(cache_, take_records_copy(), clip, weight, Tensor(), -1);
+  affine_write(cache_, records_copy(), clip, dp_parameters(), dim, -1);
 }
 
 GroupNormImpl::GroupNormImpl(int64_t num_groups, int64_t num_channels, double eps_)
@@ -650,12 +762,17 @@ torch::Tensor GroupNormImpl::forward(const torch::Tensor& x) {
 
 std::vector<torch::Tensor> GroupNormImpl::dp_parameters() { return {weight, bias}; }
 
+std::vector<torch::Tensor> GroupNormImpl::condense(const torch::Tensor& xhat, const torch::Tensor& g,
+                                                   const DpOptions&) {
+  return affine_per_sample(xhat, g, channels, 1, true);
+}
+
 torch::Tensor GroupNormImpl::per_sample_sq_norms(const DpOptions&) {
-  return affine_norms(cache_, take_records_copy(), channels, 1, true);
+  return affine_norms(cache_, records_copy(), channels, 1, true);
 }
 
 void GroupNormImpl::write_clipped_grads(const torch::Tensor& clip, const DpOptions&) {
-  affine_write(cache_, take_records_copy(), clip, weight, bias, 1);
+  affine_write(cache_, records_copy(), clip, dp_parameters(), channels, 1);
 }
 
 // ---------------------------------------------------------------- DpSgd
@@ -783,9 +900,12 @@ StatusOr<DpStepStats> DpSgd::step(double expected_batch_size) {
       Tensor norms = sq.sqrt();
       clip = (c_max / (norms + 1e-6)).clamp_max(1.0);
       st.batch_size = norms.size(0);
-      st.mean_norm = norms.mean().item<double>();
-      st.max_norm = norms.max().item<double>();
-      st.clipped_fraction = norms.gt(c_max).to(torch::kFloat64).mean().item<double>();
+      // One device→host copy for the three statistics.
+      Tensor n64 = norms.to(torch::kFloat64);
+      Tensor stats = torch::stack({n64.mean(), n64.max(), n64.gt(c_max).to(torch::kFloat64).mean()}).to(torch::kCPU);
+      st.mean_norm = stats[0].item<double>();
+      st.max_norm = stats[1].item<double>();
+      st.clipped_fraction = stats[2].item<double>();
     }
     for (DpLayer* layer : layers_) {
       if (clip.defined() && layer->has_records()) {

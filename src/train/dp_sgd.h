@@ -10,30 +10,44 @@
 //
 //   * In the forward each layer keeps what autograd keeps anyway (its input A;
 //     for the norm layers the normalised input x̂), and its custom autograd
-//     Function records, in the backward, the output gradient G next to it.
-//     For Linear, ∇W = Σ_i G_iᵀA_i (A_i: T×d_in, G_i: T×d_out; T = 1 for 2-D
-//     inputs, T = tokens for sequences, T = output positions for Conv2d, whose
-//     A is the unfolded input, im2col(x)).
+//     Function hands its layer, in the backward, the output gradient G next to
+//     it. For Linear, ∇W = Σ_i G_iᵀA_i (A_i: T×d_in, G_i: T×d_out; T = 1 for
+//     2-D inputs, T = tokens for sequences, T = output positions for Conv2d,
+//     whose A is the unfolded input, im2col(x)). The layer keeps A and G, or,
+//     where that is smaller, the per-sample gradients G_iᵀA_i themselves.
 //   * DpSgd::step() then gets ‖g_i‖² = Σ_layers ‖G_iᵀA_i‖² + ‖Σ_t G_i,t‖² and
-//     writes the clipped sum by "book-keeping": ∇W = (c ⊙ G)ᵀA, one matmul per
-//     layer on the stored A and G — no per-sample gradients and no second
-//     backward. In recording mode the backward therefore computes only input
-//     gradients; the weight gradient is computed once, already clipped (doing
-//     both would double the weight-gradient cost).
+//     writes the clipped sum Σ_i c_i g_i: from kept per-sample gradients, or
+//     by "book-keeping", ∇W = (c ⊙ G)ᵀA, one matmul per layer on the stored A
+//     and G — no second backward. In recording mode the backward computes only
+//     input gradients; the weight gradient is computed once, already clipped
+//     (computing the plain one too would double the weight-gradient cost).
 //
-// Clipping modes (how ‖G_iᵀA_i‖² is computed):
-//   naive: materialise the per-sample gradients (B × d_out × d_in; for
-//          Embedding B × V × d) — the reference; memory grows with B·|W|.
-//   ghost: never a per-sample gradient: ‖G_iᵀA_i‖² = Σ_{t,s} (a_t·a_s)(g_t·g_s)
-//          from the two T×T Gram matrices A_iA_iᵀ and G_iG_iᵀ (for Embedding
-//          [x_t = x_s] replaces a_t·a_s); memory B·T².
-//   fused: the same sums in tiles of `tile`×`tile` over T, so no T×T matrix
-//          is ever held, and per layer the cheaper route: per-sample gradients
-//          (d_in·d_out per sample, in sample chunks) when d_in·d_out < T²,
-//          else the tiled Gram sums. Temporaries stay within about B·tile²
-//          elements (one sample at least).
+// Clipping modes:
+//   naive: materialise the per-sample gradients — the reference. Linear and
+//          Conv2d compute them in the backward (B × d_out × d_in each, kept
+//          until step()), Embedding in step() (B × V × d).
+//   ghost: never a per-sample gradient: keep A and G, and
+//          ‖G_iᵀA_i‖² = Σ_{t,s} (a_t·a_s)(g_t·g_s) from the two T×T Gram
+//          matrices A_iA_iᵀ and G_iG_iᵀ (for Embedding [x_t = x_s] replaces
+//          a_t·a_s); memory B·T² in step(); clipped sum by book-keeping.
+//   fused: per layer (and per call), the cheaper way:
+//          * keep whichever is smaller per sample: the per-sample gradient
+//            (d_in·d_out, computed in the backward, after which A and G are
+//            freed; its clipped sum is then Σ c_i g_i, no book-keeping matmul)
+//            or A and G (T·(d_in+d_out); for Conv2d its input and G);
+//          * with A and G kept, the norms come from per-sample gradients built
+//            a few samples at a time when d_in·d_out < T² (plus, for Conv2d,
+//            the unfolded input the Gram route needs), else from the Gram sums
+//            in tiles of `tile`×`tile` over T, so no T×T matrix is ever held.
+//          Temporaries in step() stay within about B·tile² elements (one
+//          sample at least).
 // LayerNorm, RMSNorm and GroupNorm have d-sized per-sample gradients
-// (Σ_t G ⊙ x̂ and Σ_t G): computed directly in every mode.
+// (Σ_t G ⊙ x̂ and Σ_t G): computed in the backward in every mode, so x̂ and G
+// are not kept.
+//
+// Memory beyond plain training, until step(): per DP layer either its
+// per-sample gradients or its input and output gradient (plain training frees
+// those during the backward), plus step()'s temporaries.
 //
 // BatchNorm cannot be used: its batch statistics make a sample's gradient
 // depend on the other samples, so clipping per sample bounds nothing.
@@ -50,17 +64,18 @@
 //     sampler.next(batch);
 //     if (!batch.empty()) {
 //       auto loss = cross_entropy(net->forward(x(batch)), y(batch), reduction = sum);
-//       loss.backward();                 // layers record A and G
+//       loss.backward();                 // layers record A and G (or per-sample gradients)
 //     }
 //     MEMFL_ASSIGN_OR_RETURN(auto st, dp->step(sampler.expected_batch_size()));  // sets p.grad
 //     opt.step();                         // any optimizer: post-processing of a DP gradient
 //   }
 //
 // One backward per step(): a layer called several times in one forward (weight
-// sharing) is handled (its records are concatenated along T), but gradients
-// of two backward passes are not accumulated across a step. While a DpSgd is
-// alive its layers record in every backward; destroy it to use the model
-// without DP (the layers then run the plain libtorch ops).
+// sharing) is handled (its records concatenate along T, or its per-sample
+// gradients add up), but gradients of two backward passes are not accumulated
+// across a step. While a DpSgd is alive its layers record in every backward;
+// destroy it to use the model without DP (the layers then run the plain
+// libtorch ops, with ordinary summed gradients).
 #pragma once
 
 #include <torch/torch.h>
@@ -85,8 +100,14 @@ enum class ClipMode { kNaive, kGhost, kFused };
 std::optional<ClipMode> parse_clip_mode(std::string_view name);
 const char* clip_mode_name(ClipMode mode);
 
-// fused mode's per-layer choice; kAuto picks the cheaper (tests force the others).
-enum class FusedRoute { kAuto, kPerSample, kGram };
+// fused mode's per-layer choice for Linear and Conv2d (Embedding: kGram takes
+// the Gram route, anything else the sparse per-sample one); kAuto takes the
+// cheaper, as described above; tests force the others:
+//   kKeepPerSample:  per-sample gradients computed in the backward and kept;
+//   kPerSampleNorms: A and G kept; norms from per-sample gradients built a
+//                    sample chunk at a time; clipped sum by book-keeping;
+//   kGram:           A and G kept; norms from tiled Gram sums; book-keeping.
+enum class FusedRoute { kAuto, kKeepPerSample, kPerSampleNorms, kGram };
 
 struct DpOptions {
   ClipMode mode = ClipMode::kFused;
@@ -105,39 +126,56 @@ struct DpStepStats {
 
 class DpSgd;
 
-// What DpSgd needs from a layer. Layers record (activation, output gradient)
-// in their backward while a DpSgd is attached; DpSgd turns the records into
-// norms and clipped gradients, then clears them.
+// What one call of a layer left for clipping: its input and output gradient
+// (book-keeping needs both), or, where those would take more memory, the
+// per-sample gradients computed in the backward (one B×… tensor per parameter,
+// in dp_parameters() order).
+struct DpRecord {
+  torch::Tensor input;        // A (Linear), x (Conv2d), indices (Embedding); undefined when condensed
+  torch::Tensor grad_output;  // G
+  std::vector<torch::Tensor> per_sample;
+  bool condensed() const { return !per_sample.empty(); }
+  int64_t batch_size() const { return condensed() ? per_sample.front().size(0) : grad_output.size(0); }
+};
+
+// What DpSgd needs from a layer. Layers record in their backward while a
+// DpSgd is attached; DpSgd turns the records into norms and clipped
+// gradients, then clears them.
 class DpLayer {
  public:
   virtual ~DpLayer() = default;
   // The trainable tensors whose per-sample gradients this layer tracks.
   virtual std::vector<torch::Tensor> dp_parameters() = 0;
 
-  // --- used by DpSgd (public so the custom autograd Functions can reach them) ---
+  // --- used by DpSgd and by the layers' autograd Functions ---
   bool attached() const { return owner_ != nullptr; }
   // Called from the backward; false when no DpSgd is attached any more.
-  bool record(std::vector<torch::Tensor> saved);
+  bool record(const torch::Tensor& input, const torch::Tensor& grad_output);
   bool has_records();
   int64_t recorded_batch_size();  // -1 when nothing was recorded
-  // ‖g_i‖² over this layer's parameters, one per sample (B, float32).
+  // ‖g_i‖² over this layer's parameters, one per sample (B).
   virtual torch::Tensor per_sample_sq_norms(const DpOptions& o) = 0;
-  // p.grad = Σ_i clip[i]·g_i for each of dp_parameters() (zeros without records).
+  // p.grad = Σ_i clip[i]·g_i for each of dp_parameters().
   virtual void write_clipped_grads(const torch::Tensor& clip, const DpOptions& o) = 0;
   void clear_records();
 
  protected:
+  // In the backward: the per-sample gradients to keep instead of (input,
+  // grad_output), or {} to keep those.
+  virtual std::vector<torch::Tensor> condense(const torch::Tensor& input, const torch::Tensor& grad_output,
+                                              const DpOptions& o) {
+    return {};
+  }
   // True when the next forward must go through the recording Function.
   bool recording(const torch::Tensor& weight) const;
-  // Records of the last backward: one entry per call of the layer in the forward.
-  std::vector<std::vector<torch::Tensor>> take_records_copy();
-  std::vector<torch::Tensor> cache_;  // per-sample gradients kept from norms to clipping (naive, norm layers)
+  std::vector<DpRecord> records_copy();
+  std::vector<torch::Tensor> cache_;  // per-sample gradients kept from norms to clipping
 
  private:
   friend class DpSgd;
   DpSgd* owner_ = nullptr;
   std::mutex mu_;
-  std::vector<std::vector<torch::Tensor>> records_;
+  std::vector<DpRecord> records_;
 };
 
 // nn::Linear on inputs B×d_in or B×…×d_in (the middle dimensions are T).
@@ -150,8 +188,8 @@ class LinearImpl : public torch::nn::Module, public DpLayer {
   void write_clipped_grads(const torch::Tensor& clip, const DpOptions& o) override;
   torch::Tensor weight, bias;  // weight: out×in; bias undefined without one
 
- private:
-  std::pair<torch::Tensor, torch::Tensor> gathered();  // A: B×T×in, G: B×T×out
+ protected:
+  std::vector<torch::Tensor> condense(const torch::Tensor& x, const torch::Tensor& g, const DpOptions& o) override;
 };
 TORCH_MODULE(Linear);
 
@@ -164,19 +202,17 @@ class EmbeddingImpl : public torch::nn::Module, public DpLayer {
   torch::Tensor per_sample_sq_norms(const DpOptions& o) override;
   void write_clipped_grads(const torch::Tensor& clip, const DpOptions& o) override;
   torch::Tensor weight;  // num_embeddings×dim
-
- private:
-  std::pair<torch::Tensor, torch::Tensor> gathered();  // idx: B×T, G: B×T×dim
 };
 TORCH_MODULE(Embedding);
 
-// nn::Conv2d, square kernel, groups = 1. The forward is libtorch's conv2d and
-// the layer keeps only its input; it is Linear on the unfolded input (T =
-// output positions, d_in = in·k²). The Gram route unfolds in step(), a sample
-// chunk at a time in fused mode; the per-sample route (chosen when in·k²·out
-// < T² + T·in·k², the unfolded input counted) and naive mode get per-sample
-// gradients from one grouped-convolution weight backward (groups = samples);
-// the clipped gradient is conv2d's weight backward on c ⊙ G. No unfolding there.
+// nn::Conv2d, square kernel, groups = 1. The forward is libtorch's conv2d; the
+// layer is Linear on the unfolded input (im2col: T = output positions, d_in =
+// in·k²). Its per-sample gradients come from one bmm over the unfolded input
+// on CUDA, from one grouped-convolution weight backward (groups = samples, no
+// unfolding) on CPU; book-keeping keeps the input
+// (not the unfolded input) and G, and its clipped sum is conv2d's weight
+// backward on c ⊙ G; only the Gram route unfolds, in step(), a sample chunk at
+// a time in fused mode.
 class Conv2dImpl : public torch::nn::Module, public DpLayer {
  public:
   Conv2dImpl(int64_t in_channels, int64_t out_channels, int64_t kernel_size, int64_t stride = 1, int64_t padding = 0,
@@ -187,6 +223,9 @@ class Conv2dImpl : public torch::nn::Module, public DpLayer {
   void write_clipped_grads(const torch::Tensor& clip, const DpOptions& o) override;
   torch::Tensor weight, bias;  // weight: out×in×k×k
   int64_t in_channels, out_channels, kernel, stride, padding, dilation;
+
+ protected:
+  std::vector<torch::Tensor> condense(const torch::Tensor& x, const torch::Tensor& g, const DpOptions& o) override;
 };
 TORCH_MODULE(Conv2d);
 
@@ -201,6 +240,9 @@ class LayerNormImpl : public torch::nn::Module, public DpLayer {
   torch::Tensor weight, bias;
   int64_t dim;
   double eps;
+
+ protected:
+  std::vector<torch::Tensor> condense(const torch::Tensor& xhat, const torch::Tensor& g, const DpOptions& o) override;
 };
 TORCH_MODULE(LayerNorm);
 
@@ -215,6 +257,9 @@ class RMSNormImpl : public torch::nn::Module, public DpLayer {
   torch::Tensor weight;
   int64_t dim;
   double eps;
+
+ protected:
+  std::vector<torch::Tensor> condense(const torch::Tensor& xhat, const torch::Tensor& g, const DpOptions& o) override;
 };
 TORCH_MODULE(RMSNorm);
 
@@ -229,6 +274,9 @@ class GroupNormImpl : public torch::nn::Module, public DpLayer {
   torch::Tensor weight, bias;
   int64_t groups, channels;
   double eps;
+
+ protected:
+  std::vector<torch::Tensor> condense(const torch::Tensor& xhat, const torch::Tensor& g, const DpOptions& o) override;
 };
 TORCH_MODULE(GroupNorm);
 

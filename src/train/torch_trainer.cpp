@@ -14,6 +14,8 @@
 #include <c10/cuda/CUDAStream.h>
 #define MEMFL_HAVE_CUDA_STATS 1
 #endif
+#include "train/dp_bench.h"
+#include "train/dp_sgd.h"
 #include "train/torch_models.h"
 
 namespace memfl::torch_internal {
@@ -158,6 +160,7 @@ class TorchReplica final : public ModelReplica {
           net_->parameters(),
           torch::optim::SGDOptions(o.lr).momentum(o.momentum).weight_decay(o.weight_decay).nesterov(o.nesterov));
     }
+    if (cfg.dp.enabled) return train_dp(data, train_idx, val_idx, cfg, seed, *opt);
     std::vector<uint32_t> order(train_idx.begin(), train_idx.end());
     std::mt19937_64 rng(seed);
     const size_t bs = static_cast<size_t>(cfg.train_batch_size);
@@ -207,6 +210,70 @@ class TorchReplica final : public ModelReplica {
     opt.reset();
     ledger.set(MemoryCategory::kGradients, 0);
     ledger.set(MemoryCategory::kOptimizer, 0);
+    sync_to_host();
+    if (cfg.do_validation && !val_idx.empty()) {
+      EvalResult v = evaluate_impl(data, val_idx, cfg.val_batch_size);
+      r.val_loss = v.loss;
+      r.val_accuracy = v.accuracy;
+      r.has_validation = true;
+    }
+    return r;
+  }
+
+  // DP-SGD (train_configs.dp): Poisson batches of rate q = batch / n, the
+  // summed loss, per-sample clipping and noise by DpSgd, then the optimizer.
+  // Steps: num_local_steps, or epochs × ceil(n / batch) — the expected number
+  // of batches an epoch would have. The accountant composes (σ, q, steps).
+  TrainResult train_dp(const ImageDataset& data, std::span<const uint32_t> train_idx,
+                       std::span<const uint32_t> val_idx, const TrainConfig& cfg, uint64_t seed,
+                       torch::optim::Optimizer& opt) {
+    dp::DpOptions o;
+    o.mode = dp::parse_clip_mode(cfg.dp.clipping).value_or(dp::ClipMode::kFused);
+    o.max_grad_norm = cfg.dp.max_grad_norm;
+    o.noise_multiplier = cfg.dp.noise_multiplier;
+    auto created = dp::DpSgd::create(net_, o);
+    if (!created.ok()) throw std::runtime_error(created.status().message());
+    std::unique_ptr<dp::DpSgd> dpsgd = std::move(*created);
+    const auto n = static_cast<int64_t>(train_idx.size());
+    const int64_t bs = cfg.train_batch_size;
+    const double q = n > 0 ? std::min(1.0, static_cast<double>(bs) / static_cast<double>(n)) : 1.0;
+    const int64_t steps = cfg.mode == "step" ? cfg.num_local_steps
+                                             : static_cast<int64_t>(cfg.num_local_epochs) * ((n + bs - 1) / bs);
+    std::vector<uint32_t> pool(train_idx.begin(), train_idx.end());
+    dp::PoissonSampler sampler(pool, q, seed);
+    std::vector<uint32_t> batch;
+    TrainResult r;
+    double loss_sum = 0, correct = 0;
+    torch::Tensor x, y;
+    for (int64_t k = 0; k < steps; ++k) {
+      sampler.next(batch);
+      // DpSgd::step writes every gradient; they may be views, which
+      // zero_grad() cannot detach in place, so drop them instead.
+      for (auto& p : net_->parameters()) p.mutable_grad() = torch::Tensor();
+      if (!batch.empty()) {
+        fill_batch(data, batch, x, y);
+        x = x.to(device_);
+        y = y.to(device_);
+        auto logits = net_->forward(x);
+        auto loss = batch_loss(logits, y, /*sum=*/true);
+        loss.backward();
+        loss_sum += loss.item<double>();
+        correct += static_cast<double>(batch_correct(logits, y));
+        r.num_samples += static_cast<int64_t>(batch.size());
+      }
+      auto st = dpsgd->step(sampler.expected_batch_size());
+      if (!st.ok()) throw std::runtime_error(st.status().message());
+      opt.step();
+      r.num_steps++;
+    }
+    dpsgd.reset();  // the layers run as plain layers again (evaluation)
+    if (r.num_samples > 0) {
+      r.train_loss = loss_sum / static_cast<double>(r.num_samples);
+      r.train_accuracy = correct / static_cast<double>(r.num_samples);
+    }
+    r.dp_steps = r.num_steps;
+    r.dp_sample_rate = q;
+    for (auto& p : net_->parameters()) p.mutable_grad() = torch::Tensor();
     sync_to_host();
     if (cfg.do_validation && !val_idx.empty()) {
       EvalResult v = evaluate_impl(data, val_idx, cfg.val_batch_size);
@@ -275,7 +342,7 @@ class TorchReplica final : public ModelReplica {
 class TorchBackend final : public TrainerBackend {
  public:
   std::vector<std::string> model_names() const override {
-    return {"CNN", "MLP", "ResNet18", "llama-tiny", "llama-1b", "llama-8b", "llama-70b", "llama"};
+    return {"CNN", "MLP", "ResNet18", "CNN_GN", "llama-tiny", "llama-1b", "llama-8b", "llama-70b", "llama"};
   }
 
   StatusOr<std::unique_ptr<ModelReplica>> create_replica(const ModelConfig& model, const InputSpec& input,
@@ -294,6 +361,14 @@ class TorchBackend final : public TrainerBackend {
       return std::unique_ptr<ModelReplica>(std::make_unique<TorchReplica>(std::move(net), std::move(bound), dev));
     } catch (const std::exception& e) {
       return internal_error("building model {} failed in libtorch: {}", model.model_name, e.what());
+    }
+  }
+
+  StatusOr<std::vector<std::string>> bench_dp(const DpBenchOptions& options) override {
+    try {
+      return run_dp_bench(options);
+    } catch (const std::exception& e) {
+      return internal_error("bench dp failed in libtorch: {}", e.what());
     }
   }
 

@@ -37,6 +37,10 @@ struct TrainResult {
   bool has_validation = false;
   int64_t gradient_bytes = 0;
   int64_t optimizer_bytes = 0;
+  // DP-SGD (train_configs.dp): the steps taken and their Poisson rate q, what
+  // the accountant composes over rounds.
+  int64_t dp_steps = 0;
+  double dp_sample_rate = 0;
 };
 
 struct EvalResult {
@@ -62,6 +66,19 @@ class ModelReplica {
                                         int batch_size) = 0;
 };
 
+// `memfl bench dp`: DP-SGD clipping modes on a Llama-style classifier built
+// from the DP layers (train/dp_sgd.h), one record per (mode, seq_length).
+struct DpBenchOptions {
+  std::string model = "llama-dp-tiny";  // llama-dp-tiny | llama-dp-0.5b
+  std::vector<int> seq_lengths = {64, 128};
+  int batch_size = 2;
+  std::vector<std::string> modes = {"no_dp", "naive", "ghost", "fused"};
+  int warmup = 2, iters = 5;
+  std::string device = "cpu";
+  double max_grad_norm = 1.0, noise_multiplier = 1.0;
+  uint64_t seed = 42;
+};
+
 class TrainerBackend {
  public:
   virtual ~TrainerBackend() = default;
@@ -74,6 +91,14 @@ class TrainerBackend {
   // The CUDA caching allocator's bytes on device 0 (allocated now, reserved
   // now, peak allocated); false on a CPU build or without a GPU.
   virtual bool gpu_memory(int64_t* allocated, int64_t* reserved, int64_t* peak_allocated) = 0;
+  // One JSON object (text) per run: mode, seq_length, batch_size, num_params,
+  // peak_memory_bytes, avg_iteration_ms, warmup/timed iterations, device,
+  // config. Peak memory: the CUDA caching allocator on GPU, the RSS sampler
+  // on CPU; time: CUDA events on GPU.
+  virtual StatusOr<std::vector<std::string>> bench_dp(const DpBenchOptions& options) {
+    (void)options;
+    return failed_precondition("this trainer plugin has no DP benchmark");
+  }
 };
 
 // Finds libmemfl_torch.so (MEMFL_PLUGIN_DIR, else next to the executable),

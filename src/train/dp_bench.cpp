@@ -1,0 +1,511 @@
+// `memfl bench dp`, plugin side (issue #8, part 5): per clipping mode and
+// sequence length, peak memory and time per iteration of DP-SGD training of a
+// Llama-style sequence classifier built from the DP layers (train/dp_sgd.h).
+//
+// The model: dp::Embedding → num_layers × [dp::RMSNorm, rotary causal
+// attention (q/k/v/o: dp::Linear without bias, grouped-query heads), residual,
+// dp::RMSNorm, SwiGLU MLP (gate/up/down: dp::Linear without bias), residual]
+// → dp::RMSNorm → mean over tokens → dp::Linear head (with bias) to 2 classes.
+// fp32. The attention itself has no parameters, so it is the same for every
+// mode: libtorch ≥ 2 runs it as scaled_dot_product_attention (fused kernels,
+// no T×T matrix kept on GPU), libtorch 1.13 as the explicit math of
+// llama_module.cpp; the record says which ("attention").
+//
+// One run = one (seq_length, mode): a fresh model (seeded), one random token
+// batch [batch, seq] and labels, SGD without momentum (no optimizer state);
+// `warmup` untimed iterations, then `iters` timed ones. An iteration: grads
+// dropped, forward, summed cross-entropy, backward, DpSgd::step(batch) for the
+// DP modes (naive | ghost | fused; noise σ·C, C = max_grad_norm), optimizer
+// step. no_dp is the same model with no DpSgd attached: its layers run the
+// plain libtorch ops.
+//
+// Memory (peak_memory_bytes):
+//   CUDA: the caching allocator's peak allocated bytes on the device, its peak
+//         statistics reset after the model, batch, optimizer and DpSgd exist
+//         (so the peak includes the weights, and libtorch's cuBLAS
+//         workspaces, tens of MiB, allocated once by the first pass; the
+//         record's memory.allocated_at_reset_bytes says what was there),
+//         before the warm-up. The cache is emptied before each run.
+//   CPU:  the RSS peak above the pre-model baseline: a MemorySampler (1 ms)
+//         started before the model is built, peak_rss() minus the RSS read
+//         just before the model is built; the kernel's VmHWM, reset for the
+//         run through /proc/self/clear_refs where that is allowed, catches
+//         what happens between two samples. malloc_trim before each run, so
+//         the previous run's freed heap does not hide this one's growth.
+// Time (avg_iteration_ms, min_iteration_ms): steady_clock around each timed
+// iteration, with the device synchronised before and after it on CUDA (the
+// DP step reads its statistics with .item(), a synchronisation anyway), so
+// the time is the iteration's wall time, as CUDA events around it would give.
+#include "train/dp_bench.h"
+
+#include <fcntl.h>
+#include <malloc.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <limits>
+#include <optional>
+#include <stdexcept>
+
+#include <nlohmann/json.hpp>
+
+#include "memory/sampler.h"
+#include "train/dp_sgd.h"
+
+// The CUDA caching allocator's statistics exist only in CUDA builds of
+// libtorch (the GPU machine's); Debian's is CPU-only.
+#if __has_include(<c10/cuda/CUDACachingAllocator.h>) && __has_include(<cuda_runtime_api.h>)
+#include <c10/cuda/CUDACachingAllocator.h>
+#define MEMFL_HAVE_CUDA_STATS 1
+#endif
+
+namespace memfl::torch_internal {
+
+namespace {
+
+using json = nlohmann::ordered_json;
+using torch::Tensor;
+
+constexpr double kLearningRate = 1e-3;
+
+struct DpLlamaSpec {
+  std::string name;
+  int64_t hidden_size = 0, num_layers = 0, num_heads = 0, num_kv_heads = 0, intermediate_size = 0, vocab_size = 0;
+  int64_t num_classes = 2;
+  double rope_theta = 10000.0, rms_norm_eps = 1e-6;
+  int64_t head_dim() const { return hidden_size / num_heads; }
+  // Embedding, per layer (q, k, v, o, gate, up, down, two norms), final norm, head with bias.
+  int64_t num_params() const {
+    const int64_t d = hidden_size, hd = head_dim();
+    const int64_t layer =
+        d * num_heads * hd + 2 * d * num_kv_heads * hd + num_heads * hd * d + 3 * d * intermediate_size + 2 * d;
+    return vocab_size * d + num_layers * layer + d + d * num_classes + num_classes;
+  }
+};
+
+const std::vector<DpLlamaSpec>& presets() {
+  static const std::vector<DpLlamaSpec> all = {
+      {.name = "llama-dp-tiny",
+       .hidden_size = 64,
+       .num_layers = 2,
+       .num_heads = 4,
+       .num_kv_heads = 2,
+       .intermediate_size = 172,
+       .vocab_size = 512},
+      // The shape of the Opacus measurement in issue #8: ≈ 477M parameters.
+      {.name = "llama-dp-0.5b",
+       .hidden_size = 2048,
+       .num_layers = 8,
+       .num_heads = 16,
+       .num_kv_heads = 16,
+       .intermediate_size = 5632,
+       .vocab_size = 32000},
+  };
+  return all;
+}
+
+// Rotary position embedding, the "rotate half" form of llama_module.cpp.
+Tensor rotate_half(const Tensor& x) {
+  const int64_t half = x.size(-1) / 2;
+  return torch::cat({-x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1);
+}
+
+const char* attention_kind() {
+#if TORCH_VERSION_MAJOR >= 2
+  return "scaled_dot_product_attention";
+#else
+  return "math";
+#endif
+}
+
+// Causal attention of q, k, v (B×H×T×hd); no parameters.
+Tensor causal_attention(const Tensor& q, const Tensor& k, const Tensor& v) {
+#if TORCH_VERSION_MAJOR >= 2
+  return at::scaled_dot_product_attention(q, k, v, {}, 0.0, /*is_causal=*/true);
+#else
+  const int64_t t = q.size(2);
+  auto scores = torch::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(q.size(-1)));
+  auto causal = torch::ones({t, t}, torch::TensorOptions().dtype(torch::kBool).device(q.device())).triu(1);
+  scores = scores.masked_fill(causal, -std::numeric_limits<float>::infinity());
+  return torch::matmul(torch::softmax(scores, -1), v);
+#endif
+}
+
+struct DpAttentionImpl : torch::nn::Module {
+  explicit DpAttentionImpl(const DpLlamaSpec& s)
+      : heads(s.num_heads), kv_heads(s.num_kv_heads), head_dim(s.head_dim()), theta(s.rope_theta) {
+    q_proj = register_module("q_proj", dp::Linear(s.hidden_size, heads * head_dim, false));
+    k_proj = register_module("k_proj", dp::Linear(s.hidden_size, kv_heads * head_dim, false));
+    v_proj = register_module("v_proj", dp::Linear(s.hidden_size, kv_heads * head_dim, false));
+    o_proj = register_module("o_proj", dp::Linear(heads * head_dim, s.hidden_size, false));
+  }
+  Tensor forward(const Tensor& x) {
+    const int64_t b = x.size(0), t = x.size(1);
+    auto q = q_proj->forward(x).view({b, t, heads, head_dim}).transpose(1, 2);
+    auto k = k_proj->forward(x).view({b, t, kv_heads, head_dim}).transpose(1, 2);
+    auto v = v_proj->forward(x).view({b, t, kv_heads, head_dim}).transpose(1, 2);
+    auto opts = torch::TensorOptions().dtype(torch::kFloat32).device(x.device());
+    auto inv_freq = torch::pow(theta, -torch::arange(0, head_dim, 2, opts) / static_cast<double>(head_dim));
+    auto freqs = torch::outer(torch::arange(t, opts), inv_freq);
+    auto emb = torch::cat({freqs, freqs}, -1);
+    auto cos = emb.cos().to(x.scalar_type()), sin = emb.sin().to(x.scalar_type());
+    q = q * cos + rotate_half(q) * sin;
+    k = k * cos + rotate_half(k) * sin;
+    if (kv_heads != heads) {  // grouped-query attention: each KV head serves heads / kv_heads queries
+      k = k.repeat_interleave(heads / kv_heads, 1);
+      v = v.repeat_interleave(heads / kv_heads, 1);
+    }
+    auto out = causal_attention(q, k, v);
+    return o_proj->forward(out.transpose(1, 2).reshape({b, t, heads * head_dim}));
+  }
+  int64_t heads, kv_heads, head_dim;
+  double theta;
+  dp::Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
+};
+TORCH_MODULE(DpAttention);
+
+struct DpMlpImpl : torch::nn::Module {
+  explicit DpMlpImpl(const DpLlamaSpec& s) {
+    gate_proj = register_module("gate_proj", dp::Linear(s.hidden_size, s.intermediate_size, false));
+    up_proj = register_module("up_proj", dp::Linear(s.hidden_size, s.intermediate_size, false));
+    down_proj = register_module("down_proj", dp::Linear(s.intermediate_size, s.hidden_size, false));
+  }
+  Tensor forward(const Tensor& x) {
+    return down_proj->forward(torch::silu(gate_proj->forward(x)) * up_proj->forward(x));
+  }
+  dp::Linear gate_proj{nullptr}, up_proj{nullptr}, down_proj{nullptr};
+};
+TORCH_MODULE(DpMlp);
+
+struct DpDecoderLayerImpl : torch::nn::Module {
+  explicit DpDecoderLayerImpl(const DpLlamaSpec& s) {
+    input_layernorm = register_module("input_layernorm", dp::RMSNorm(s.hidden_size, s.rms_norm_eps));
+    self_attn = register_module("self_attn", DpAttention(s));
+    post_attention_layernorm = register_module("post_attention_layernorm", dp::RMSNorm(s.hidden_size, s.rms_norm_eps));
+    mlp = register_module("mlp", DpMlp(s));
+  }
+  Tensor forward(Tensor x) {
+    x = x + self_attn->forward(input_layernorm->forward(x));
+    return x + mlp->forward(post_attention_layernorm->forward(x));
+  }
+  dp::RMSNorm input_layernorm{nullptr}, post_attention_layernorm{nullptr};
+  DpAttention self_attn{nullptr};
+  DpMlp mlp{nullptr};
+};
+TORCH_MODULE(DpDecoderLayer);
+
+// forward(tokens [B, T] int64) → logits [B, num_classes].
+struct DpLlamaClassifier : torch::nn::Module {
+  explicit DpLlamaClassifier(const DpLlamaSpec& s) {
+    embed_tokens = register_module("embed_tokens", dp::Embedding(s.vocab_size, s.hidden_size));
+    auto list = register_module("layers", torch::nn::ModuleList());
+    for (int64_t i = 0; i < s.num_layers; ++i) {
+      layers.push_back(DpDecoderLayer(s));
+      list->push_back(layers.back());
+    }
+    norm = register_module("norm", dp::RMSNorm(s.hidden_size, s.rms_norm_eps));
+    score = register_module("score", dp::Linear(s.hidden_size, s.num_classes, true));
+  }
+  // Llama's initializer_range 0.02 for every matrix (embedding included).
+  void init_weights() {
+    torch::NoGradGuard g;
+    for (auto& p : parameters()) {
+      if (p.dim() == 2) p.normal_(0.0, 0.02);
+    }
+  }
+  Tensor forward(const Tensor& tokens) {
+    Tensor x = embed_tokens->forward(tokens);
+    for (auto& layer : layers) x = layer->forward(x);
+    return score->forward(norm->forward(x).mean(1));
+  }
+  dp::Embedding embed_tokens{nullptr};
+  std::vector<DpDecoderLayer> layers;
+  dp::RMSNorm norm{nullptr};
+  dp::Linear score{nullptr};
+};
+
+bool is_oom(const std::string& message) {
+  return message.find("out of memory") != std::string::npos ||
+         message.find("not enough memory") != std::string::npos ||  // libtorch's CPU allocator
+         message.find("can't allocate memory") != std::string::npos;
+}
+
+std::string first_line(const std::string& s) { return s.substr(0, s.find('\n')); }
+
+// Resets the kernel's VmHWM to the current RSS (Linux ≥ 4.0); false where
+// /proc/self/clear_refs cannot be written.
+bool reset_peak_rss() {
+  const int fd = ::open("/proc/self/clear_refs", O_WRONLY | O_CLOEXEC);
+  if (fd < 0) return false;
+  const bool ok = ::write(fd, "5", 1) == 1;
+  ::close(fd);
+  return ok;
+}
+
+void synchronize(const torch::Device& dev) {
+  if (dev.is_cuda()) torch::cuda::synchronize(dev.index());
+}
+
+void release_cached_memory(const torch::Device& dev) {
+#ifdef MEMFL_HAVE_CUDA_STATS
+  if (dev.is_cuda()) {
+    synchronize(dev);
+    c10::cuda::CUDACachingAllocator::emptyCache();
+    return;
+  }
+#endif
+  (void)dev;
+  malloc_trim(0);
+}
+
+struct Measured {
+  int64_t num_params = 0;
+  int64_t peak_bytes = 0;
+  int64_t peak_reserved_bytes = -1;       // CUDA only
+  int64_t allocated_at_reset_bytes = -1;  // CUDA: model, batch and libtorch's own buffers (cuBLAS workspaces)
+  int64_t baseline_bytes = 0;             // CPU: RSS before the model
+  bool vm_hwm = false;                    // CPU: VmHWM was reset and read
+  double avg_ms = 0, min_ms = 0;
+  std::optional<dp::DpStepStats> last_step;
+  std::string error;  // non-empty: the run failed with this message
+};
+
+// One run; throws what libtorch throws (the caller turns it into a record or
+// an error). Everything it allocates is freed when it returns or throws.
+void train_run(const DpBenchOptions& o, const DpLlamaSpec& s, const std::string& mode, int seq,
+               const torch::Device& dev, Measured& m) {
+  torch::manual_seed(o.seed);
+  auto net = std::make_shared<DpLlamaClassifier>(s);
+  net->to(dev);
+  net->init_weights();
+  net->train();
+  m.num_params = 0;
+  for (const auto& p : net->parameters()) m.num_params += p.numel();
+  const int64_t batch = o.batch_size;
+  Tensor tokens = torch::randint(0, s.vocab_size, {batch, seq}, torch::kLong).to(dev);
+  Tensor labels = torch::randint(0, s.num_classes, {batch}, torch::kLong).to(dev);
+  torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(kLearningRate));
+  std::unique_ptr<dp::DpSgd> dpsgd;
+  if (mode != "no_dp") {
+    dp::DpOptions d;
+    d.mode = *dp::parse_clip_mode(mode);
+    d.max_grad_norm = o.max_grad_norm;
+    d.noise_multiplier = o.noise_multiplier;
+    auto created = dp::DpSgd::create(net, d);
+    if (!created.ok()) throw std::runtime_error(created.status().to_string());
+    dpsgd = std::move(*created);
+  }
+  auto params = net->parameters();
+#ifdef MEMFL_HAVE_CUDA_STATS
+  const c10::DeviceIndex index = dev.has_index() ? dev.index() : 0;
+  if (dev.is_cuda()) {
+    synchronize(dev);
+    c10::cuda::CUDACachingAllocator::resetPeakStats(index);
+    constexpr auto kAll = static_cast<size_t>(c10::CachingDeviceAllocator::StatType::AGGREGATE);
+    m.allocated_at_reset_bytes = c10::cuda::CUDACachingAllocator::getDeviceStats(index).allocated_bytes[kAll].current;
+  }
+#endif
+  auto iterate = [&] {
+    for (auto& p : params) p.mutable_grad() = Tensor();
+    {
+      Tensor logits = net->forward(tokens);
+      Tensor loss = torch::nn::functional::cross_entropy(
+          logits, labels, torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum));
+      loss.backward();
+    }  // the graph is gone before the DP step, as in a training loop
+    if (dpsgd) {
+      auto st = dpsgd->step(static_cast<double>(batch));
+      if (!st.ok()) throw std::runtime_error(st.status().message());
+      m.last_step = *st;
+    }
+    opt.step();
+  };
+  for (int i = 0; i < o.warmup; ++i) iterate();
+  double total = 0, best = std::numeric_limits<double>::infinity();
+  for (int i = 0; i < o.iters; ++i) {
+    synchronize(dev);
+    const auto t0 = std::chrono::steady_clock::now();
+    iterate();
+    synchronize(dev);
+    const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    total += ms;
+    best = std::min(best, ms);
+  }
+  m.avg_ms = total / o.iters;
+  m.min_ms = best;
+#ifdef MEMFL_HAVE_CUDA_STATS
+  if (dev.is_cuda()) {
+    const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(index);
+    constexpr auto kAll = static_cast<size_t>(c10::CachingDeviceAllocator::StatType::AGGREGATE);
+    m.peak_bytes = stats.allocated_bytes[kAll].peak;
+    m.peak_reserved_bytes = stats.reserved_bytes[kAll].peak;
+  }
+#endif
+}
+
+Measured measure(const DpBenchOptions& o, const DpLlamaSpec& s, const std::string& mode, int seq,
+                 const torch::Device& dev) {
+  Measured m;
+  release_cached_memory(dev);
+  MemorySampler sampler("bench-dp", 1);
+  if (!dev.is_cuda()) {
+    sampler.start();
+    m.vm_hwm = reset_peak_rss();
+    m.baseline_bytes = read_rss_bytes();
+  }
+  try {
+    train_run(o, s, mode, seq, dev, m);
+  } catch (const c10::Error& e) {
+    m.error = e.what_without_backtrace();
+  } catch (const std::exception& e) {
+    m.error = e.what();
+  }
+  if (!dev.is_cuda()) {
+    sampler.stop();
+    int64_t peak = sampler.peak_rss();
+    if (m.vm_hwm) peak = std::max(peak, read_peak_rss_bytes());
+    m.peak_bytes = std::max<int64_t>(0, peak - m.baseline_bytes);
+  }
+  release_cached_memory(dev);
+  return m;
+}
+
+std::string device_name(const torch::Device& dev) {
+  return dev.is_cuda() ? fmt::format("cuda:{}", dev.has_index() ? dev.index() : 0) : "cpu";
+}
+
+json make_record(const DpBenchOptions& o, const DpLlamaSpec& s, const std::string& mode, int seq,
+                 const torch::Device& dev, const Measured& m) {
+  json r;
+  r["mode"] = mode;
+  r["seq_length"] = seq;
+  r["batch_size"] = o.batch_size;
+  r["num_params"] = m.num_params > 0 ? m.num_params : s.num_params();
+  if (m.error.empty()) {
+    r["peak_memory_bytes"] = m.peak_bytes;
+    r["avg_iteration_ms"] = m.avg_ms;
+    r["min_iteration_ms"] = m.min_ms;
+  } else {
+    r["error"] = is_oom(m.error) ? std::string("out of memory") : first_line(m.error);
+    r["error_detail"] = first_line(m.error);
+  }
+  r["warmup_iterations"] = o.warmup;
+  r["timed_iterations"] = o.iters;
+  r["device"] = device_name(dev);
+  r["model"] = s.name;
+  if (m.last_step) {
+    r["mean_per_sample_norm"] = m.last_step->mean_norm;
+    r["max_per_sample_norm"] = m.last_step->max_norm;
+    r["clipped_fraction"] = m.last_step->clipped_fraction;
+  }
+  json mem;
+  if (dev.is_cuda()) {
+    mem["source"] = "CUDA caching allocator: peak allocated bytes, peak reset after the model was built";
+    if (m.peak_reserved_bytes >= 0) mem["peak_reserved_bytes"] = m.peak_reserved_bytes;
+    if (m.allocated_at_reset_bytes >= 0) mem["allocated_at_reset_bytes"] = m.allocated_at_reset_bytes;
+  } else {
+    mem["source"] = m.vm_hwm ? "RSS above the pre-model baseline: max(MemorySampler 1 ms, VmHWM reset per run)"
+                             : "RSS above the pre-model baseline: MemorySampler 1 ms";
+    mem["baseline_rss_bytes"] = m.baseline_bytes;
+  }
+  r["memory"] = mem;
+  r["timer"] = dev.is_cuda() ? "steady_clock per iteration between device synchronisations" : "steady_clock";
+  json c;
+  c["hidden_size"] = s.hidden_size;
+  c["num_layers"] = s.num_layers;
+  c["num_heads"] = s.num_heads;
+  c["num_kv_heads"] = s.num_kv_heads;
+  c["head_dim"] = s.head_dim();
+  c["vocab_size"] = s.vocab_size;
+  c["intermediate_size"] = s.intermediate_size;
+  c["num_classes"] = s.num_classes;
+  c["dtype"] = "float32";
+  c["attention"] = attention_kind();
+  c["pooling"] = "mean";
+  c["optimizer"] = fmt::format("SGD(lr={})", kLearningRate);
+  c["max_grad_norm"] = o.max_grad_norm;
+  c["noise_multiplier"] = o.noise_multiplier;
+  if (mode != "no_dp") {
+    const dp::DpOptions d;
+    c["clipping_tile"] = d.tile;
+    c["fused_route"] = "auto";
+  }
+  c["seed"] = o.seed;
+  c["libtorch"] = fmt::format("{}.{}.{}", TORCH_VERSION_MAJOR, TORCH_VERSION_MINOR, TORCH_VERSION_PATCH);
+  if (!dev.is_cuda()) c["threads"] = torch::get_num_threads();
+  r["config"] = c;
+  return r;
+}
+
+}  // namespace
+
+StatusOr<std::vector<std::string>> run_dp_bench(const DpBenchOptions& o) {
+  const DpLlamaSpec* spec = nullptr;
+  std::string names;
+  for (const auto& p : presets()) {
+    if (p.name == o.model) spec = &p;
+    names += (names.empty() ? "" : ", ") + p.name;
+  }
+  if (spec == nullptr) return invalid_argument("bench dp: unknown model '{}' (presets: {})", o.model, names);
+  for (const auto& m : o.modes) {
+    if (m != "no_dp" && !dp::parse_clip_mode(m)) {
+      return invalid_argument("bench dp: unknown mode '{}' (no_dp, naive, ghost, fused)", m);
+    }
+  }
+  if (o.modes.empty() || o.seq_lengths.empty()) return invalid_argument("bench dp: no modes or no sequence lengths");
+  for (int t : o.seq_lengths) {
+    if (t < 1) return invalid_argument("bench dp: sequence length {} must be positive", t);
+  }
+  if (o.batch_size < 1 || o.iters < 1 || o.warmup < 0) {
+    return invalid_argument("bench dp: batch {} and iters {} must be >= 1, warmup {} >= 0", o.batch_size, o.iters,
+                            o.warmup);
+  }
+  torch::Device dev(torch::kCPU);
+  try {
+    dev = torch::Device(o.device);
+  } catch (const std::exception&) {
+    return invalid_argument("bench dp: unknown device '{}' (cpu | cuda | cuda:N)", o.device);
+  }
+  if (dev.is_cuda()) {
+    if (!torch::cuda::is_available()) {
+      return failed_precondition("bench dp: device {} was asked for but libtorch sees no CUDA device", o.device);
+    }
+    if (dev.has_index() && dev.index() >= static_cast<int64_t>(torch::cuda::device_count())) {
+      return invalid_argument("bench dp: device {}: libtorch sees {} CUDA device(s)", o.device,
+                              torch::cuda::device_count());
+    }
+  } else if (!dev.is_cpu()) {
+    return invalid_argument("bench dp: device '{}' is neither cpu nor cuda", o.device);
+  }
+  std::optional<c10::DeviceGuard> on_device;
+  if (dev.is_cuda()) on_device.emplace(dev);
+
+  // One unmeasured pass per mode on the tiny preset first, so libtorch's
+  // one-time set-up (thread pools, kernel and cuBLAS initialisation, lazily
+  // allocated buffers) is not charged to whichever run comes first.
+  DpBenchOptions once = o;
+  once.warmup = 0;
+  once.iters = 1;
+  for (const auto& mode : o.modes) {
+    Measured m = measure(once, presets().front(), mode, 16, dev);
+    if (!m.error.empty() && !is_oom(m.error)) {
+      return internal_error("bench dp: {} failed on the warm-up model: {}", mode, m.error);
+    }
+  }
+
+  std::vector<std::string> records;
+  for (int seq : o.seq_lengths) {
+    for (const auto& mode : o.modes) {
+      Measured m = measure(o, *spec, mode, seq, dev);
+      if (!m.error.empty() && !is_oom(m.error)) {
+        return internal_error("bench dp: {} at seq {} failed: {}", mode, seq, m.error);
+      }
+      records.push_back(make_record(o, *spec, mode, seq, dev, m).dump());
+    }
+  }
+  return records;
+}
+
+}  // namespace memfl::torch_internal
