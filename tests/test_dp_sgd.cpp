@@ -243,6 +243,10 @@ std::pair<Tensor, Tensor> run_dp(const Case& c, const DpOptions& o, const Tensor
   auto st = (*dp)->step(1.0);  // expected batch 1: the gradient is the clipped sum itself
   EXPECT_TRUE(st.ok()) << st.status().to_string();
   EXPECT_EQ(st->batch_size, c.input.size(0));
+  for (auto& p : ps) {
+    EXPECT_FALSE(p.grad().is_view()) << "an optimizer's zero_grad() cannot detach a view in place";
+    EXPECT_EQ(p.grad().sizes(), p.sizes());
+  }
   return {norms, flat_grads(ps)};
 }
 

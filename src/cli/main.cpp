@@ -246,6 +246,20 @@ int main(int argc, char** argv) {
   compare_methods->add_option("--out", out_dir, "output directory (default: runs/compare-methods-<pid>)");
   compare_methods->add_option("--set", sets, "override a config key (repeatable)");
 
+  auto* bench = app.add_subcommand("bench", "Benchmarks");
+  bench->require_subcommand(1);
+  memfl::DpBenchOptions dpb;
+  std::string dp_json = "dp_sweep.json", dp_report;
+  auto* bench_dp = bench->add_subcommand("dp", "DP-SGD clipping modes: peak memory and time per mode and sequence length");
+  bench_dp->add_option("--model", dpb.model, "llama-dp-tiny | llama-dp-0.5b")->capture_default_str();
+  bench_dp->add_option("--seq", dpb.seq_lengths, "sequence lengths, comma separated")->delimiter(',')->capture_default_str();
+  bench_dp->add_option("--batch", dpb.batch_size, "samples per batch")->capture_default_str();
+  bench_dp->add_option("--modes", dpb.modes, "no_dp,naive,ghost,fused")->delimiter(',')->capture_default_str();
+  bench_dp->add_option("--warmup", dpb.warmup, "untimed iterations per run")->capture_default_str();
+  bench_dp->add_option("--iters", dpb.iters, "timed iterations per run")->capture_default_str();
+  bench_dp->add_option("--device", dpb.device, "cpu | cuda")->capture_default_str();
+  bench_dp->add_option("--json", dp_json, "records (one per run) as a JSON array")->capture_default_str();
+  bench_dp->add_option("--report", dp_report, "directory for dp_sweep.html and .csv (default: beside --json)");
 #ifdef MEMFL_HAVE_GRPC
   int client_id = -1, num_clients = 0;
   auto* server = app.add_subcommand("server", "Run the federated server over gRPC");
@@ -268,7 +282,6 @@ int main(int argc, char** argv) {
   launch->add_option("--set", sets, "override a config key (repeatable)");
   launch->add_flag("-q,--quiet", quiet, "no per-round progress lines");
   launch->add_flag("--profile", profile, "profile every process (profile.bin in each run dir)");
-  auto* bench = app.add_subcommand("bench", "Benchmarks");
   auto* transfer = bench->add_subcommand("transfer", "Peak RSS per role and GB/s per direction, DummyTrainer");
   memfl::TransferBenchOptions tb;
   transfer->add_option("--transport", tb.transport, "grpc")->capture_default_str();
@@ -279,19 +292,6 @@ int main(int argc, char** argv) {
   transfer->add_option("--memory-mode", tb.memory_mode, "streaming | naive")->capture_default_str();
   transfer->add_option("--json", tb.json_out, "write the JSON here too");
   transfer->add_option("--keep", tb.run_dir, "keep the run directory here");
-  memfl::DpBenchOptions dpb;
-  std::string dp_json = "dp_sweep.json", dp_report;
-  auto* bench_dp = bench->add_subcommand("dp", "DP-SGD clipping modes: peak memory and time per mode and sequence length");
-  bench_dp->add_option("--model", dpb.model, "llama-dp-tiny | llama-dp-0.5b")->capture_default_str();
-  bench_dp->add_option("--seq", dpb.seq_lengths, "sequence lengths, comma separated")->delimiter(',')->capture_default_str();
-  bench_dp->add_option("--batch", dpb.batch_size, "samples per batch")->capture_default_str();
-  bench_dp->add_option("--modes", dpb.modes, "no_dp,naive,ghost,fused")->delimiter(',')->capture_default_str();
-  bench_dp->add_option("--warmup", dpb.warmup, "untimed iterations per run")->capture_default_str();
-  bench_dp->add_option("--iters", dpb.iters, "timed iterations per run")->capture_default_str();
-  bench_dp->add_option("--device", dpb.device, "cpu | cuda")->capture_default_str();
-  bench_dp->add_option("--json", dp_json, "records (one per run) as a JSON array")->capture_default_str();
-  bench_dp->add_option("--report", dp_report, "directory for dp_sweep.html and .csv (default: beside --json)");
-  bench->require_subcommand(1);
 #endif
 
 #ifdef MEMFL_HAVE_MPI

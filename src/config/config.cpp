@@ -604,6 +604,9 @@ const std::vector<KeySpec>& schema() {
       // clang-format off
       {"memory_configs.arena_backing", Type::kString, "memory", {"memory", "file"}, -kInf, kInf, "model-sized arenas in anonymous memory, or in mmap'd files (models larger than RAM)", S(memory.arena_backing)},
       {"memory_configs.scratch_dir", Type::kString, "\"\"", {}, -kInf, kInf, "arena_backing file: directory of the arena files (empty = the role's run directory)", S(memory.scratch_dir)},
+      {"server_configs.aggregator_kwargs.dp_fedavg_clip_norm", Type::kFloat, "0", {}, 0, 1e12, "client-level DP-FedAvg: clip each client's update to this L2 norm (0 = off)", F(server.dp_fedavg_clip_norm)},
+      {"server_configs.aggregator_kwargs.dp_fedavg_noise_multiplier", Type::kFloat, "1.0", {}, 0, 1e6, "client-level DP-FedAvg: server noise std = this × clip norm ÷ clients", F(server.dp_fedavg_noise_multiplier)},
+      {"server_configs.aggregator_kwargs.dp_fedavg_delta", Type::kFloat, "1e-5", {}, 1e-300, 0.999999, "client-level DP-FedAvg: δ of the reported ε", F(server.dp_fedavg_delta)},
       {"server_configs.aggregator_kwargs.accumulator", Type::kString, "auto", {"auto", "f32", "model_dtype"}, -kInf, kInf, "FedAvg state for bf16/f16 models: f32 running sum (2x the model), model_dtype running mean in the model's own bytes (1x); auto = model_dtype when arena_backing is file", S(server.accumulator)},
       // clang-format on
       {"memory_configs.sample_interval_ms",
@@ -819,6 +822,12 @@ Status cross_checks(const ExperimentConfig& c, const std::string& source) {
   }
   if (c.data.dataset_name == "TextFile" && c.data.dataset_path.empty()) {
     return invalid_argument("{}: dataset TextFile needs 'client_configs.data_configs.dataset_path'", source);
+  }
+  if (c.server.dp_fedavg_clip_norm > 0 && c.server.client_weights_mode != "equal") {
+    return invalid_argument(
+        "{}: client-level DP-FedAvg ('server_configs.aggregator_kwargs.dp_fedavg_clip_norm') needs "
+        "client_weights_mode: equal — its noise is calibrated to a mean of equally weighted updates",
+        source);
   }
   if (c.train.dp.enabled && c.model.model_name != "CNN_GN") {
     return invalid_argument(

@@ -114,6 +114,11 @@ struct ServerConfig {
   // FedAvg accumulator for 16-bit models: f32 (a running sum, 2× a bf16
   // model), model_dtype (a running mean in the model's bytes, 1×), or auto.
   std::string accumulator = "auto";
+  // Client-level DP-FedAvg (aggregator_kwargs.dp_fedavg_*): clip norm C of
+  // each client's update (0 = off), server noise multiplier σ, δ for ε.
+  double dp_fedavg_clip_norm = 0;
+  double dp_fedavg_noise_multiplier = 1.0;
+  double dp_fedavg_delta = 1e-5;
   bool do_server_eval = true;
   int eval_batch_size = 64;
 };

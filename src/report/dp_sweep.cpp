@@ -110,11 +110,16 @@ Status write_dp_sweep(const std::vector<json>& records, const std::string& json_
   }
   MEMFL_RETURN_IF_ERROR(write_text_file((fs::path(report_dir) / "dp_sweep.csv").string(), csv));
 
-  const auto modes = modes_of(records);
+  // Runs that failed (out of memory) stay in the JSON and the table, not in the charts.
+  std::vector<json> ok;
+  for (const auto& r : records) {
+    if (!r.contains("error")) ok.push_back(r);
+  }
+  const auto modes = modes_of(ok);
   std::vector<Series> mem, time, scatter, over_mem, over_time;
   for (const auto& m : modes) {
     Series a{m, {}}, b{m, {}}, c{m, {}}, d{m + " memory", {}}, e{m + " time", {}};
-    for (const auto& r : records) {
+    for (const auto& r : ok) {
       if (r.value("mode", "") != m) continue;
       const double seq = r.value("seq_length", 0);
       const double gib = static_cast<double>(r.value("peak_memory_bytes", int64_t{0})) / (1 << 30);
@@ -124,8 +129,8 @@ Status write_dp_sweep(const std::vector<json>& records, const std::string& json_
       c.points.emplace_back(ms, gib);
       if (m != "no_dp") {
         const int s = static_cast<int>(seq);
-        if (double o = dp_overhead(records, m, s, "peak_memory_bytes"); o > 0) d.points.emplace_back(seq, 100 * (o - 1));
-        if (double o = dp_overhead(records, m, s, "avg_iteration_ms"); o > 0) e.points.emplace_back(seq, 100 * (o - 1));
+        if (double o = dp_overhead(ok, m, s, "peak_memory_bytes"); o > 0) d.points.emplace_back(seq, 100 * (o - 1));
+        if (double o = dp_overhead(ok, m, s, "avg_iteration_ms"); o > 0) e.points.emplace_back(seq, 100 * (o - 1));
       }
     }
     mem.push_back(a);
@@ -140,6 +145,11 @@ Status write_dp_sweep(const std::vector<json>& records, const std::string& json_
   for (const auto& r : records) {
     const std::string m = r.value("mode", "");
     const int s = r.value("seq_length", 0);
+    if (r.contains("error")) {
+      table += fmt::format("<tr><td>{}</td><td>{}</td><td colspan=\"4\">{}</td></tr>", m, s,
+                           r["error"].get<std::string>());
+      continue;
+    }
     table += fmt::format("<tr><td>{}</td><td>{}</td><td>{:.2f} GiB</td><td>{:.3f}</td><td>{:.1f}</td><td>{:.3f}</td></tr>", m,
                          s, static_cast<double>(r.value("peak_memory_bytes", int64_t{0})) / (1 << 30),
                          dp_overhead(records, m, s, "peak_memory_bytes"), r.value("avg_iteration_ms", 0.0),

@@ -1,9 +1,11 @@
 #include <cassert>
 #include "roles/client_work.h"
 
+#include <cstring>
 #include <filesystem>
 #include <thread>
 
+#include "aggregate/dp_fedavg.h"
 #include "model/llama.h"
 #include "model/synthetic.h"
 
@@ -107,8 +109,18 @@ StatusOr<TrainResult> local_update(LocalModel& model, const ExperimentConfig& cf
                                    const ClientPartition* part, int round, int client) {
   if (cfg.train.trainer == "DummyTrainer" || model.replica() == nullptr) return TrainResult{};
   if (data == nullptr || part == nullptr) return failed_precondition("VanillaTrainer needs a data set and a partition");
-  return model.replica()->train(data->train, part->train, part->val, cfg.train,
-                                client_train_seed(cfg.server.seed, round, client));
+  if (cfg.server.dp_fedavg_clip_norm <= 0) {
+    return model.replica()->train(data->train, part->train, part->val, cfg.train,
+                                  client_train_seed(cfg.server.seed, round, client));
+  }
+  // Client-level DP-FedAvg: the update is clipped before it leaves, against
+  // a copy of the global model the client received (one model, freed after).
+  Arena received(model.layout().total_bytes(), MemoryCategory::kCommBuffers);
+  std::memcpy(received.data(), model.arena().data(), model.layout().total_bytes());
+  MEMFL_ASSIGN_OR_RETURN(TrainResult r, model.replica()->train(data->train, part->train, part->val, cfg.train,
+                                                               client_train_seed(cfg.server.seed, round, client)));
+  clip_update(model.layout(), received, model.arena(), cfg.server.dp_fedavg_clip_norm);
+  return r;
 }
 
 double update_sample_count(const ExperimentConfig& cfg, const ClientPartition* part) {

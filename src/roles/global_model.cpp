@@ -3,6 +3,7 @@
 #include <cstdio>
 #include <filesystem>
 
+#include "aggregate/dp_fedavg.h"
 #include "model/llama.h"
 #include "model/synthetic.h"
 #include "tensor/safetensors.h"
@@ -105,6 +106,13 @@ Status GlobalModel::finish_round(int round) {
   if (!fin.ok()) {
     MEMFL_RETURN_IF_ERROR(restore().with_context(fmt::format("round {}: restoring the pre-round model", round)));
     return fin;
+  }
+  if (cfg_.server.dp_fedavg_clip_norm > 0) {
+    // Client-level DP-FedAvg: noise on the mean, in place (no extra state).
+    add_gaussian_noise(layout(), into,
+                       cfg_.server.dp_fedavg_noise_multiplier * cfg_.server.dp_fedavg_clip_norm /
+                           aggregator_->num_committed(),
+                       cfg_.server.seed * 1000003ULL + static_cast<uint64_t>(round));
   }
   if (mapped_) {
     MEMFL_RETURN_IF_ERROR(next_->sync());

@@ -45,8 +45,14 @@ DpLayer* layer_of(AutogradContext* ctx) {
 }
 
 // Sets p.grad to g (a fresh tensor each step; the optimizer reads p.grad).
+// Never a view: an optimizer's zero_grad() detaches p.grad in place, which
+// libtorch refuses for views. The writers below produce tensors of the
+// parameter's shape, so this copies nothing in the usual case.
 void set_grad(const Tensor& p, const Tensor& g) {
-  p.mutable_grad() = g.to(p.scalar_type()).reshape(p.sizes()).contiguous();
+  Tensor out = g.to(p.scalar_type());
+  if (out.sizes() != p.sizes()) out = out.reshape(p.sizes());
+  if (out.is_view() || !out.is_contiguous()) out = out.clone(at::MemoryFormat::Contiguous);
+  p.mutable_grad() = out;
 }
 
 // Runs f(b0, b1) on sample chunks of at most n and concatenates the per-sample results.
@@ -236,7 +242,11 @@ void write_from_per_sample(const std::vector<Tensor>& params, const std::vector<
                            const Tensor& clip) {
   for (size_t i = 0; i < params.size(); ++i) {
     const Tensor& ps = per_sample[i];
-    set_grad(params[i], clip.to(ps.scalar_type()).matmul(ps.reshape({ps.size(0), -1})));
+    // c (1×B) · per-sample (B×numel), written straight into a tensor of the parameter's shape.
+    Tensor out = torch::empty(params[i].sizes(), ps.options());
+    Tensor flat = out.view({1, -1});
+    at::mm_out(flat, clip.to(ps.scalar_type()).view({1, -1}), ps.reshape({ps.size(0), -1}));
+    set_grad(params[i], out);
   }
 }
 
