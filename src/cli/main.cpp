@@ -26,9 +26,9 @@
 #ifdef MEMFL_HAVE_MPI
 #include "roles/mpi_roles.h"
 #endif
-#ifdef MEMFL_HAVE_GRPC
 #include "report/dp_sweep.h"
 #include "train/trainer_backend.h"
+#ifdef MEMFL_HAVE_GRPC
 #include "roles/bench_transfer.h"
 #include "roles/grpc_roles.h"
 #endif
