@@ -49,6 +49,7 @@ bench: build
 	TRANSPORT=mpi MODES=streaming SIZES="256 1024 2560 4096" bash bench/transfer_sweep.sh $(BUILD) > $(BUILD)/bench_transfer_mpi.json
 	bash bench/profile_overhead.sh $(BUILD) 2 > $(BUILD)/bench_profile_overhead.json
 	bash bench/simulation.sh $(BUILD) 100 100 1000 > $(BUILD)/bench_simulation.json
+	./$(BUILD)/memfl bench dp --model llama-dp-tiny --seq 64,128 --batch 2 --json $(BUILD)/bench_dp.json
 	@echo "wrote $(BUILD)/bench.json (aggregation micro-benchmarks), $(BUILD)/bench_memory.json (in-process peak RSS vs model size and clients), $(BUILD)/bench_transfer.json (gRPC sweep)"
 
 # What memfl saves, in one command: ResNet18 on synthetic CIFAR-10, server +

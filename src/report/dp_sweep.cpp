@@ -97,6 +97,8 @@ double dp_overhead(const std::vector<json>& records, const std::string& mode, in
 Status write_dp_sweep(const std::vector<json>& records, const std::string& json_path, const std::string& report_dir) {
   json all = json::array();
   for (const auto& r : records) all.push_back(r);
+  std::error_code mk;
+  if (const auto parent = fs::path(json_path).parent_path(); !parent.empty()) fs::create_directories(parent, mk);
   if (!json_path.empty()) MEMFL_RETURN_IF_ERROR(write_text_file(json_path, all.dump(2) + "\n"));
   if (report_dir.empty()) return Status::Ok();
   std::error_code ec;
