@@ -192,6 +192,58 @@ TEST_F(Plugin, LlamaLayoutFromTheSpecIsTheInstantiatedModulesLayout) {
   EXPECT_EQ((*rep)->layout().find("lm_head.weight"), nullptr);
 }
 
+// DP-SGD end to end: two clients train CNN_GN with Poisson batches and
+// per-sample clipping; each client's ε in privacy.csv is the accountant's for
+// the steps it took, and `memfl privacy` agrees.
+TEST(DpTraining, ClientsReportTheirEpsilon) {
+  testing::TempDir tmp;
+  Result r = memfl_cli(std::string("run ") + MEMFL_SOURCE_DIR +
+                       "/configs/dp_fmnist_cnn_gn.yaml -q --set server_configs.num_clients=2 "
+                       "--set server_configs.num_global_epochs=2 --set client_configs.train_configs.train_batch_size=64 "
+                       "--set client_configs.data_configs.dataset_kwargs.max_train_samples=640 "
+                       "--set client_configs.data_configs.dataset_kwargs.max_test_samples=200 "
+                       "--set client_configs.train_configs.num_threads=1 --out " +
+                       tmp.file("dp"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  auto rows = read_csv(tmp.file("dp/privacy.csv"));
+  ASSERT_EQ(rows.size(), 5u);  // header + 2 rounds × 2 clients
+  EXPECT_EQ(rows[3][2], "10");  // 2 rounds × ceil(320 / 64) steps
+  const double eps = std::stod(rows[4][5]);
+  EXPECT_GT(eps, 0);
+  Result p = memfl_cli("privacy --noise-multiplier 0.9 --sample-rate " + rows[4][3] + " --steps 10 --delta 1e-5 --json");
+  ASSERT_EQ(p.exit_code, 0) << p.output;
+  const double cli_eps = nlohmann::json::parse(p.output.substr(p.output.find('{')))["epsilon"].get<double>();
+  EXPECT_NEAR(eps, cli_eps, 1e-3 * cli_eps);
+  // A model with BatchNorm-free but non-DP layers is refused before any work.
+  Result bad = memfl_cli(std::string("run ") + MEMFL_SOURCE_DIR +
+                         "/configs/dp_fmnist_cnn_gn.yaml -q --set client_configs.model_configs.model_name=ResNet18 --out " +
+                         tmp.file("bad"));
+  EXPECT_EQ(bad.exit_code, 2);
+  EXPECT_NE(bad.output.find("GroupNorm"), std::string::npos) << bad.output;
+}
+
+TEST(DpFedAvgRun, ServerNoiseAndClientClippingGiveAnEpsilon) {
+  testing::TempDir tmp;
+  Result r = memfl_cli(std::string("run ") + kSmallRun +
+                       " --set server_configs.aggregator_kwargs.dp_fedavg_clip_norm=1.0"
+                       " --set server_configs.aggregator_kwargs.client_weights_mode=equal"
+                       " --set server_configs.aggregator_kwargs.dp_fedavg_noise_multiplier=0.5 --out " +
+                       tmp.file("run"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  std::ifstream in(tmp.file("run/summary.json"));
+  auto summary = nlohmann::json::parse(in);
+  ASSERT_TRUE(summary.contains("dp_fedavg"));
+  const double eps = summary["dp_fedavg"]["epsilon"].get<double>();
+  EXPECT_GT(eps, 0);
+  EXPECT_TRUE(std::isfinite(eps));
+  Result bad = memfl_cli(std::string("run ") + kSmallRun +
+                         " --set server_configs.aggregator_kwargs.dp_fedavg_clip_norm=1.0"
+                         " --set server_configs.aggregator_kwargs.client_weights_mode=sample_size --out " +
+                         tmp.file("bad"));
+  EXPECT_EQ(bad.exit_code, 2);
+  EXPECT_NE(bad.output.find("equal"), std::string::npos) << bad.output;
+}
+
 TEST(Inspect, DescribesALlamaPresetWithoutBuildingIt) {
   Result r = memfl_cli("inspect llama-70b --dtype bf16");
   ASSERT_EQ(r.exit_code, 0) << r.output;
