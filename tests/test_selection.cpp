@@ -40,8 +40,9 @@ TEST_P(Selection, PicksValidDistinctClientsDeterministically) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(AllMethods, Selection, ::testing::Values("random", "round_robin", "proportional_data",
-                                                                   "topk_loss", "oort", "fairness"),
+INSTANTIATE_TEST_SUITE_P(AllMethods, Selection,
+                         ::testing::Values("random", "round_robin", "proportional_data", "topk_loss", "oort",
+                                           "fairness"),
                          [](const auto& p) { return p.param; });
 
 TEST(Selection, EveryListedMethodExistsAndUnknownNamesAreListed) {

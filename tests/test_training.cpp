@@ -197,27 +197,30 @@ TEST_F(Plugin, LlamaLayoutFromTheSpecIsTheInstantiatedModulesLayout) {
 // the steps it took, and `memfl privacy` agrees.
 TEST(DpTraining, ClientsReportTheirEpsilon) {
   testing::TempDir tmp;
-  Result r = memfl_cli(std::string("run ") + MEMFL_SOURCE_DIR +
-                       "/configs/dp_fmnist_cnn_gn.yaml -q --set server_configs.num_clients=2 "
-                       "--set server_configs.num_global_epochs=2 --set client_configs.train_configs.train_batch_size=64 "
-                       "--set client_configs.data_configs.dataset_kwargs.max_train_samples=640 "
-                       "--set client_configs.data_configs.dataset_kwargs.max_test_samples=200 "
-                       "--set client_configs.train_configs.num_threads=1 --out " +
-                       tmp.file("dp"));
+  Result r =
+      memfl_cli(std::string("run ") + MEMFL_SOURCE_DIR +
+                "/configs/dp_fmnist_cnn_gn.yaml -q --set server_configs.num_clients=2 "
+                "--set server_configs.num_global_epochs=2 --set client_configs.train_configs.train_batch_size=64 "
+                "--set client_configs.data_configs.dataset_kwargs.max_train_samples=640 "
+                "--set client_configs.data_configs.dataset_kwargs.max_test_samples=200 "
+                "--set client_configs.train_configs.num_threads=1 --out " +
+                tmp.file("dp"));
   ASSERT_EQ(r.exit_code, 0) << r.output;
   auto rows = read_csv(tmp.file("dp/privacy.csv"));
-  ASSERT_EQ(rows.size(), 5u);  // header + 2 rounds × 2 clients
+  ASSERT_EQ(rows.size(), 5u);   // header + 2 rounds × 2 clients
   EXPECT_EQ(rows[3][2], "10");  // 2 rounds × ceil(320 / 64) steps
   const double eps = std::stod(rows[4][5]);
   EXPECT_GT(eps, 0);
-  Result p = memfl_cli("privacy --noise-multiplier 0.9 --sample-rate " + rows[4][3] + " --steps 10 --delta 1e-5 --json");
+  Result p =
+      memfl_cli("privacy --noise-multiplier 0.9 --sample-rate " + rows[4][3] + " --steps 10 --delta 1e-5 --json");
   ASSERT_EQ(p.exit_code, 0) << p.output;
   const double cli_eps = nlohmann::json::parse(p.output.substr(p.output.find('{')))["epsilon"].get<double>();
   EXPECT_NEAR(eps, cli_eps, 1e-3 * cli_eps);
   // A model with BatchNorm-free but non-DP layers is refused before any work.
-  Result bad = memfl_cli(std::string("run ") + MEMFL_SOURCE_DIR +
-                         "/configs/dp_fmnist_cnn_gn.yaml -q --set client_configs.model_configs.model_name=ResNet18 --out " +
-                         tmp.file("bad"));
+  Result bad =
+      memfl_cli(std::string("run ") + MEMFL_SOURCE_DIR +
+                "/configs/dp_fmnist_cnn_gn.yaml -q --set client_configs.model_configs.model_name=ResNet18 --out " +
+                tmp.file("bad"));
   EXPECT_EQ(bad.exit_code, 2);
   EXPECT_NE(bad.output.find("GroupNorm"), std::string::npos) << bad.output;
 }

@@ -63,7 +63,8 @@ void add_gaussian_noise(const Layout& layout, Arena& model, double stddev, uint6
   std::normal_distribution<double> n(0.0, stddev);
   for (const auto& e : layout.entries()) {
     if (!dtype_is_float(e.dtype)) continue;
-    for (size_t i = 0; i < e.numel(); ++i) put(e, model.data(), i, static_cast<float>(get(e, model.data(), i) + n(rng)));
+    for (size_t i = 0; i < e.numel(); ++i)
+      put(e, model.data(), i, static_cast<float>(get(e, model.data(), i) + n(rng)));
   }
 }
 

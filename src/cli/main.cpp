@@ -86,8 +86,7 @@ int inspect_model(const std::string& name, const std::string& dtype, int64_t chu
   const bool wide = dtype == "f32";
   fmt::print("{}: {} parameters ({:.2f} B), {} tensors, {} as {}\n", name, layout->num_params(),
              static_cast<double>(layout->num_params()) / 1e9, layout->size(), memfl::format_bytes(model), dtype);
-  fmt::print("predicted peak per role (model M = {}, chunk {}):\n", memfl::format_bytes(model),
-             memfl::format_bytes(c));
+  fmt::print("predicted peak per role (model M = {}, chunk {}):\n", memfl::format_bytes(model), memfl::format_bytes(c));
   auto row = [](const char* role, const char* formula, double anon, double file, double disk) {
     fmt::print("  {:<44} {:<34} anon {:>10}  file-backed {:>10}  disk {:>10}\n", role, formula,
                memfl::format_bytes(anon), memfl::format_bytes(file), memfl::format_bytes(disk));
@@ -103,9 +102,10 @@ int inspect_model(const std::string& name, const std::string& dtype, int64_t chu
   // 0.92 GB/s down, 0.76 GB/s up (llama-1b); files 0.80 / 0.28 GB/s (llama-8b).
   const double mem_round = 2 * model / 0.92e9 + 2 * model / 0.76e9;
   const double file_round = 2 * model / 0.80e9 + 2 * model / 0.28e9;
-  fmt::print("predicted round time with 2 DummyTrainer clients at the rates measured here: {:.0f} s in memory, "
-             "{:.0f} s file-backed\n",
-             mem_round, file_round);
+  fmt::print(
+      "predicted round time with 2 DummyTrainer clients at the rates measured here: {:.0f} s in memory, "
+      "{:.0f} s file-backed\n",
+      mem_round, file_round);
   return 0;
 }
 
@@ -250,9 +250,12 @@ int main(int argc, char** argv) {
   bench->require_subcommand(1);
   memfl::DpBenchOptions dpb;
   std::string dp_json = "dp_sweep.json", dp_report;
-  auto* bench_dp = bench->add_subcommand("dp", "DP-SGD clipping modes: peak memory and time per mode and sequence length");
+  auto* bench_dp =
+      bench->add_subcommand("dp", "DP-SGD clipping modes: peak memory and time per mode and sequence length");
   bench_dp->add_option("--model", dpb.model, "llama-dp-tiny | llama-dp-0.5b")->capture_default_str();
-  bench_dp->add_option("--seq", dpb.seq_lengths, "sequence lengths, comma separated")->delimiter(',')->capture_default_str();
+  bench_dp->add_option("--seq", dpb.seq_lengths, "sequence lengths, comma separated")
+      ->delimiter(',')
+      ->capture_default_str();
   bench_dp->add_option("--batch", dpb.batch_size, "samples per batch")->capture_default_str();
   bench_dp->add_option("--modes", dpb.modes, "no_dp,naive,ghost,fused")->delimiter(',')->capture_default_str();
   bench_dp->add_option("--warmup", dpb.warmup, "untimed iterations per run")->capture_default_str();
@@ -415,9 +418,8 @@ int main(int argc, char** argv) {
     if (!recs.ok()) return fail(recs.status());
     std::vector<nlohmann::ordered_json> records;
     for (const auto& r : *recs) records.push_back(nlohmann::ordered_json::parse(r));
-    const std::string dir = dp_report.empty()
-                                ? (std::filesystem::path(dp_json).parent_path() / "dp_sweep").string()
-                                : dp_report;
+    const std::string dir =
+        dp_report.empty() ? (std::filesystem::path(dp_json).parent_path() / "dp_sweep").string() : dp_report;
     memfl::Status st = memfl::write_dp_sweep(records, dp_json, dir);
     if (!st.ok()) return fail(st);
     fmt::print("{:<7} {:>6} {:>12} {:>8} {:>10} {:>8}\n", "mode", "seq", "peak MiB", "x no_dp", "ms/iter", "x no_dp");

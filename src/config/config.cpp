@@ -14,7 +14,8 @@
 namespace memfl {
 
 const std::vector<std::string>& known_model_names() {
-  static const std::vector<std::string> names = {"CNN", "MLP", "ResNet18", "CNN_GN", "synthetic", "llama-tiny", "llama-1b", "llama-8b", "llama-70b", "llama"};
+  static const std::vector<std::string> names = {"CNN",        "MLP",      "ResNet18", "CNN_GN",    "synthetic",
+                                                 "llama-tiny", "llama-1b", "llama-8b", "llama-70b", "llama"};
   return names;
 }
 

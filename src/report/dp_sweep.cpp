@@ -105,10 +105,10 @@ Status write_dp_sweep(const std::vector<json>& records, const std::string& json_
   fs::create_directories(report_dir, ec);
   std::string csv = "mode,seq_length,batch_size,num_params,peak_memory_bytes,avg_iteration_ms,device\n";
   for (const auto& r : records) {
-    csv += fmt::format("{},{},{},{},{},{:.3f},{}\n", r.value("mode", ""), r.value("seq_length", 0),
-                       r.value("batch_size", 0), r.value("num_params", int64_t{0}),
-                       r.value("peak_memory_bytes", int64_t{0}), r.value("avg_iteration_ms", 0.0),
-                       r.value("device", ""));
+    csv +=
+        fmt::format("{},{},{},{},{},{:.3f},{}\n", r.value("mode", ""), r.value("seq_length", 0),
+                    r.value("batch_size", 0), r.value("num_params", int64_t{0}),
+                    r.value("peak_memory_bytes", int64_t{0}), r.value("avg_iteration_ms", 0.0), r.value("device", ""));
   }
   MEMFL_RETURN_IF_ERROR(write_text_file((fs::path(report_dir) / "dp_sweep.csv").string(), csv));
 
@@ -143,19 +143,21 @@ Status write_dp_sweep(const std::vector<json>& records, const std::string& json_
       over_time.push_back(e);
     }
   }
-  std::string table = "<table><tr><th>mode</th><th>seq</th><th>peak memory</th><th>× no_dp</th><th>ms / iter</th><th>× no_dp</th></tr>";
+  std::string table =
+      "<table><tr><th>mode</th><th>seq</th><th>peak memory</th><th>× no_dp</th><th>ms / iter</th><th>× no_dp</th></tr>";
   for (const auto& r : records) {
     const std::string m = r.value("mode", "");
     const int s = r.value("seq_length", 0);
     if (r.contains("error")) {
-      table += fmt::format("<tr><td>{}</td><td>{}</td><td colspan=\"4\">{}</td></tr>", m, s,
-                           r["error"].get<std::string>());
+      table +=
+          fmt::format("<tr><td>{}</td><td>{}</td><td colspan=\"4\">{}</td></tr>", m, s, r["error"].get<std::string>());
       continue;
     }
-    table += fmt::format("<tr><td>{}</td><td>{}</td><td>{:.2f} GiB</td><td>{:.3f}</td><td>{:.1f}</td><td>{:.3f}</td></tr>", m,
-                         s, static_cast<double>(r.value("peak_memory_bytes", int64_t{0})) / (1 << 30),
-                         dp_overhead(records, m, s, "peak_memory_bytes"), r.value("avg_iteration_ms", 0.0),
-                         dp_overhead(records, m, s, "avg_iteration_ms"));
+    table +=
+        fmt::format("<tr><td>{}</td><td>{}</td><td>{:.2f} GiB</td><td>{:.3f}</td><td>{:.1f}</td><td>{:.3f}</td></tr>",
+                    m, s, static_cast<double>(r.value("peak_memory_bytes", int64_t{0})) / (1 << 30),
+                    dp_overhead(records, m, s, "peak_memory_bytes"), r.value("avg_iteration_ms", 0.0),
+                    dp_overhead(records, m, s, "avg_iteration_ms"));
   }
   table += "</table>";
   const json& first = records.empty() ? json::object() : records.front();

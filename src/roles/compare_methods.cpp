@@ -30,14 +30,17 @@ std::string svg_plot(const std::vector<std::string>& names, const std::vector<st
   for (int g = 0; g <= 10; g += 2) {
     out += fmt::format("<line x1=\"{}\" x2=\"{}\" y1=\"{:.1f}\" y2=\"{:.1f}\" stroke=\"#ddd\"/>", l, w - r, y(g / 10.0),
                        y(g / 10.0));
-    out += fmt::format("<text x=\"{}\" y=\"{:.1f}\" text-anchor=\"end\">{:.1f}</text>", l - 6, y(g / 10.0) + 4, g / 10.0);
+    out +=
+        fmt::format("<text x=\"{}\" y=\"{:.1f}\" text-anchor=\"end\">{:.1f}</text>", l - 6, y(g / 10.0) + 4, g / 10.0);
   }
   out += fmt::format("<text x=\"{}\" y=\"{}\" text-anchor=\"middle\">round</text>", (l + w - r) / 2, h - 12);
-  out += fmt::format("<text x=\"14\" y=\"{}\" transform=\"rotate(-90 14 {})\" text-anchor=\"middle\">test accuracy</text>",
-                     (t + h - b) / 2, (t + h - b) / 2);
+  out +=
+      fmt::format("<text x=\"14\" y=\"{}\" transform=\"rotate(-90 14 {})\" text-anchor=\"middle\">test accuracy</text>",
+                  (t + h - b) / 2, (t + h - b) / 2);
   for (size_t m = 0; m < curves.size(); ++m) {
     std::string pts;
-    for (size_t i = 0; i < curves[m].size(); ++i) pts += fmt::format("{:.1f},{:.1f} ", x(static_cast<double>(i + 1)), y(curves[m][i]));
+    for (size_t i = 0; i < curves[m].size(); ++i)
+      pts += fmt::format("{:.1f},{:.1f} ", x(static_cast<double>(i + 1)), y(curves[m][i]));
     out += fmt::format("<polyline fill=\"none\" stroke-width=\"2\" stroke=\"{}\" points=\"{}\"/>", colors[m % 6], pts);
     out += fmt::format("<text x=\"{}\" y=\"{}\" fill=\"{}\">{}</text>", w - r + 10, t + 16 * (m + 1), colors[m % 6],
                        names[m]);
@@ -50,12 +53,14 @@ std::string svg_plot(const std::vector<std::string>& names, const std::vector<st
 StatusOr<std::string> run_compare_methods(const ExperimentConfig& cfg, const CompareMethodsOptions& o) {
   if (o.methods.empty()) return invalid_argument("--methods: name at least one method (memfl list-methods)");
   if (o.repeats < 1) return invalid_argument("--repeats must be at least 1");
-  for (const auto& m : o.methods) MEMFL_RETURN_IF_ERROR(make_client_selection(m, {}).status().with_context("--methods"));
+  for (const auto& m : o.methods)
+    MEMFL_RETURN_IF_ERROR(make_client_selection(m, {}).status().with_context("--methods"));
   fs::create_directories(o.out_dir);
   std::string csv = "method,repeat,seed,final_accuracy,rounds_to_target,seconds,peak_rss_bytes\n";
-  std::string table = fmt::format("| method | final accuracy (mean ± std over {}) | rounds to {:.2f} | seconds | peak RSS MiB |\n"
-                                  "|---|---|---|---|---|\n",
-                                  o.repeats, o.target_accuracy);
+  std::string table = fmt::format(
+      "| method | final accuracy (mean ± std over {}) | rounds to {:.2f} | seconds | peak RSS MiB |\n"
+      "|---|---|---|---|---|\n",
+      o.repeats, o.target_accuracy);
   std::vector<std::vector<double>> curves;
   for (const auto& method : o.methods) {
     std::vector<double> finals, seconds, to_target;
@@ -82,19 +87,22 @@ StatusOr<std::string> run_compare_methods(const ExperimentConfig& cfg, const Com
       peak = std::max(peak, res.peak_rss_bytes);
       mean_curve.resize(std::max(mean_curve.size(), res.rounds.size()), 0.0);
       for (size_t i = 0; i < res.rounds.size(); ++i) mean_curve[i] += res.rounds[i].test_accuracy / o.repeats;
-      csv += fmt::format("{},{},{},{:.4f},{},{:.2f},{}\n", method, r, c.server.seed, final_acc, reached, res.wall_seconds,
-                         res.peak_rss_bytes);
+      csv += fmt::format("{},{},{},{:.4f},{},{:.2f},{}\n", method, r, c.server.seed, final_acc, reached,
+                         res.wall_seconds, res.peak_rss_bytes);
       fmt::print("compare-methods: {} seed {}: accuracy {:.4f}, {:.1f} s, peak RSS {}\n", method, c.server.seed,
                  final_acc, res.wall_seconds, format_bytes(static_cast<double>(res.peak_rss_bytes)));
       std::fflush(stdout);
     }
-    auto mean = [](const std::vector<double>& v) { return v.empty() ? 0.0 : std::accumulate(v.begin(), v.end(), 0.0) / v.size(); };
+    auto mean = [](const std::vector<double>& v) {
+      return v.empty() ? 0.0 : std::accumulate(v.begin(), v.end(), 0.0) / v.size();
+    };
     double var = 0;
     for (double f : finals) var += (f - mean(finals)) * (f - mean(finals));
     const double sd = finals.size() > 1 ? std::sqrt(var / static_cast<double>(finals.size() - 1)) : 0.0;
     table += fmt::format("| {} | {:.4f} ± {:.4f} | {} | {:.1f} | {:.1f} |\n", method, mean(finals), sd,
-                         to_target.empty() ? std::string("not reached")
-                                           : fmt::format("{:.1f} ({} of {} runs)", mean(to_target), to_target.size(), o.repeats),
+                         to_target.empty()
+                             ? std::string("not reached")
+                             : fmt::format("{:.1f} ({} of {} runs)", mean(to_target), to_target.size(), o.repeats),
                          mean(seconds), static_cast<double>(peak) / (1 << 20));
     curves.push_back(mean_curve);
   }

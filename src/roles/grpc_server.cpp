@@ -143,8 +143,7 @@ Status ServerAgent::setup() {
   slots_.resize(static_cast<size_t>(cfg_.server.num_clients));
   spdlog::info("server: model {} ({} parameters, {}), layout {:016x}, {} aggregation, chunk {}", cfg_.model.model_name,
                layout.num_params(), format_bytes(static_cast<double>(layout.payload_bytes())), layout.hash(),
-               global_->description(),
-               format_bytes(static_cast<double>(chunk_)));
+               global_->description(), format_bytes(static_cast<double>(chunk_)));
   return Status::Ok();
 }
 

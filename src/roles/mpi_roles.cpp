@@ -250,7 +250,8 @@ Status run_client_rank(const ExperimentConfig& cfg, int rank, const std::string&
   // starts each client from it; with one, the model is received in place.
   Arena global_copy;
   if (k > 1) {
-    MEMFL_ASSIGN_OR_RETURN(global_copy, make_model_arena(local, layout.total_bytes(), dir, MemoryCategory::kCommBuffers));
+    MEMFL_ASSIGN_OR_RETURN(global_copy,
+                           make_model_arena(local, layout.total_bytes(), dir, MemoryCategory::kCommBuffers));
   }
   Arena& into = k > 1 ? global_copy : model.arena();
   int32_t reg[2] = {rank, k};

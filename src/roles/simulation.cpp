@@ -357,8 +357,8 @@ StatusOr<SimulationResult> run_simulation(const ExperimentConfig& cfg, const Sim
       const double q = all ? 1.0 : static_cast<double>(sc.clients_per_round) / sc.num_clients;
       auto eps = rdp_epsilon(sc.dp_fedavg_noise_multiplier, q, round, sc.dp_fedavg_delta);
       dp_fedavg_epsilon = eps.ok() ? *eps : std::numeric_limits<double>::infinity();
-      spdlog::info("round {}: client-level DP-FedAvg ε = {:.3f} (δ = {}, σ = {}, q = {:.4f})", round,
-                   dp_fedavg_epsilon, sc.dp_fedavg_delta, sc.dp_fedavg_noise_multiplier, q);
+      spdlog::info("round {}: client-level DP-FedAvg ε = {:.3f} (δ = {}, σ = {}, q = {:.4f})", round, dp_fedavg_epsilon,
+                   sc.dp_fedavg_delta, sc.dp_fedavg_noise_multiplier, q);
     }
     if (cfg.train.dp.enabled) {
       // Each client's ε over the rounds it took part in (privacy.csv), and the
@@ -369,8 +369,8 @@ StatusOr<SimulationResult> run_simulation(const ExperimentConfig& cfg, const Sim
         auto eps = rdp_epsilon(cfg.train.dp.noise_multiplier, cs.dp_sample_rate, cs.dp_steps, cfg.train.dp.delta);
         const double e = eps.ok() ? *eps : std::numeric_limits<double>::infinity();
         max_epsilon = std::max(max_epsilon, e);
-        rows += fmt::format("{},{},{},{:.6f},{},{:.6f}\n", round, c, cs.dp_steps, cs.dp_sample_rate,
-                            cfg.train.dp.delta, e);
+        rows +=
+            fmt::format("{},{},{},{:.6f},{},{:.6f}\n", round, c, cs.dp_steps, cs.dp_sample_rate, cfg.train.dp.delta, e);
       }
       MEMFL_RETURN_IF_ERROR(append_text_file(privacy_csv, rows));
     }

@@ -20,7 +20,7 @@ struct SimulationResult {
   double wall_seconds = 0;
   size_t model_bytes = 0;
   size_t num_params = 0;
-  double max_epsilon = 0;  // DP-SGD: the largest client ε at the end (0 without DP)
+  double max_epsilon = 0;        // DP-SGD: the largest client ε at the end (0 without DP)
   double dp_fedavg_epsilon = 0;  // client-level DP-FedAvg: ε after the last round
 };
 

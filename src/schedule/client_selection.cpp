@@ -179,8 +179,7 @@ const std::vector<SelectionMethodInfo>& client_selection_methods() {
   return methods;
 }
 
-StatusOr<std::unique_ptr<ClientSelection>> make_client_selection(const std::string& name,
-                                                                   const SelectionOptions& o) {
+StatusOr<std::unique_ptr<ClientSelection>> make_client_selection(const std::string& name, const SelectionOptions& o) {
   if (name == "random") return std::unique_ptr<ClientSelection>(std::make_unique<Random>());
   if (name == "round_robin") return std::unique_ptr<ClientSelection>(std::make_unique<RoundRobin>());
   if (name == "proportional_data") return std::unique_ptr<ClientSelection>(std::make_unique<ProportionalData>());

@@ -30,9 +30,9 @@ struct ClientStats {
 };
 
 struct SelectionOptions {
-  int power_of_choice_d = 0;        // topk_loss: candidates sampled first (0 = 2k)
-  double exploration = 0.2;         // oort: share of slots for exploration
-  double fairness_penalty = 1.0;    // fairness: exponent on (1 + times picked)
+  int power_of_choice_d = 0;      // topk_loss: candidates sampled first (0 = 2k)
+  double exploration = 0.2;       // oort: share of slots for exploration
+  double fairness_penalty = 1.0;  // fairness: exponent on (1 + times picked)
 };
 
 class ClientSelection {

@@ -84,7 +84,8 @@ class TorchReplica final : public ModelReplica {
 #ifdef MEMFL_HAVE_CUDA_STATS
     // Each replica (a simulator worker) gets its own stream, so K workers'
     // kernels can overlap instead of queueing on the default stream.
-    if (device_.is_cuda()) stream_.emplace(c10::cuda::getStreamFromPool(false, device_.has_index() ? device_.index() : 0));
+    if (device_.is_cuda())
+      stream_.emplace(c10::cuda::getStreamFromPool(false, device_.has_index() ? device_.index() : 0));
 #endif
   }
   const Layout& layout() const override { return bound_.layout; }
@@ -224,9 +225,8 @@ class TorchReplica final : public ModelReplica {
   // summed loss, per-sample clipping and noise by DpSgd, then the optimizer.
   // Steps: num_local_steps, or epochs × ceil(n / batch) — the expected number
   // of batches an epoch would have. The accountant composes (σ, q, steps).
-  TrainResult train_dp(const ImageDataset& data, std::span<const uint32_t> train_idx,
-                       std::span<const uint32_t> val_idx, const TrainConfig& cfg, uint64_t seed,
-                       torch::optim::Optimizer& opt) {
+  TrainResult train_dp(const ImageDataset& data, std::span<const uint32_t> train_idx, std::span<const uint32_t> val_idx,
+                       const TrainConfig& cfg, uint64_t seed, torch::optim::Optimizer& opt) {
     dp::DpOptions o;
     o.mode = dp::parse_clip_mode(cfg.dp.clipping).value_or(dp::ClipMode::kFused);
     o.max_grad_norm = cfg.dp.max_grad_norm;
@@ -237,8 +237,8 @@ class TorchReplica final : public ModelReplica {
     const auto n = static_cast<int64_t>(train_idx.size());
     const int64_t bs = cfg.train_batch_size;
     const double q = n > 0 ? std::min(1.0, static_cast<double>(bs) / static_cast<double>(n)) : 1.0;
-    const int64_t steps = cfg.mode == "step" ? cfg.num_local_steps
-                                             : static_cast<int64_t>(cfg.num_local_epochs) * ((n + bs - 1) / bs);
+    const int64_t steps =
+        cfg.mode == "step" ? cfg.num_local_steps : static_cast<int64_t>(cfg.num_local_epochs) * ((n + bs - 1) / bs);
     std::vector<uint32_t> pool(train_idx.begin(), train_idx.end());
     dp::PoissonSampler sampler(pool, q, seed);
     std::vector<uint32_t> batch;
