@@ -62,7 +62,7 @@ TEST(Config, WrongTypesAndValuesNameTheKey) {
   EXPECT_HAS(error_of("client_configs:\n  train_configs:\n    optim: RMSprop\n"), "must be one of [SGD, Adam]");
   EXPECT_HAS(error_of("client_configs:\n  train_configs:\n    mode: epochs\n"), "client_configs.train_configs.mode");
   EXPECT_HAS(error_of("client_configs:\n  model_configs:\n    model_name: VGG\n"),
-             "one of [CNN, MLP, ResNet18, synthetic]");
+             "one of [CNN, MLP, ResNet18, CNN_GN, synthetic, llama-tiny");
   EXPECT_HAS(error_of("client_configs:\n  train_configs:\n    do_validation: maybe\n"), "must be a boolean");
   EXPECT_HAS(error_of("client_configs:\n  train_configs:\n    optim_args:\n      betas: [0.9]\n"), "list of 2");
   EXPECT_HAS(error_of("server_configs: 3\n"), "must be a mapping");
