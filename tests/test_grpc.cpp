@@ -57,6 +57,30 @@ TEST(Grpc, CnnRunEqualsTheInProcessRunBitForBit) {
   EXPECT_GT(acc, 0.3);
 }
 
+// DP-SGD over gRPC: each client process writes its own privacy.csv, and the
+// ε for the same steps equals the in-process run's.
+TEST(Grpc, DpClientsWriteTheirEpsilon) {
+  testing::TempDir tmp;
+  const std::string sets =
+      std::string(" -q --set server_configs.num_clients=2 --set server_configs.num_global_epochs=2") +
+      " --set client_configs.train_configs.train_batch_size=64" +
+      " --set client_configs.data_configs.dataset_kwargs.max_train_samples=640" +
+      " --set client_configs.data_configs.dataset_kwargs.max_test_samples=200" +
+      " --set client_configs.train_configs.num_threads=1" +
+      " --set server_configs.comm_configs.grpc_configs.server_uri=127.0.0.1:0";
+  const std::string cfg = std::string(MEMFL_SOURCE_DIR) + "/configs/dp_fmnist_cnn_gn.yaml";
+  Result g = memfl_cli("launch " + cfg + " --clients 2" + sets + " --out " + tmp.file("grpc"));
+  ASSERT_EQ(g.exit_code, 0) << g.output;
+  Result i = memfl_cli("run " + cfg + sets + " --out " + tmp.file("inproc"));
+  ASSERT_EQ(i.exit_code, 0) << i.output;
+  auto grpc_rows = read_csv(tmp.file("grpc/client_1/privacy.csv"));
+  auto inproc_rows = read_csv(tmp.file("inproc/privacy.csv"));
+  ASSERT_EQ(grpc_rows.size(), 3u);  // header + 2 rounds
+  EXPECT_EQ(grpc_rows[2][1], "1");
+  EXPECT_EQ(grpc_rows[2][2], inproc_rows[4][2]);  // steps of client 1 after round 2
+  EXPECT_EQ(grpc_rows[2][5], inproc_rows[4][5]);  // and its ε
+}
+
 class GrpcChunks : public ::testing::TestWithParam<int64_t> {};
 
 TEST_P(GrpcChunks, SyntheticRunEqualsInProcessAndNaive) {

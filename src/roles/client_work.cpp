@@ -3,9 +3,12 @@
 
 #include <cstring>
 #include <filesystem>
+#include <limits>
 #include <thread>
 
 #include "aggregate/dp_fedavg.h"
+#include "dp/rdp_accountant.h"
+#include "roles/run_dir.h"
 #include "model/llama.h"
 #include "model/synthetic.h"
 
@@ -121,6 +124,20 @@ StatusOr<TrainResult> local_update(LocalModel& model, const ExperimentConfig& cf
                                                                client_train_seed(cfg.server.seed, round, client)));
   clip_update(model.layout(), received, model.arena(), cfg.server.dp_fedavg_clip_norm);
   return r;
+}
+
+StatusOr<double> record_client_privacy(const ExperimentConfig& cfg, const std::string& run_dir, int round, int client,
+                                       int64_t total_steps, double sample_rate) {
+  const auto& dp = cfg.train.dp;
+  auto eps = rdp_epsilon(dp.noise_multiplier, sample_rate, total_steps, dp.delta);
+  const double e = eps.ok() ? *eps : std::numeric_limits<double>::infinity();
+  const std::string path = (std::filesystem::path(run_dir) / "privacy.csv").string();
+  if (!std::filesystem::exists(path)) {
+    MEMFL_RETURN_IF_ERROR(write_text_file(path, "round,client,dp_steps,sample_rate,delta,epsilon\n"));
+  }
+  MEMFL_RETURN_IF_ERROR(append_text_file(
+      path, fmt::format("{},{},{},{:.6f},{},{:.6f}\n", round, client, total_steps, sample_rate, dp.delta, e)));
+  return e;
 }
 
 double update_sample_count(const ExperimentConfig& cfg, const ClientPartition* part) {

@@ -64,6 +64,12 @@ uint64_t client_train_seed(uint64_t seed, int round, int client);
 StatusOr<TrainResult> local_update(LocalModel& model, const ExperimentConfig& cfg, const DatasetSplits* data,
                                    const ClientPartition* part, int round, int client);
 
+// DP-SGD: appends (round, client, steps so far, q, δ, ε) to
+// `run_dir`/privacy.csv (header first) and returns the client's ε over all
+// its steps so far; every transport's client calls it after local_update.
+StatusOr<double> record_client_privacy(const ExperimentConfig& cfg, const std::string& run_dir, int round, int client,
+                                       int64_t total_steps, double sample_rate);
+
 // The sample count a client reports with its update (FedAvg's weight).
 double update_sample_count(const ExperimentConfig& cfg, const ClientPartition* part);
 

@@ -136,6 +136,7 @@ Status run_grpc_client(const ExperimentConfig& local, int client_id, const RoleO
       cfg.server.use_model_chunking ? static_cast<size_t>(cfg.server.model_chunk_size) : layout.total_bytes();
   std::atomic<int64_t> inflight{0};
   int rounds = 0;
+  int64_t dp_steps = 0;  // DP-SGD steps over every round, for this client's ε
 
   while (true) {
     out.Clear();
@@ -170,6 +171,12 @@ Status run_grpc_client(const ExperimentConfig& local, int client_id, const RoleO
 
     sampler.mark(round, "train");
     MEMFL_ASSIGN_OR_RETURN(TrainResult tr, local_update(model, cfg, data ? &*data : nullptr, part, round, client_id));
+    double epsilon = 0;
+    if (cfg.train.dp.enabled) {
+      dp_steps += tr.dp_steps;
+      MEMFL_ASSIGN_OR_RETURN(epsilon,
+                             record_client_privacy(cfg, opts.run_dir, round, client_id, dp_steps, tr.dp_sample_rate));
+    }
 
     sampler.mark(round, "upload");
     out.Clear();
@@ -178,6 +185,7 @@ Status run_grpc_client(const ExperimentConfig& local, int client_id, const RoleO
     md->set_sample_count(update_sample_count(cfg, part));
     (*md->mutable_metrics())["train_loss"] = tr.train_loss;
     (*md->mutable_metrics())["val_accuracy"] = tr.val_accuracy;
+    if (cfg.train.dp.enabled) (*md->mutable_metrics())["epsilon"] = epsilon;
     MEMFL_RETURN_IF_ERROR(write(*stream, out, peer));
     size_t index = 0;
     for (size_t off = 0; off < layout.total_bytes(); off += chunk, ++index) {

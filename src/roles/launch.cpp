@@ -73,7 +73,9 @@ Status run_launch(const std::string& config_path, const std::vector<std::string>
   for (const auto& s : sets) {
     common.push_back("--set");
     common.push_back(s);
-    if (s.rfind("server_configs.comm_configs.grpc_configs.server_uri=", 0) == 0) uri_set = true;
+    // A fixed address is the user's; port 0 means "any free port", which the
+    // clients then learn from the server like the default.
+    if (s.rfind("server_configs.comm_configs.grpc_configs.server_uri=", 0) == 0 && !s.ends_with(":0")) uri_set = true;
   }
   common.push_back("--set");
   common.push_back(fmt::format("server_configs.num_clients={}", num_clients));

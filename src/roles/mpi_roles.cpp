@@ -3,6 +3,7 @@
 #include <mpi.h>
 
 #include <chrono>
+#include <map>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
@@ -246,6 +247,7 @@ Status run_client_rank(const ExperimentConfig& cfg, int rank, const std::string&
   }
   MEMFL_ASSIGN_OR_RETURN(LocalModel model, make_local_model(local, input, /*fill=*/false, cfg.server.seed, dir));
   const Layout& layout = model.layout();
+  std::map<int, int64_t> dp_steps;  // DP-SGD steps per virtual client of this rank, for its ε
   // With several virtual clients the rank keeps the round's global model and
   // starts each client from it; with one, the model is received in place.
   Arena global_copy;
@@ -295,6 +297,10 @@ Status run_client_rank(const ExperimentConfig& cfg, int rank, const std::string&
       st.sampler.mark(b.round, "train");
       const ClientPartition* part = parts.empty() ? nullptr : &parts[static_cast<size_t>(c)];
       MEMFL_ASSIGN_OR_RETURN(TrainResult tr, local_update(model, local, data ? &*data : nullptr, part, b.round, c));
+      if (cfg.train.dp.enabled) {
+        dp_steps[c] += tr.dp_steps;
+        MEMFL_RETURN_IF_ERROR(record_client_privacy(cfg, dir, b.round, c, dp_steps[c], tr.dp_sample_rate).status());
+      }
       st.sampler.mark(b.round, "upload");
       WireUpdateMeta md{b.round, c, update_sample_count(cfg, part), tr.train_loss, tr.val_accuracy};
       MPI_Send(&md, sizeof md, MPI_BYTE, 0, kTagUpdateMeta, MPI_COMM_WORLD);
