@@ -1,6 +1,7 @@
 #include "config/config.h"
 
 #include "memory/budget.h"
+#include "model/llama.h"
 
 #include <fmt/ranges.h>  // fmt::join (its home since fmt 11; here on 9 too)
 #include <yaml-cpp/yaml.h>
@@ -811,6 +812,10 @@ Status cross_checks(const ExperimentConfig& c, const std::string& source) {
   }
   const bool llama = c.model.model_name == "llama" || c.model.model_name.starts_with("llama-");
   const bool tokens = c.data.dataset_name == "SyntheticTokens" || c.data.dataset_name == "TextFile";
+  if (llama) {
+    // A spec that cannot be built is named here, with the file, before any work.
+    if (auto spec = llama_spec_from_config(c.model); !spec.ok()) return spec.status().with_context(source);
+  }
   if (llama && c.train.trainer != "DummyTrainer" && !tokens) {
     return invalid_argument(
         "{}: model_name '{}' trains on tokens; set 'client_configs.data_configs.dataset_name' to SyntheticTokens or "

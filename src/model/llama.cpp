@@ -34,7 +34,9 @@ StatusOr<LlamaSpec> llama_spec_from_config(const ModelConfig& model) {
   for (const auto& p : llama_presets()) {
     if (p.name == model.model_name) return p;
   }
-  return invalid_argument("unknown llama preset '{}'", model.model_name);
+  std::string names = "llama (custom spec)";
+  for (const auto& p : llama_presets()) names += ", " + p.name;
+  return invalid_argument("unknown llama preset '{}'; known: {}", model.model_name, names);
 }
 
 Status validate_llama_spec(const LlamaSpec& s) {

@@ -212,12 +212,8 @@ StatusOr<SimulationResult> run_simulation(const ExperimentConfig& cfg, const Sim
     stats[c].samples = update_sample_count(cfg, synthetic ? nullptr : &clients[c]);
   std::mt19937_64 selection_rng(sc.seed * 7919 + 17);
   const std::string checkpoint = (fs::path(opts.run_dir) / "global_model.safetensors").string();
-  const std::string privacy_csv = (fs::path(opts.run_dir) / "privacy.csv").string();
   double max_epsilon = 0;
   double dp_fedavg_epsilon = 0;
-  if (cfg.train.dp.enabled) {
-    MEMFL_RETURN_IF_ERROR(write_text_file(privacy_csv, "round,client,dp_steps,sample_rate,delta,epsilon\n"));
-  }
 
   for (int round = 1; round <= sc.num_global_epochs; ++round) {
     const auto t_round = std::chrono::steady_clock::now();
@@ -366,18 +362,14 @@ StatusOr<SimulationResult> run_simulation(const ExperimentConfig& cfg, const Sim
                    sc.dp_fedavg_delta, sc.dp_fedavg_noise_multiplier, q);
     }
     if (cfg.train.dp.enabled) {
-      // Each client's ε over the rounds it took part in (privacy.csv), and the
-      // largest one so far in the log.
-      std::string rows;
+      // Each client's ε over the rounds it took part in (privacy.csv, as every
+      // transport's client writes it), and the largest one for the summary.
       for (int c : selected) {
         const auto& cs = stats[static_cast<size_t>(c)];
-        auto eps = rdp_epsilon(cfg.train.dp.noise_multiplier, cs.dp_sample_rate, cs.dp_steps, cfg.train.dp.delta);
-        const double e = eps.ok() ? *eps : std::numeric_limits<double>::infinity();
+        MEMFL_ASSIGN_OR_RETURN(double e,
+                               record_client_privacy(cfg, opts.run_dir, round, c, cs.dp_steps, cs.dp_sample_rate));
         max_epsilon = std::max(max_epsilon, e);
-        rows +=
-            fmt::format("{},{},{},{:.6f},{},{:.6f}\n", round, c, cs.dp_steps, cs.dp_sample_rate, cfg.train.dp.delta, e);
       }
-      MEMFL_RETURN_IF_ERROR(append_text_file(privacy_csv, rows));
     }
 
     if (sc.do_server_eval && worker0.replica() != nullptr) {

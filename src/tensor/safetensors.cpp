@@ -202,13 +202,8 @@ Status SafetensorsFile::copy_into(const Layout& layout, Arena& arena) const {
   return Status::Ok();
 }
 
-Status write_safetensors(const std::string& path, const Layout& layout, const Arena& arena,
-                         const std::map<std::string, std::string>& metadata) {
-  return write_safetensors(path, std::span<const LayoutEntry>(layout.entries()), arena, metadata);
-}
-
-Status write_safetensors(const std::string& path, std::span<const LayoutEntry> entries, const Arena& arena,
-                         const std::map<std::string, std::string>& metadata) {
+std::string safetensors_prefix(std::span<const LayoutEntry> entries, const std::map<std::string, std::string>& metadata,
+                               size_t data_alignment) {
   nlohmann::ordered_json header = nlohmann::ordered_json::object();
   if (!metadata.empty()) header["__metadata__"] = metadata;
   size_t pos = 0;
@@ -218,14 +213,25 @@ Status write_safetensors(const std::string& path, std::span<const LayoutEntry> e
     pos += e.nbytes();
   }
   std::string text = header.dump();
-  while ((8 + text.size()) % 8 != 0) text.push_back(' ');  // keeps the data 8-byte aligned
+  text.append((data_alignment - (8 + text.size()) % data_alignment) % data_alignment, ' ');
+  std::string prefix(8, '\0');
+  const uint64_t n = text.size();
+  for (int i = 0; i < 8; ++i) prefix[static_cast<size_t>(i)] = static_cast<char>((n >> (8 * i)) & 0xff);
+  return prefix + text;
+}
+
+Status write_safetensors(const std::string& path, const Layout& layout, const Arena& arena,
+                         const std::map<std::string, std::string>& metadata) {
+  return write_safetensors(path, std::span<const LayoutEntry>(layout.entries()), arena, metadata);
+}
+
+Status write_safetensors(const std::string& path, std::span<const LayoutEntry> entries, const Arena& arena,
+                         const std::map<std::string, std::string>& metadata) {
+  const std::string prefix = safetensors_prefix(entries, metadata, 8);  // keeps the data 8-byte aligned
   const std::string tmp = path + ".tmp";
   FILE* f = std::fopen(tmp.c_str(), "wb");
   if (f == nullptr) return not_found("{}: cannot write: {}", tmp, std::strerror(errno));
-  uint8_t len[8];
-  uint64_t n = text.size();
-  for (int i = 0; i < 8; ++i) len[i] = static_cast<uint8_t>(n >> (8 * i));
-  bool ok = std::fwrite(len, 1, 8, f) == 8 && std::fwrite(text.data(), 1, text.size(), f) == text.size();
+  bool ok = std::fwrite(prefix.data(), 1, prefix.size(), f) == prefix.size();
   for (const auto& e : entries) {
     if (!ok) break;
     ok = std::fwrite(arena.data() + e.offset, 1, e.nbytes(), f) == e.nbytes();

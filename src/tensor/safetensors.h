@@ -66,6 +66,13 @@ class SafetensorsFile {
   std::map<std::string, std::string> metadata_;
 };
 
+// What precedes a safetensors file's data: the 8-byte little-endian length
+// and the JSON header of `entries` packed back to back in their order, padded
+// with spaces so the data starts at a multiple of `data_alignment` (8 for a
+// plain file, the page size for one whose data is mapped as an arena).
+std::string safetensors_prefix(std::span<const LayoutEntry> entries, const std::map<std::string, std::string>& metadata,
+                               size_t data_alignment);
+
 // Writes the tensors of `layout` from `arena` to `path` (atomically, through
 // `path`.tmp and rename).
 Status write_safetensors(const std::string& path, const Layout& layout, const Arena& arena,

@@ -6,8 +6,6 @@
 #include <cstdio>
 #include <cstring>
 
-#include <nlohmann/json.hpp>
-
 #include "tensor/safetensors.h"
 
 namespace memfl {
@@ -29,23 +27,11 @@ StatusOr<Arena> create_safetensors_arena(const std::string& path, const Layout& 
         "it can live in a scratch file instead",
         path);
   }
-  nlohmann::ordered_json header = nlohmann::ordered_json::object();
-  if (!metadata.empty()) header["__metadata__"] = metadata;
-  for (const auto& e : layout.entries()) {
-    header[e.name] = {{"dtype", dtype_safetensors_name(e.dtype)},
-                      {"shape", e.shape},
-                      {"data_offsets", {e.offset, e.offset + e.nbytes()}}};
-  }
-  std::string text = header.dump();
-  const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
-  text.append((page - (8 + text.size()) % page) % page, ' ');
-  const size_t data_offset = 8 + text.size();
+  const std::string prefix = safetensors_prefix(layout.entries(), metadata, static_cast<size_t>(sysconf(_SC_PAGESIZE)));
+  const size_t data_offset = prefix.size();
   FILE* f = std::fopen(path.c_str(), "wb");
   if (f == nullptr) return not_found("{}: cannot write: {}", path, std::strerror(errno));
-  uint8_t len[8];
-  const uint64_t n = text.size();
-  for (int i = 0; i < 8; ++i) len[i] = static_cast<uint8_t>(n >> (8 * i));
-  bool ok = std::fwrite(len, 1, 8, f) == 8 && std::fwrite(text.data(), 1, text.size(), f) == text.size();
+  bool ok = std::fwrite(prefix.data(), 1, prefix.size(), f) == prefix.size();
   ok = (std::fclose(f) == 0) && ok;
   if (!ok) return internal_error("{}: write failed: {}", path, std::strerror(errno));
   // The data region is grown as a hole: zero, and on disk only once written.

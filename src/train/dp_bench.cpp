@@ -53,6 +53,7 @@
 
 #include "memory/sampler.h"
 #include "train/dp_sgd.h"
+#include "train/llama_module.h"
 
 // The CUDA caching allocator's statistics exist only in CUDA builds of
 // libtorch (the GPU machine's); Debian's is CPU-only.
@@ -106,12 +107,6 @@ const std::vector<DpLlamaSpec>& presets() {
   return all;
 }
 
-// Rotary position embedding, the "rotate half" form of llama_module.cpp.
-Tensor rotate_half(const Tensor& x) {
-  const int64_t half = x.size(-1) / 2;
-  return torch::cat({-x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1);
-}
-
 const char* attention_kind() {
 #if TORCH_VERSION_MAJOR >= 2
   return "scaled_dot_product_attention";
@@ -125,11 +120,7 @@ Tensor causal_attention(const Tensor& q, const Tensor& k, const Tensor& v) {
 #if TORCH_VERSION_MAJOR >= 2
   return at::scaled_dot_product_attention(q, k, v, {}, 0.0, /*is_causal=*/true);
 #else
-  const int64_t t = q.size(2);
-  auto scores = torch::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(q.size(-1)));
-  auto causal = torch::ones({t, t}, torch::TensorOptions().dtype(torch::kBool).device(q.device())).triu(1);
-  scores = scores.masked_fill(causal, -std::numeric_limits<float>::infinity());
-  return torch::matmul(torch::softmax(scores, -1), v);
+  return causal_attention_math(q, k, v);
 #endif
 }
 
@@ -146,17 +137,7 @@ struct DpAttentionImpl : torch::nn::Module {
     auto q = q_proj->forward(x).view({b, t, heads, head_dim}).transpose(1, 2);
     auto k = k_proj->forward(x).view({b, t, kv_heads, head_dim}).transpose(1, 2);
     auto v = v_proj->forward(x).view({b, t, kv_heads, head_dim}).transpose(1, 2);
-    auto opts = torch::TensorOptions().dtype(torch::kFloat32).device(x.device());
-    auto inv_freq = torch::pow(theta, -torch::arange(0, head_dim, 2, opts) / static_cast<double>(head_dim));
-    auto freqs = torch::outer(torch::arange(t, opts), inv_freq);
-    auto emb = torch::cat({freqs, freqs}, -1);
-    auto cos = emb.cos().to(x.scalar_type()), sin = emb.sin().to(x.scalar_type());
-    q = q * cos + rotate_half(q) * sin;
-    k = k * cos + rotate_half(k) * sin;
-    if (kv_heads != heads) {  // grouped-query attention: each KV head serves heads / kv_heads queries
-      k = k.repeat_interleave(heads / kv_heads, 1);
-      v = v.repeat_interleave(heads / kv_heads, 1);
-    }
+    rotary_and_repeat_kv(q, k, v, heads, kv_heads, theta);
     auto out = causal_attention(q, k, v);
     return o_proj->forward(out.transpose(1, 2).reshape({b, t, heads * head_dim}));
   }

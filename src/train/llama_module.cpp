@@ -1,6 +1,7 @@
 #include "train/llama_module.h"
 
 #include <cmath>
+#include <limits>
 
 namespace memfl::torch_internal {
 
@@ -23,13 +24,6 @@ torch::nn::Linear linear(int64_t in, int64_t out) {
   return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(false));
 }
 
-// Rotary position embedding (RoFormer; the "rotate half" form the Hugging
-// Face Llama code uses, so checkpoints' q/k projections mean the same).
-torch::Tensor rotate_half(const torch::Tensor& x) {
-  const int64_t half = x.size(-1) / 2;
-  return torch::cat({-x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1);
-}
-
 struct AttentionImpl : torch::nn::Module {
   explicit AttentionImpl(const LlamaSpec& s)
       : heads(s.num_heads), kv_heads(s.num_kv_heads), head_dim(s.head_dim()), theta(s.rope_theta) {
@@ -43,22 +37,8 @@ struct AttentionImpl : torch::nn::Module {
     auto q = q_proj(x).view({b, t, heads, head_dim}).transpose(1, 2);
     auto k = k_proj(x).view({b, t, kv_heads, head_dim}).transpose(1, 2);
     auto v = v_proj(x).view({b, t, kv_heads, head_dim}).transpose(1, 2);
-    // cos/sin computed per call: not buffers, so the arena holds weights only.
-    auto opts = torch::TensorOptions().dtype(torch::kFloat32).device(x.device());
-    auto inv_freq = torch::pow(theta, -torch::arange(0, head_dim, 2, opts) / static_cast<double>(head_dim));
-    auto freqs = torch::outer(torch::arange(t, opts), inv_freq);
-    auto emb = torch::cat({freqs, freqs}, -1);
-    auto cos = emb.cos().to(x.scalar_type()), sin = emb.sin().to(x.scalar_type());
-    q = q * cos + rotate_half(q) * sin;
-    k = k * cos + rotate_half(k) * sin;
-    if (kv_heads != heads) {  // grouped-query attention: each KV head serves heads / kv_heads queries
-      k = k.repeat_interleave(heads / kv_heads, 1);
-      v = v.repeat_interleave(heads / kv_heads, 1);
-    }
-    auto scores = torch::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(head_dim));
-    auto causal = torch::ones({t, t}, torch::TensorOptions().dtype(torch::kBool).device(x.device())).triu(1);
-    scores = scores.masked_fill(causal, -std::numeric_limits<float>::infinity());
-    auto out = torch::matmul(torch::softmax(scores, -1), v);
+    rotary_and_repeat_kv(q, k, v, heads, kv_heads, theta);
+    auto out = causal_attention_math(q, k, v);
     return o_proj(out.transpose(1, 2).reshape({b, t, heads * head_dim}));
   }
   int64_t heads, kv_heads, head_dim;
@@ -132,6 +112,40 @@ struct LlamaNet final : Net {
 };
 
 }  // namespace
+
+// Rotary position embedding (RoFormer; the "rotate half" form the Hugging
+// Face Llama code uses, so checkpoints' q/k projections mean the same).
+namespace {
+torch::Tensor rotate_half(const torch::Tensor& x) {
+  const int64_t half = x.size(-1) / 2;
+  return torch::cat({-x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1);
+}
+}  // namespace
+
+void rotary_and_repeat_kv(torch::Tensor& q, torch::Tensor& k, torch::Tensor& v, int64_t heads, int64_t kv_heads,
+                          double theta) {
+  const int64_t t = q.size(2), head_dim = q.size(3);
+  // cos/sin computed per call: not buffers, so the arena holds weights only.
+  auto opts = torch::TensorOptions().dtype(torch::kFloat32).device(q.device());
+  auto inv_freq = torch::pow(theta, -torch::arange(0, head_dim, 2, opts) / static_cast<double>(head_dim));
+  auto freqs = torch::outer(torch::arange(t, opts), inv_freq);
+  auto emb = torch::cat({freqs, freqs}, -1);
+  auto cos = emb.cos().to(q.scalar_type()), sin = emb.sin().to(q.scalar_type());
+  q = q * cos + rotate_half(q) * sin;
+  k = k * cos + rotate_half(k) * sin;
+  if (kv_heads != heads) {  // grouped-query attention: each KV head serves heads / kv_heads queries
+    k = k.repeat_interleave(heads / kv_heads, 1);
+    v = v.repeat_interleave(heads / kv_heads, 1);
+  }
+}
+
+torch::Tensor causal_attention_math(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) {
+  const int64_t t = q.size(2);
+  auto scores = torch::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(q.size(-1)));
+  auto causal = torch::ones({t, t}, torch::TensorOptions().dtype(torch::kBool).device(q.device())).triu(1);
+  scores = scores.masked_fill(causal, -std::numeric_limits<float>::infinity());
+  return torch::matmul(torch::softmax(scores, -1), v);
+}
 
 std::shared_ptr<Net> make_llama(const LlamaSpec& spec) { return std::make_shared<LlamaNet>(spec); }
 

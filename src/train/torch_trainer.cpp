@@ -247,8 +247,8 @@ class TorchReplica final : public ModelReplica {
     torch::Tensor x, y;
     for (int64_t k = 0; k < steps; ++k) {
       sampler.next(batch);
-      // DpSgd::step writes every gradient; they may be views, which
-      // zero_grad() cannot detach in place, so drop them instead.
+      // DpSgd::step writes every gradient afresh: dropping the last ones is
+      // all zeroing them would achieve, without touching their memory.
       for (auto& p : net_->parameters()) p.mutable_grad() = torch::Tensor();
       if (!batch.empty()) {
         fill_batch(data, batch, x, y);
