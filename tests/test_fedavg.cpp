@@ -1,7 +1,12 @@
 #include <gtest/gtest.h>
 
+#include <xxhash.h>
+
+#include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <span>
+#include <vector>
 
 #include "aggregate/fedavg_aggregator.h"
 #include "comm/chunk.h"
@@ -211,3 +216,28 @@ TEST(ArenaWriter, ReceivesAModelAndRejectsAShortOne) {
 
 }  // namespace
 }  // namespace memfl
+
+// chunk_checksum picks an AVX2 build of xxh3 at run time where the CPU has
+// it; both ends of a transfer must agree with each other and with the
+// library, for every length (xxh3 has separate paths for ≤ 16, ≤ 128, ≤ 240
+// bytes and the long loop) and however a payload is cut into pieces.
+TEST(ChunkChecksum, EqualsTheLibraryAtEveryLengthAndSplit) {
+  std::vector<std::byte> bytes(3 * 1024 * 1024 + 13);
+  uint64_t x = 0x9E3779B97F4A7C15ull;
+  for (auto& b : bytes) {
+    x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+    b = static_cast<std::byte>(x);
+  }
+  std::vector<size_t> lengths;
+  for (size_t n = 0; n <= 300; ++n) lengths.push_back(n);
+  for (size_t n : {1023ul, 1024ul, 1025ul, 65536ul + 7, size_t{1} << 20, bytes.size()}) lengths.push_back(n);
+  for (size_t n : lengths) {
+    const std::span<const std::byte> whole(bytes.data() + 3, std::min(n, bytes.size() - 3));
+    const uint64_t expected = XXH3_64bits(whole.data(), whole.size());
+    EXPECT_EQ(memfl::chunk_checksum(whole), expected) << "length " << whole.size();
+    // The same bytes in three pieces, cut unevenly.
+    const size_t a = whole.size() / 3, b = whole.size() / 2;
+    const std::span<const std::byte> pieces[3] = {whole.subspan(0, a), whole.subspan(a, b - a), whole.subspan(b)};
+    EXPECT_EQ(memfl::chunk_checksum(memfl::Payload(pieces, 3)), expected) << "length " << whole.size() << " in pieces";
+  }
+}

@@ -6,12 +6,39 @@
 #include <algorithm>
 #include <cstring>
 
+#if defined(MEMFL_HAVE_XXH3_AVX2)
+extern "C" uint64_t memfl_xxh3_avx2(const void* data, size_t size);
+extern "C" uint64_t memfl_xxh3_avx2_pieces(const void* const* data, const size_t* sizes, size_t count);
+#endif
+
 namespace memfl {
 
-uint64_t chunk_checksum(std::span<const std::byte> payload) { return XXH3_64bits(payload.data(), payload.size()); }
+namespace {
+#if defined(MEMFL_HAVE_XXH3_AVX2)
+const bool kAvx2 = __builtin_cpu_supports("avx2");
+#endif
+}  // namespace
+
+uint64_t chunk_checksum(std::span<const std::byte> payload) {
+#if defined(MEMFL_HAVE_XXH3_AVX2)
+  if (kAvx2) return memfl_xxh3_avx2(payload.data(), payload.size());
+#endif
+  return XXH3_64bits(payload.data(), payload.size());
+}
 
 uint64_t chunk_checksum(Payload payload) {
   if (payload.size() == 1) return chunk_checksum(payload[0]);
+#if defined(MEMFL_HAVE_XXH3_AVX2)
+  if (kAvx2 && payload.size() <= 64) {
+    const void* data[64];
+    size_t sizes[64];
+    for (size_t i = 0; i < payload.size(); ++i) {
+      data[i] = payload[i].data();
+      sizes[i] = payload[i].size();
+    }
+    return memfl_xxh3_avx2_pieces(data, sizes, payload.size());
+  }
+#endif
   XXH3_state_t state;  // on the stack: no allocation per chunk
   XXH3_INITSTATE(&state);
   XXH3_64bits_reset(&state);

@@ -73,10 +73,13 @@ server_configs:
   if (o.transport == "grpc") {
     MEMFL_RETURN_IF_ERROR(run_launch(config, {}, o.clients, dir, false));
   } else {
-    // mpirun as root and with more ranks than cores needs saying so.
+    // mpirun as root and with more ranks than cores needs saying so. Ranks
+    // are not bound to cores: with as many ranks as cores OpenMPI binds each
+    // to one, and the server's fold worker would share its MPI thread's core.
     const std::string exe = fs::read_symlink("/proc/self/exe").string();
     const std::string cmd = fmt::format(
-        "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 mpirun -np {} --oversubscribe {} mpi {} -q --out {} "
+        "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 mpirun -np {} --oversubscribe --bind-to none {} mpi "
+        "{} -q --out {} "
         "> {}/mpirun.log 2>&1",
         o.clients + 1, exe, config, dir, dir);
     if (std::system(cmd.c_str()) != 0) {

@@ -2,12 +2,23 @@
 
 #include <mpi.h>
 
+#include <sys/prctl.h>
+
+#include <algorithm>
+#include <atomic>
 #include <chrono>
-#include <map>
+#include <condition_variable>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <filesystem>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
 #include <numeric>
+#include <optional>
+#include <thread>
 
 #include <nlohmann/json.hpp>
 #include <spdlog/spdlog.h>
@@ -51,6 +62,180 @@ struct WireUpdateMeta {
   std::abort();
 }
 
+// Waiting without taking a core from the ranks that work. With N + 1 ranks
+// on a few cores, a rank that spins in MPI_Wait (OpenMPI polls) takes the
+// CPU from the ranks doing the work. What a wait should do depends on who
+// moves the bytes: over shared memory the receiver copies (single copy), so
+// a receiver's test is work and it yields between tests (a sleeping vCPU
+// takes tens of microseconds to wake); a sender whose chunks are posted
+// ahead has nothing to do until the receiver is done with them, so it
+// sleeps. Either way, after `yield_us` the sleep backs off to `max_sleep_us`
+// (a round's start, a client's training).
+struct WaitStyle {
+  int yield_us;
+  int max_sleep_us;
+};
+constexpr WaitStyle kIdle{100, 1000};      // waiting for a round, a client's training, an ack
+constexpr WaitStyle kReceiver{2000, 200};  // a chunk stream's receiving side: this rank copies
+constexpr WaitStyle kSender{0, 200};       // a chunk stream's sending side: chunks are posted ahead
+
+void quiet_waitall(int n, MPI_Request* reqs, MPI_Status* statuses, WaitStyle style) {
+  int done = 0;
+  for (int i = 0; i < 32; ++i) {
+    MPI_Testall(n, reqs, &done, statuses);
+    if (done) return;
+  }
+  const auto yield_until = Clock::now() + std::chrono::microseconds(style.yield_us);
+  for (int sleep_us = 5;;) {
+    MPI_Testall(n, reqs, &done, statuses);
+    if (done) return;
+    if (Clock::now() < yield_until) {
+      std::this_thread::yield();
+    } else {
+      std::this_thread::sleep_for(std::chrono::microseconds(sleep_us));
+      sleep_us = std::min(2 * sleep_us, style.max_sleep_us);
+    }
+  }
+}
+
+// Blocking receive of a small control message, waiting quietly.
+void quiet_recv(void* buf, int bytes, int source, int tag) {
+  MPI_Request req;
+  MPI_Irecv(buf, bytes, MPI_BYTE, source, tag, MPI_COMM_WORLD, &req);
+  quiet_waitall(1, &req, MPI_STATUS_IGNORE, kIdle);
+}
+
+// The same for the threads of the server: yield a while before blocking, so
+// a hand-over between the MPI thread and the fold worker (one per chunk)
+// does not wait for a halted vCPU to wake.
+template <typename Ready>
+void yield_until_ready(const Ready& ready, int yield_us) {
+  const auto until = Clock::now() + std::chrono::microseconds(yield_us);
+  while (!ready() && Clock::now() < until) std::this_thread::yield();
+}
+
+constexpr int kHandOverYieldUs = 500;
+
+// Chunks in flight per stream: enough to keep the single-copy engine busy
+// while the other side checks the previous ones, bounded so the ring costs
+// at most ≈ 8 MiB (and two chunks when chunks are larger).
+size_t chunks_in_flight(size_t chunk) {
+  return std::clamp<size_t>((size_t{8} << 20) / std::max<size_t>(chunk, 1), 2, 8);
+}
+
+// A thread that runs tasks in the order they are queued, beside the MPI
+// thread. The server verifies (xxh3) and folds chunks on it while the MPI
+// thread receives the next ones, and a client checks the chunks it has while
+// the next ones arrive: over shared memory the receiver does the copy, so
+// the copy and the check each get a core. Order is kept, so clients still
+// fold in selection order (bit-for-bit the in-process result). Only the main
+// thread calls MPI (MPI_THREAD_FUNNELED); the first failure is kept for it,
+// and it aborts the job.
+class OrderedWorker {
+ public:
+  OrderedWorker() : thread_([this] { loop(); }) {}
+  ~OrderedWorker() {
+    {
+      std::lock_guard lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+  void push(std::function<Status()> task) {
+    {
+      std::lock_guard lock(mu_);
+      tasks_.push_back(std::move(task));
+      pending_.fetch_add(1, std::memory_order_release);
+    }
+    cv_.notify_all();
+  }
+  // Waits until every queued task ran; the first failure, if any.
+  Status drain() {
+    std::unique_lock lock(mu_);
+    idle_cv_.wait(lock, [&] { return tasks_.empty() && !busy_; });
+    return error_;
+  }
+  Status error() {
+    std::lock_guard lock(mu_);
+    return error_;
+  }
+
+ private:
+  void loop() {
+    std::unique_lock lock(mu_);
+    while (true) {
+      if (tasks_.empty() && !stop_) {
+        lock.unlock();
+        yield_until_ready([&] { return pending_.load(std::memory_order_acquire) > 0; }, kHandOverYieldUs);
+        lock.lock();
+      }
+      cv_.wait(lock, [&] { return stop_ || !tasks_.empty(); });
+      if (tasks_.empty()) return;
+      auto task = std::move(tasks_.front());
+      tasks_.pop_front();
+      pending_.fetch_sub(1, std::memory_order_relaxed);
+      busy_ = true;
+      lock.unlock();
+      Status s = task();  // tasks run even after a failure: they hand their buffers back
+      lock.lock();
+      if (!s.ok() && error_.ok()) error_ = s;
+      busy_ = false;
+      if (tasks_.empty()) idle_cv_.notify_all();
+    }
+  }
+  std::mutex mu_;
+  std::condition_variable cv_, idle_cv_;
+  std::deque<std::function<Status()>> tasks_;
+  Status error_;
+  std::atomic<size_t> pending_{0};  // tasks_.size(), readable without the lock
+  bool busy_ = false, stop_ = false;
+  std::thread thread_;
+};
+
+// Buffers of the server's receive ring, handed back by the fold worker.
+class BufferRing {
+ public:
+  BufferRing(size_t count, size_t bytes) : buffers_(count, std::vector<std::byte>(bytes)) {
+    for (size_t i = 0; i < count; ++i) free_.push_back(i);
+    free_count_ = count;
+  }
+  size_t acquire() {
+    yield_until_ready([&] { return free_count_.load(std::memory_order_acquire) > 0; }, kHandOverYieldUs);
+    std::unique_lock lock(mu_);
+    cv_.wait(lock, [&] { return !free_.empty(); });
+    const size_t i = free_.front();
+    free_.pop_front();
+    free_count_.fetch_sub(1, std::memory_order_relaxed);
+    return i;
+  }
+  std::optional<size_t> try_acquire() {
+    std::lock_guard lock(mu_);
+    if (free_.empty()) return std::nullopt;
+    const size_t i = free_.front();
+    free_.pop_front();
+    free_count_.fetch_sub(1, std::memory_order_relaxed);
+    return i;
+  }
+  void release(size_t i) {
+    {
+      std::lock_guard lock(mu_);
+      free_.push_back(i);
+      free_count_.fetch_add(1, std::memory_order_release);
+    }
+    cv_.notify_all();
+  }
+  std::byte* data(size_t i) { return buffers_[i].data(); }
+  size_t size() const { return buffers_.size(); }
+
+ private:
+  std::vector<std::vector<std::byte>> buffers_;
+  std::deque<size_t> free_;
+  std::atomic<size_t> free_count_{0};
+  std::mutex mu_;
+  std::condition_variable cv_;
+};
+
 int rank_of_client(int client, int per_rank) { return 1 + client / per_rank; }
 
 double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
@@ -90,7 +275,7 @@ Status run_server(const ExperimentConfig& cfg, int world, const std::string& dir
   // Register: every client rank says who it is and how many clients it runs.
   for (int r = 1; r < world; ++r) {
     int32_t reg[2];
-    MPI_Recv(reg, 2, MPI_INT32_T, r, kTagRegister, MPI_COMM_WORLD, MPI_STATUS_IGNORE);
+    quiet_recv(reg, sizeof reg, r, kTagRegister);
     if (reg[0] != r || reg[1] != cfg.server.clients_per_rank) {
       abort_job(fmt::format("rank {} registered as rank {} with {} clients; expected {}", r, reg[0], reg[1],
                             cfg.server.clients_per_rank));
@@ -99,7 +284,9 @@ Status run_server(const ExperimentConfig& cfg, int world, const std::string& dir
   MEMFL_ASSIGN_OR_RETURN(auto metrics, MetricsWriter::open(dir + "/metrics.csv"));
   const int k = cfg.server.clients_per_rank;
   const size_t nchunks = (layout.total_bytes() + chunk - 1) / chunk;
-  std::vector<std::byte> ring[2] = {std::vector<std::byte>(chunk), std::vector<std::byte>(chunk)};
+  const size_t depth = chunks_in_flight(chunk);
+  BufferRing ring(depth, chunk);
+  OrderedWorker worker;
   for (int round = 1; round <= cfg.server.num_global_epochs; ++round) {
     const auto t_round = Clock::now();
     RoundMetrics m;
@@ -118,23 +305,32 @@ Status run_server(const ExperimentConfig& cfg, int world, const std::string& dir
           round, 0, std::find(ranks.begin(), ranks.end(), r) != ranks.end(), 0, layout.hash(), layout.total_bytes()};
       MPI_Send(&b, sizeof b, MPI_BYTE, r, kTagModelBegin, MPI_COMM_WORLD);
     }
-    std::vector<MPI_Request> reqs;
+    // Up to `depth` chunks in flight, each sent to every participating rank
+    // at once; the next chunk's checksum is taken while they move.
+    std::vector<WireHeader> headers(depth);
+    std::vector<std::vector<MPI_Request>> in_flight(depth);
+    auto settle = [&](std::vector<MPI_Request>& reqs) {
+      if (!reqs.empty()) quiet_waitall(static_cast<int>(reqs.size()), reqs.data(), MPI_STATUSES_IGNORE, kSender);
+      reqs.clear();
+    };
     for (size_t i = 0; i < nchunks; ++i) {
+      auto& reqs = in_flight[i % depth];
+      settle(reqs);  // the slot's header and bytes are free again
       const size_t off = i * chunk, len = std::min(chunk, layout.total_bytes() - off);
       auto bytes = model.arena().bytes(off, len);
-      WireHeader h{layout.hash(), off, len, chunk_checksum(bytes)};
-      reqs.clear();
+      WireHeader& h = headers[i % depth];
+      h = {layout.hash(), off, len, chunk_checksum(bytes)};
       for (int r : ranks) {
         reqs.emplace_back();
         MPI_Isend(&h, sizeof h, MPI_BYTE, r, kTagChunkHeader, MPI_COMM_WORLD, &reqs.back());
         reqs.emplace_back();
         MPI_Isend(bytes.data(), static_cast<int>(len), MPI_BYTE, r, kTagChunkData, MPI_COMM_WORLD, &reqs.back());
       }
-      MPI_Waitall(static_cast<int>(reqs.size()), reqs.data(), MPI_STATUSES_IGNORE);
     }
+    for (auto& reqs : in_flight) settle(reqs);
     for (int r : ranks) {
       int32_t ok = 0;
-      MPI_Recv(&ok, 1, MPI_INT32_T, r, kTagModelReceived, MPI_COMM_WORLD, MPI_STATUS_IGNORE);
+      quiet_recv(&ok, sizeof ok, r, kTagModelReceived);
       m.bytes_down +=
           layout.total_bytes() * static_cast<uint64_t>(std::count_if(selected.begin(), selected.end(),
                                                                      [&](int c) { return rank_of_client(c, k) == r; }));
@@ -143,50 +339,75 @@ Status run_server(const ExperimentConfig& cfg, int world, const std::string& dir
     // Every rank has its copy: the global arena becomes the running sum.
     MEMFL_RETURN_IF_ERROR(global->begin_round(round));
     st.sampler.mark(round, "upload");
-    t = Clock::now();
+    // Upload time runs from the first update's first message to the last
+    // byte folded, as for gRPC (the clients' training is not in it).
+    std::optional<Clock::time_point> t_up;
     double wsum = 0;
     for (int c : selected) {
       const int r = rank_of_client(c, k);
       const std::string peer = fmt::format("client_{} (rank {})", c, r);
       WireUpdateMeta md{};
-      MPI_Recv(&md, sizeof md, MPI_BYTE, r, kTagUpdateMeta, MPI_COMM_WORLD, MPI_STATUS_IGNORE);
+      quiet_recv(&md, sizeof md, r, kTagUpdateMeta);
+      if (!t_up) t_up = Clock::now();
       if (md.client != c || md.round != round) {
         abort_job(fmt::format("{} sent the update of client {} round {}; expected client {} round {}", peer, md.client,
                               md.round, c, round));
       }
-      auto update = agg->open_update(peer, md.sample_count);
-      if (!update.ok()) abort_job(update.status().message());
-      // Two-chunk ring: the next chunk arrives while this one is folded.
-      WireHeader hdr[2];
-      MPI_Request rq[2][2];
-      auto post = [&](size_t i) {
-        MPI_Irecv(&hdr[i % 2], sizeof(WireHeader), MPI_BYTE, r, kTagChunkHeader, MPI_COMM_WORLD, &rq[i % 2][0]);
-        MPI_Irecv(ring[i % 2].data(), static_cast<int>(chunk), MPI_BYTE, r, kTagChunkData, MPI_COMM_WORLD,
-                  &rq[i % 2][1]);
+      auto opened = agg->open_update(peer, md.sample_count);
+      if (!opened.ok()) abort_job(opened.status().message());
+      std::shared_ptr<UpdateStream> update = std::move(*opened);
+      // Receives into the ring, up to `depth` chunks ahead; each arrived
+      // chunk goes to the fold worker, which checks it (length, offset,
+      // layout, xxh3) before a byte of it is folded and hands its buffer back.
+      struct Posted {
+        size_t buffer;
+        WireHeader header;
+        MPI_Request rq[2];
       };
-      post(0);
+      std::deque<Posted> posted;  // deque: posted requests keep their address
+      size_t next = 0;
+      auto post = [&](size_t buffer) {
+        Posted& p = posted.emplace_back();
+        p.buffer = buffer;
+        MPI_Irecv(&p.header, sizeof(WireHeader), MPI_BYTE, r, kTagChunkHeader, MPI_COMM_WORLD, &p.rq[0]);
+        MPI_Irecv(ring.data(buffer), static_cast<int>(chunk), MPI_BYTE, r, kTagChunkData, MPI_COMM_WORLD, &p.rq[1]);
+        ++next;
+      };
       for (size_t i = 0; i < nchunks; ++i) {
+        if (posted.empty()) post(ring.acquire());
+        while (next < nchunks && posted.size() < depth) {
+          auto b = ring.try_acquire();
+          if (!b) break;
+          post(*b);
+        }
+        Posted& p = posted.front();
         MPI_Status status[2];
-        MPI_Waitall(2, rq[i % 2], status);
+        quiet_waitall(2, p.rq, status, kReceiver);
         int got = 0;
         MPI_Get_count(&status[1], MPI_BYTE, &got);
-        if (i + 1 < nchunks) post(i + 1);
-        const WireHeader& h = hdr[i % 2];
+        const WireHeader h = p.header;
+        const size_t buffer = p.buffer;
+        posted.pop_front();
         if (static_cast<uint64_t>(got) != h.length) {
           abort_job(fmt::format("chunk from {}: header says {} bytes but {} arrived", peer, h.length, got));
         }
-        Status s = (*update)->accept({h.layout_hash, h.offset, h.length, h.checksum},
-                                     std::span<const std::byte>(ring[i % 2].data(), static_cast<size_t>(got)));
-        if (!s.ok()) abort_job(s.message());
+        worker.push([&ring, update, h, buffer, got]() {
+          Status s = update->accept({h.layout_hash, h.offset, h.length, h.checksum},
+                                    std::span<const std::byte>(ring.data(buffer), static_cast<size_t>(got)));
+          ring.release(buffer);
+          return s;
+        });
+        if (Status e = worker.error(); !e.ok()) abort_job(e.message());
         m.bytes_up += static_cast<uint64_t>(got);
       }
-      MEMFL_RETURN_IF_ERROR((*update)->commit());
+      worker.push([update]() { return update->commit(); });
       m.clients++;
       wsum += md.sample_count;
       m.train_loss += md.sample_count * md.train_loss;
       m.val_accuracy += md.sample_count * md.val_accuracy;
     }
-    m.upload_seconds = since(t);
+    if (Status e = worker.drain(); !e.ok()) abort_job(e.message());
+    m.upload_seconds = t_up ? since(*t_up) : 0.0;
     if (wsum > 0) {
       m.train_loss /= wsum;
       m.val_accuracy /= wsum;
@@ -260,9 +481,10 @@ Status run_client_rank(const ExperimentConfig& cfg, int rank, const std::string&
   MPI_Send(reg, 2, MPI_INT32_T, 0, kTagRegister, MPI_COMM_WORLD);
   const size_t chunk =
       cfg.server.use_model_chunking ? static_cast<size_t>(cfg.server.model_chunk_size) : layout.total_bytes();
+  const size_t depth = chunks_in_flight(chunk);
   while (true) {
     WireModelBegin b{};
-    MPI_Recv(&b, sizeof b, MPI_BYTE, 0, kTagModelBegin, MPI_COMM_WORLD, MPI_STATUS_IGNORE);
+    quiet_recv(&b, sizeof b, 0, kTagModelBegin);
     if (b.finished) break;
     if (!b.participate) continue;
     if (b.layout_hash != layout.hash() || b.total_bytes != layout.total_bytes()) {
@@ -270,25 +492,53 @@ Status run_client_rank(const ExperimentConfig& cfg, int rank, const std::string&
                             b.layout_hash, layout.hash()));
     }
     st.sampler.mark(b.round, "broadcast");
-    // Each chunk's header is checked before its bytes land, straight in the arena.
-    for (uint64_t expect = 0; expect < layout.total_bytes();) {
-      WireHeader h{};
-      MPI_Recv(&h, sizeof h, MPI_BYTE, 0, kTagChunkHeader, MPI_COMM_WORLD, MPI_STATUS_IGNORE);
-      if (h.layout_hash != layout.hash() || h.offset != expect || h.length == 0 || h.length > chunk ||
-          h.length > layout.total_bytes() - h.offset) {
-        abort_job(
-            fmt::format("rank {}: bad chunk header from the server (offset {}, length {})", rank, h.offset, h.length));
-      }
-      MPI_Status status;
-      MPI_Recv(into.data() + h.offset, static_cast<int>(h.length), MPI_BYTE, 0, kTagChunkData, MPI_COMM_WORLD, &status);
+    // Receives are posted `depth` chunks ahead, each straight into the arena
+    // at the offset and length this rank expects next: a peer's header can
+    // never steer bytes elsewhere (MPI refuses a longer message), and each
+    // chunk's header and xxh3 are checked before the model is used.
+    struct Incoming {
+      WireHeader header;
+      uint64_t offset, length;
+      MPI_Request rq[2];
+    };
+    std::deque<Incoming> incoming;
+    uint64_t next_offset = 0;
+    auto post = [&] {
+      Incoming& in = incoming.emplace_back();
+      in.offset = next_offset;
+      in.length = std::min<uint64_t>(chunk, layout.total_bytes() - next_offset);
+      MPI_Irecv(&in.header, sizeof(WireHeader), MPI_BYTE, 0, kTagChunkHeader, MPI_COMM_WORLD, &in.rq[0]);
+      MPI_Irecv(into.data() + in.offset, static_cast<int>(in.length), MPI_BYTE, 0, kTagChunkData, MPI_COMM_WORLD,
+                &in.rq[1]);
+      next_offset += in.length;
+    };
+    while (next_offset < layout.total_bytes() && incoming.size() < depth) post();
+    // This thread copies (single-copy receives move bytes in the receiver);
+    // a second one checks the chunks already in, so the two overlap.
+    OrderedWorker checker;
+    while (!incoming.empty()) {
+      if (Status e = checker.error(); !e.ok()) abort_job(e.message());
+      Incoming& in = incoming.front();
+      MPI_Status status[2];
+      quiet_waitall(2, in.rq, status, kReceiver);
       int got = 0;
-      MPI_Get_count(&status, MPI_BYTE, &got);
-      if (static_cast<uint64_t>(got) != h.length || chunk_checksum(into.bytes(h.offset, h.length)) != h.checksum) {
-        abort_job(fmt::format("rank {}: chunk [{}, {}) from the server failed its checksum", rank, h.offset,
-                              h.offset + h.length));
+      MPI_Get_count(&status[1], MPI_BYTE, &got);
+      const WireHeader& h = in.header;
+      if (h.layout_hash != layout.hash() || h.offset != in.offset || h.length != in.length ||
+          static_cast<uint64_t>(got) != in.length) {
+        abort_job(
+            fmt::format("rank {}: bad chunk from the server (offset {}, length {}, {} bytes; expected offset {}, "
+                        "length {})",
+                        rank, h.offset, h.length, got, in.offset, in.length));
       }
-      expect += h.length;
+      checker.push([&into, rank, off = in.offset, len = in.length, sum = h.checksum]() -> Status {
+        if (chunk_checksum(into.bytes(off, len)) == sum) return Status::Ok();
+        return data_loss("rank {}: chunk [{}, {}) from the server failed its checksum", rank, off, off + len);
+      });
+      incoming.pop_front();
+      while (next_offset < layout.total_bytes() && incoming.size() < depth) post();
     }
+    if (Status e = checker.drain(); !e.ok()) abort_job(e.message());  // no byte is used before this
     int32_t ok = 1;
     MPI_Send(&ok, 1, MPI_INT32_T, 0, kTagModelReceived, MPI_COMM_WORLD);
     for (int c : selection(cfg, b.round)) {
@@ -304,13 +554,26 @@ Status run_client_rank(const ExperimentConfig& cfg, int rank, const std::string&
       st.sampler.mark(b.round, "upload");
       WireUpdateMeta md{b.round, c, update_sample_count(cfg, part), tr.train_loss, tr.val_accuracy};
       MPI_Send(&md, sizeof md, MPI_BYTE, 0, kTagUpdateMeta, MPI_COMM_WORLD);
+      // Up to `depth` chunks in flight, sent from the arena; the next
+      // chunk's checksum is taken while the server pulls the previous ones.
+      struct Outgoing {
+        WireHeader header;
+        MPI_Request rq[2];
+      };
+      std::deque<Outgoing> outgoing;
       for (size_t off = 0; off < layout.total_bytes(); off += chunk) {
+        if (outgoing.size() == depth) {
+          quiet_waitall(2, outgoing.front().rq, MPI_STATUSES_IGNORE, kSender);
+          outgoing.pop_front();
+        }
         const size_t len = std::min(chunk, layout.total_bytes() - off);
         auto bytes = model.arena().bytes(off, len);
-        WireHeader h{layout.hash(), off, len, chunk_checksum(bytes)};
-        MPI_Send(&h, sizeof h, MPI_BYTE, 0, kTagChunkHeader, MPI_COMM_WORLD);
-        MPI_Send(bytes.data(), static_cast<int>(len), MPI_BYTE, 0, kTagChunkData, MPI_COMM_WORLD);
+        Outgoing& o = outgoing.emplace_back();
+        o.header = {layout.hash(), off, len, chunk_checksum(bytes)};
+        MPI_Isend(&o.header, sizeof o.header, MPI_BYTE, 0, kTagChunkHeader, MPI_COMM_WORLD, &o.rq[0]);
+        MPI_Isend(bytes.data(), static_cast<int>(len), MPI_BYTE, 0, kTagChunkData, MPI_COMM_WORLD, &o.rq[1]);
       }
+      for (Outgoing& o : outgoing) quiet_waitall(2, o.rq, MPI_STATUSES_IGNORE, kSender);
     }
     st.sampler.mark(b.round, "idle");
     // Fault injection for the tests (MEMFL_FAULT=die_after_round_1 on rank
@@ -333,7 +596,15 @@ Status run_client_rank(const ExperimentConfig& cfg, int rank, const std::string&
 }  // namespace
 
 Status run_mpi(int* argc, char*** argv, const ExperimentConfig& cfg_in, const MpiOptions& opts) {
-  MPI_Init(argc, argv);
+  int provided = 0;
+  MPI_Init_thread(argc, argv, MPI_THREAD_FUNNELED, &provided);  // the server's fold worker calls no MPI
+  if (provided < MPI_THREAD_FUNNELED) {
+    MPI_Finalize();
+    return failed_precondition("this MPI library offers no MPI_THREAD_FUNNELED; memfl mpi needs it");
+  }
+  // Quiet waits sleep a few microseconds at a time: the default 50 µs timer
+  // slack would stretch every one of them.
+  prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);
   int rank = 0, world = 1;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   MPI_Comm_size(MPI_COMM_WORLD, &world);
