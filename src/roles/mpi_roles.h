@@ -8,9 +8,9 @@
 // while the bytes arrive, in client order — over chunked point-to-point
 // messages: a header message (layout hash, offset, length, xxh3), then the
 // bytes, sent from the arena and received straight into the destination
-// arena (downloads) or a two-chunk ring folded into the running sum
-// (uploads). MPI counts are ints: chunking is what lets models above 2 GiB
-// pass.
+// arena (downloads) or a small ring folded into the running sum by a worker
+// thread (uploads), several chunks in flight each way. MPI counts are ints:
+// chunking is what lets models above 2 GiB pass.
 //
 // A dead rank ends the job: MPI's default error handler aborts every rank
 // (mpirun names the rank that failed). The server's checkpoint is written
