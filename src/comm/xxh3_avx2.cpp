@@ -10,8 +10,12 @@
 #include <cstddef>
 #include <cstdint>
 
+#ifndef XXH_INLINE_ALL  // the GPU machine's build defines it for every file
 #define XXH_INLINE_ALL
+#endif
+#ifndef XXH_STATIC_LINKING_ONLY
 #define XXH_STATIC_LINKING_ONLY
+#endif
 #include <xxhash.h>
 
 extern "C" uint64_t memfl_xxh3_avx2(const void* data, size_t size) { return XXH3_64bits(data, size); }
