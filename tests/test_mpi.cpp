@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdlib>
+#include <tuple>
 
 #include "cli_util.h"
 #include "test_util.h"
@@ -82,25 +83,44 @@ TEST(Mpi, ADeadRankEndsTheJobAndTheCheckpointSurvives) {
   EXPECT_TRUE(round == "0" || round == "1") << round;
 }
 
-class MpiChunks : public ::testing::TestWithParam<int64_t> {};
+// Both ways chunks move: through the shared-memory ring (the default when
+// every rank is on the server's node, as here) and as point-to-point messages.
+TEST(Mpi, PointToPointChunksEqualTheInProcessRunBitForBit) {
+  testing::TempDir tmp;
+  Result m = mpirun(3, std::string(kCnn) + " --set server_configs.mpi_shared_memory=false --out " + tmp.file("mpi"));
+  ASSERT_EQ(m.exit_code, 0) << m.output;
+  Result r = memfl_cli(std::string("run") + kCnn + " --set server_configs.num_clients=2 --out " + tmp.file("inproc"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_TRUE(same_model(tmp.file("inproc/global_model.safetensors"), tmp.file("mpi/rank_0/global_model.safetensors")));
+}
+
+class MpiChunks : public ::testing::TestWithParam<std::tuple<int64_t, bool>> {};
 
 TEST_P(MpiChunks, SevenBytesAndLargerThanTheModel) {
   testing::TempDir tmp;
   const std::string cfg = tmp.file("synthetic.yaml");
   std::ofstream(cfg) << "client_configs:\n  train_configs:\n    trainer: DummyTrainer\n  model_configs:\n"
                         "    model_name: synthetic\n    model_kwargs:\n      num_params: 2500\n"
-                        "server_configs:\n  num_global_epochs: 2\n  comm_configs:\n    grpc_configs:\n"
-                        "      model_chunk_size: "
-                     << GetParam() << "\n";
+                        "server_configs:\n  num_global_epochs: 2\n  mpi_shared_memory: "
+                     << (std::get<1>(GetParam()) ? "true" : "false")
+                     << "\n  comm_configs:\n    grpc_configs:\n      model_chunk_size: " << std::get<0>(GetParam())
+                     << "\n";
   Result m = mpirun(3, cfg + " -q --out " + tmp.file("mpi"));
   ASSERT_EQ(m.exit_code, 0) << m.output;
+  std::ifstream summary(tmp.file("mpi/rank_0/summary.json"));
+  const std::string text((std::istreambuf_iterator<char>(summary)), {});
+  // The ring's slots hold a chunk of up to 8 MiB: both sizes here take it when allowed.
+  EXPECT_NE(text.find(std::get<1>(GetParam()) ? "\"shared_ring\"" : "\"point_to_point\""), std::string::npos) << text;
   Result r = memfl_cli("run " + cfg + " -q --set server_configs.num_clients=2 --out " + tmp.file("inproc"));
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_TRUE(same_model(tmp.file("inproc/global_model.safetensors"), tmp.file("mpi/rank_0/global_model.safetensors")));
 }
 
-INSTANTIATE_TEST_SUITE_P(Sizes, MpiChunks, ::testing::Values(7, 1 << 20),
-                         [](const auto& p) { return "chunk_" + std::to_string(p.param); });
+INSTANTIATE_TEST_SUITE_P(Sizes, MpiChunks, ::testing::Combine(::testing::Values(7, 1 << 20), ::testing::Bool()),
+                         [](const auto& p) {
+                           return "chunk_" + std::to_string(std::get<0>(p.param)) +
+                                  (std::get<1>(p.param) ? "_shared_ring" : "_point_to_point");
+                         });
 
 }  // namespace
 }  // namespace memfl

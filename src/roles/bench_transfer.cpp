@@ -98,6 +98,7 @@ server_configs:
   j["model_bytes"] = server["model_bytes"];
   j["clients"] = o.clients;
   j["chunk_bytes"] = chunk;
+  if (server.contains("chunk_path")) j["chunk_path"] = server["chunk_path"];  // MPI: shared_ring | point_to_point
   j["server_peak_rss_bytes"] = server["peak_rss_bytes"];
   j["server_baseline_rss_bytes"] = server["baseline_rss_bytes"];
   int64_t client_peak = 0, client_baseline = 0;

@@ -39,10 +39,24 @@ using Clock = std::chrono::steady_clock;
 
 namespace {
 
-enum Tag : int { kTagRegister = 1, kTagModelBegin, kTagChunkHeader, kTagChunkData, kTagModelReceived, kTagUpdateMeta };
+enum Tag : int {
+  kTagRegister = 1,
+  kTagModelBegin,
+  kTagChunkHeader,
+  kTagChunkData,
+  kTagModelReceived,
+  kTagUpdateMeta,
+  kTagSlotHeader,  // shared-memory ring: a chunk is in slot s (WireSlotHeader)
+  kTagSlotDone,    // a client has copied slot s out (download)
+  kTagSlotGrant,   // the server lends slot s to a client (upload)
+};
 
 struct WireHeader {
   uint64_t layout_hash, offset, length, checksum;
+};
+struct WireSlotHeader {
+  uint64_t layout_hash, offset, length, checksum;
+  int32_t slot, pad;
 };
 struct WireModelBegin {
   int32_t round, finished, participate, pad;
@@ -79,16 +93,20 @@ constexpr WaitStyle kIdle{100, 1000};      // waiting for a round, a client's tr
 constexpr WaitStyle kReceiver{2000, 200};  // a chunk stream's receiving side: this rank copies
 constexpr WaitStyle kSender{0, 200};       // a chunk stream's sending side: chunks are posted ahead
 
-void quiet_waitall(int n, MPI_Request* reqs, MPI_Status* statuses, WaitStyle style) {
+// `between`, if given, runs between tests (the server lends freed slots).
+void quiet_waitall(int n, MPI_Request* reqs, MPI_Status* statuses, WaitStyle style,
+                   const std::function<void()>& between = {}) {
   int done = 0;
   for (int i = 0; i < 32; ++i) {
     MPI_Testall(n, reqs, &done, statuses);
     if (done) return;
+    if (between) between();
   }
   const auto yield_until = Clock::now() + std::chrono::microseconds(style.yield_us);
   for (int sleep_us = 5;;) {
     MPI_Testall(n, reqs, &done, statuses);
     if (done) return;
+    if (between) between();
     if (Clock::now() < yield_until) {
       std::this_thread::yield();
     } else {
@@ -236,6 +254,65 @@ class BufferRing {
   std::condition_variable cv_;
 };
 
+// The shared-memory ring: when every rank runs on the server's node, chunks
+// pass through `slots` slots of one MPI-3 shared window that the server
+// allocates, and only small control messages go point to point. Over
+// MPI's own shared-memory transport a chunk costs a single copy done by the
+// receiver, at 5.4 GB/s here (CMA); through the ring each side does a plain
+// memcpy (12 GB/s here) and the server folds from its own copy. Nothing in
+// a slot is trusted: the reader copies a slot into memory only it can
+// write (the client's arena; the server's receive ring) and checks the
+// header and the xxh3 on that copy, so a peer that scribbles on a slot
+// later changes nothing that was checked.
+struct SharedRing {
+  MPI_Win win = MPI_WIN_NULL;
+  std::byte* base = nullptr;
+  size_t slot_bytes = 0, slots = 0;
+  bool enabled() const { return base != nullptr; }
+  std::byte* slot(size_t i) const { return base + i * slot_bytes; }
+  // The unified memory model's fence between the slot's bytes and the
+  // message that announces them (writer before sending, reader after).
+  void sync() const { MPI_Win_sync(win); }
+};
+
+constexpr size_t kMaxSharedSlot = size_t{8} << 20;
+
+// Collective over all ranks. Off (p2p chunks) unless the config allows it,
+// every rank shares the server's node, and a chunk fits a slot.
+SharedRing open_shared_ring(const ExperimentConfig& cfg, int rank) {
+  SharedRing ring;
+  const size_t chunk = static_cast<size_t>(cfg.server.model_chunk_size);
+  MPI_Comm node;
+  MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node);
+  int here = rank == 0 ? 1 : 0, server_here = 0, everywhere = 0;
+  MPI_Allreduce(&here, &server_here, 1, MPI_INT, MPI_MAX, node);
+  MPI_Allreduce(&server_here, &everywhere, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
+  if (!cfg.server.mpi_shared_memory || !everywhere || !cfg.server.use_model_chunking || chunk > kMaxSharedSlot) {
+    MPI_Comm_free(&node);
+    return ring;
+  }
+  ring.slots = chunks_in_flight(chunk);
+  ring.slot_bytes = chunk;
+  void* mine = nullptr;
+  const MPI_Aint bytes = rank == 0 ? static_cast<MPI_Aint>(ring.slots * chunk) : 0;
+  MPI_Win_allocate_shared(bytes, 1, MPI_INFO_NULL, node, &mine, &ring.win);
+  MPI_Aint size = 0;
+  int disp = 0;
+  void* base = nullptr;
+  MPI_Win_shared_query(ring.win, 0, &size, &disp, &base);  // node rank 0 is world rank 0: one node, same order
+  MPI_Win_lock_all(MPI_MODE_NOCHECK, ring.win);
+  ring.base = static_cast<std::byte*>(base);
+  MPI_Comm_free(&node);
+  return ring;
+}
+
+void close_shared_ring(SharedRing& ring) {
+  if (ring.win == MPI_WIN_NULL) return;
+  MPI_Win_unlock_all(ring.win);
+  MPI_Win_free(&ring.win);
+  ring.base = nullptr;
+}
+
 int rank_of_client(int client, int per_rank) { return 1 + client / per_rank; }
 
 double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
@@ -254,7 +331,8 @@ struct RankState {
   }
 };
 
-Status run_server(const ExperimentConfig& cfg, int world, const std::string& dir, bool progress) {
+Status run_server(const ExperimentConfig& cfg, int world, const std::string& dir, bool progress,
+                  const SharedRing& shm) {
   RankState st("server", cfg.memory.sample_interval_ms, dir);
   st.sampler.mark(0, "setup");
   const int64_t baseline = read_rss_bytes();
@@ -285,7 +363,8 @@ Status run_server(const ExperimentConfig& cfg, int world, const std::string& dir
   const int k = cfg.server.clients_per_rank;
   const size_t nchunks = (layout.total_bytes() + chunk - 1) / chunk;
   const size_t depth = chunks_in_flight(chunk);
-  BufferRing ring(depth, chunk);
+  BufferRing ring(depth, shm.enabled() ? 0 : chunk);  // p2p receives land here
+  BufferRing slot_pool(shm.slots, 0);                 // shared-memory slots free to lend
   OrderedWorker worker;
   for (int round = 1; round <= cfg.server.num_global_epochs; ++round) {
     const auto t_round = Clock::now();
@@ -305,29 +384,58 @@ Status run_server(const ExperimentConfig& cfg, int world, const std::string& dir
           round, 0, std::find(ranks.begin(), ranks.end(), r) != ranks.end(), 0, layout.hash(), layout.total_bytes()};
       MPI_Send(&b, sizeof b, MPI_BYTE, r, kTagModelBegin, MPI_COMM_WORLD);
     }
-    // Up to `depth` chunks in flight, each sent to every participating rank
-    // at once; the next chunk's checksum is taken while they move.
-    std::vector<WireHeader> headers(depth);
-    std::vector<std::vector<MPI_Request>> in_flight(depth);
-    auto settle = [&](std::vector<MPI_Request>& reqs) {
-      if (!reqs.empty()) quiet_waitall(static_cast<int>(reqs.size()), reqs.data(), MPI_STATUSES_IGNORE, kSender);
-      reqs.clear();
-    };
-    for (size_t i = 0; i < nchunks; ++i) {
-      auto& reqs = in_flight[i % depth];
-      settle(reqs);  // the slot's header and bytes are free again
-      const size_t off = i * chunk, len = std::min(chunk, layout.total_bytes() - off);
-      auto bytes = model.arena().bytes(off, len);
-      WireHeader& h = headers[i % depth];
-      h = {layout.hash(), off, len, chunk_checksum(bytes)};
-      for (int r : ranks) {
-        reqs.emplace_back();
-        MPI_Isend(&h, sizeof h, MPI_BYTE, r, kTagChunkHeader, MPI_COMM_WORLD, &reqs.back());
-        reqs.emplace_back();
-        MPI_Isend(bytes.data(), static_cast<int>(len), MPI_BYTE, r, kTagChunkData, MPI_COMM_WORLD, &reqs.back());
+    if (shm.enabled()) {
+      // Through the ring: chunk i goes to slot i mod slots once every rank
+      // that read the slot's last chunk said so; the header names the slot.
+      const size_t slots = shm.slots;
+      std::vector<WireSlotHeader> headers(slots);
+      std::vector<int32_t> done(slots * ranks.size());
+      std::vector<std::vector<MPI_Request>> in_use(slots);
+      for (size_t i = 0; i < nchunks; ++i) {
+        const size_t sl = i % slots;
+        auto& reqs = in_use[sl];
+        if (!reqs.empty()) quiet_waitall(static_cast<int>(reqs.size()), reqs.data(), MPI_STATUSES_IGNORE, kReceiver);
+        reqs.clear();
+        const size_t off = i * chunk, len = std::min(chunk, layout.total_bytes() - off);
+        std::memcpy(shm.slot(sl), model.arena().data() + off, len);
+        shm.sync();
+        WireSlotHeader& h = headers[sl];
+        h = {layout.hash(), off, len, chunk_checksum(model.arena().bytes(off, len)), static_cast<int32_t>(sl), 0};
+        for (size_t j = 0; j < ranks.size(); ++j) {
+          reqs.emplace_back();
+          MPI_Isend(&h, sizeof h, MPI_BYTE, ranks[j], kTagSlotHeader, MPI_COMM_WORLD, &reqs.back());
+          reqs.emplace_back();
+          MPI_Irecv(&done[sl * ranks.size() + j], 1, MPI_INT32_T, ranks[j], kTagSlotDone, MPI_COMM_WORLD, &reqs.back());
+        }
       }
+      for (auto& reqs : in_use) {
+        if (!reqs.empty()) quiet_waitall(static_cast<int>(reqs.size()), reqs.data(), MPI_STATUSES_IGNORE, kReceiver);
+      }
+    } else {
+      // Up to `depth` chunks in flight, each sent to every participating rank
+      // at once; the next chunk's checksum is taken while they move.
+      std::vector<WireHeader> headers(depth);
+      std::vector<std::vector<MPI_Request>> in_flight(depth);
+      auto settle = [&](std::vector<MPI_Request>& reqs) {
+        if (!reqs.empty()) quiet_waitall(static_cast<int>(reqs.size()), reqs.data(), MPI_STATUSES_IGNORE, kSender);
+        reqs.clear();
+      };
+      for (size_t i = 0; i < nchunks; ++i) {
+        auto& reqs = in_flight[i % depth];
+        settle(reqs);  // the slot's header and bytes are free again
+        const size_t off = i * chunk, len = std::min(chunk, layout.total_bytes() - off);
+        auto bytes = model.arena().bytes(off, len);
+        WireHeader& h = headers[i % depth];
+        h = {layout.hash(), off, len, chunk_checksum(bytes)};
+        for (int r : ranks) {
+          reqs.emplace_back();
+          MPI_Isend(&h, sizeof h, MPI_BYTE, r, kTagChunkHeader, MPI_COMM_WORLD, &reqs.back());
+          reqs.emplace_back();
+          MPI_Isend(bytes.data(), static_cast<int>(len), MPI_BYTE, r, kTagChunkData, MPI_COMM_WORLD, &reqs.back());
+        }
+      }
+      for (auto& reqs : in_flight) settle(reqs);
     }
-    for (auto& reqs : in_flight) settle(reqs);
     for (int r : ranks) {
       int32_t ok = 0;
       quiet_recv(&ok, sizeof ok, r, kTagModelReceived);
@@ -356,49 +464,98 @@ Status run_server(const ExperimentConfig& cfg, int world, const std::string& dir
       auto opened = agg->open_update(peer, md.sample_count);
       if (!opened.ok()) abort_job(opened.status().message());
       std::shared_ptr<UpdateStream> update = std::move(*opened);
-      // Receives into the ring, up to `depth` chunks ahead; each arrived
-      // chunk goes to the fold worker, which checks it (length, offset,
-      // layout, xxh3) before a byte of it is folded and hands its buffer back.
-      struct Posted {
-        size_t buffer;
-        WireHeader header;
-        MPI_Request rq[2];
-      };
-      std::deque<Posted> posted;  // deque: posted requests keep their address
-      size_t next = 0;
-      auto post = [&](size_t buffer) {
-        Posted& p = posted.emplace_back();
-        p.buffer = buffer;
-        MPI_Irecv(&p.header, sizeof(WireHeader), MPI_BYTE, r, kTagChunkHeader, MPI_COMM_WORLD, &p.rq[0]);
-        MPI_Irecv(ring.data(buffer), static_cast<int>(chunk), MPI_BYTE, r, kTagChunkData, MPI_COMM_WORLD, &p.rq[1]);
-        ++next;
-      };
-      for (size_t i = 0; i < nchunks; ++i) {
-        if (posted.empty()) post(ring.acquire());
-        while (next < nchunks && posted.size() < depth) {
-          auto b = ring.try_acquire();
-          if (!b) break;
-          post(*b);
-        }
-        Posted& p = posted.front();
-        MPI_Status status[2];
-        quiet_waitall(2, p.rq, status, kReceiver);
-        int got = 0;
-        MPI_Get_count(&status[1], MPI_BYTE, &got);
-        const WireHeader h = p.header;
-        const size_t buffer = p.buffer;
-        posted.pop_front();
-        if (static_cast<uint64_t>(got) != h.length) {
-          abort_job(fmt::format("chunk from {}: header says {} bytes but {} arrived", peer, h.length, got));
-        }
-        worker.push([&ring, update, h, buffer, got]() {
-          Status s = update->accept({h.layout_hash, h.offset, h.length, h.checksum},
-                                    std::span<const std::byte>(ring.data(buffer), static_cast<size_t>(got)));
+      auto fold = [&](const ChunkHeader& h, size_t buffer) {
+        worker.push([&ring, update, h, buffer]() {
+          Status s = update->accept(h, std::span<const std::byte>(ring.data(buffer), h.length));
           ring.release(buffer);
           return s;
         });
         if (Status e = worker.error(); !e.ok()) abort_job(e.message());
-        m.bytes_up += static_cast<uint64_t>(got);
+        m.bytes_up += h.length;
+      };
+      if (shm.enabled()) {
+        // Through the ring: the server lends the client free slots, the
+        // client fills them in the order lent and names each in a header;
+        // the fold worker checks the chunk in the slot and folds it from
+        // there, then frees the slot to be lent again. The client gets a
+        // slot back only once its fold is done. (A client that wrote into a
+        // slot it no longer holds could change bytes after their check —
+        // but such a peer could as well have sent those bytes with their
+        // checksum: the checksum guards the transfer, not the sender's
+        // intent. Downloads copy first: there the reader is a client.)
+        std::deque<int32_t> lent;
+        size_t lent_total = 0;
+        auto lend_free = [&](bool block) {
+          while (lent_total < nchunks && lent.size() < shm.slots) {
+            std::optional<size_t> sl = block && lent.empty() ? slot_pool.acquire() : slot_pool.try_acquire();
+            if (!sl) break;
+            const auto s32 = static_cast<int32_t>(*sl);
+            MPI_Send(&s32, 1, MPI_INT32_T, r, kTagSlotGrant, MPI_COMM_WORLD);
+            lent.push_back(s32);
+            ++lent_total;
+          }
+        };
+        const std::function<void()> lend_more = [&] { lend_free(false); };
+        for (size_t i = 0; i < nchunks; ++i) {
+          lend_free(true);  // the client holds at least one slot
+          WireSlotHeader h{};
+          MPI_Request rq;
+          MPI_Irecv(&h, sizeof h, MPI_BYTE, r, kTagSlotHeader, MPI_COMM_WORLD, &rq);
+          quiet_waitall(1, &rq, MPI_STATUS_IGNORE, kReceiver, lend_more);
+          const size_t off = i * chunk, len = std::min(chunk, layout.total_bytes() - off);
+          if (h.slot != lent.front() || h.offset != off || h.length != len) {
+            abort_job(fmt::format("chunk from {}: slot {} [{}, +{}); expected slot {} [{}, +{})", peer, h.slot,
+                                  h.offset, h.length, lent.front(), off, len));
+          }
+          lent.pop_front();
+          shm.sync();
+          worker.push([&shm, &slot_pool, update, h]() {
+            Status s = update->accept({h.layout_hash, h.offset, h.length, h.checksum},
+                                      std::span<const std::byte>(shm.slot(static_cast<size_t>(h.slot)), h.length));
+            slot_pool.release(static_cast<size_t>(h.slot));
+            return s;
+          });
+          if (Status e = worker.error(); !e.ok()) abort_job(e.message());
+          m.bytes_up += h.length;
+        }
+      } else {
+        // Receives into the ring, up to `depth` chunks ahead; each arrived
+        // chunk goes to the fold worker, which checks it (length, offset,
+        // layout, xxh3) before a byte of it is folded and hands its buffer back.
+        struct Posted {
+          size_t buffer;
+          WireHeader header;
+          MPI_Request rq[2];
+        };
+        std::deque<Posted> posted;  // deque: posted requests keep their address
+        size_t next = 0;
+        auto post = [&](size_t buffer) {
+          Posted& p = posted.emplace_back();
+          p.buffer = buffer;
+          MPI_Irecv(&p.header, sizeof(WireHeader), MPI_BYTE, r, kTagChunkHeader, MPI_COMM_WORLD, &p.rq[0]);
+          MPI_Irecv(ring.data(buffer), static_cast<int>(chunk), MPI_BYTE, r, kTagChunkData, MPI_COMM_WORLD, &p.rq[1]);
+          ++next;
+        };
+        for (size_t i = 0; i < nchunks; ++i) {
+          if (posted.empty()) post(ring.acquire());
+          while (next < nchunks && posted.size() < depth) {
+            auto b = ring.try_acquire();
+            if (!b) break;
+            post(*b);
+          }
+          Posted& p = posted.front();
+          MPI_Status status[2];
+          quiet_waitall(2, p.rq, status, kReceiver);
+          int got = 0;
+          MPI_Get_count(&status[1], MPI_BYTE, &got);
+          const WireHeader h = p.header;
+          const size_t buffer = p.buffer;
+          posted.pop_front();
+          if (static_cast<uint64_t>(got) != h.length) {
+            abort_job(fmt::format("chunk from {}: header says {} bytes but {} arrived", peer, h.length, got));
+          }
+          fold({h.layout_hash, h.offset, h.length, h.checksum}, buffer);
+        }
       }
       worker.push([update]() { return update->commit(); });
       m.clients++;
@@ -448,10 +605,11 @@ Status run_server(const ExperimentConfig& cfg, int world, const std::string& dir
   summary["baseline_rss_bytes"] = baseline;
   summary["peak_rss_bytes"] = std::max(st.sampler.peak_rss(), read_peak_rss_bytes());
   summary["sum_in_place"] = agg->sums_in_place();
+  summary["chunk_path"] = shm.enabled() ? "shared_ring" : "point_to_point";
   return write_text_file(dir + "/summary.json", summary.dump(2) + "\n");
 }
 
-Status run_client_rank(const ExperimentConfig& cfg, int rank, const std::string& dir) {
+Status run_client_rank(const ExperimentConfig& cfg, int rank, const std::string& dir, const SharedRing& shm) {
   RankState st(fmt::format("rank_{}", rank), cfg.memory.sample_interval_ms, dir);
   st.sampler.mark(0, "setup");
   const int64_t baseline = read_rss_bytes();
@@ -492,51 +650,84 @@ Status run_client_rank(const ExperimentConfig& cfg, int rank, const std::string&
                             b.layout_hash, layout.hash()));
     }
     st.sampler.mark(b.round, "broadcast");
-    // Receives are posted `depth` chunks ahead, each straight into the arena
-    // at the offset and length this rank expects next: a peer's header can
-    // never steer bytes elsewhere (MPI refuses a longer message), and each
-    // chunk's header and xxh3 are checked before the model is used.
-    struct Incoming {
-      WireHeader header;
-      uint64_t offset, length;
-      MPI_Request rq[2];
-    };
-    std::deque<Incoming> incoming;
-    uint64_t next_offset = 0;
-    auto post = [&] {
-      Incoming& in = incoming.emplace_back();
-      in.offset = next_offset;
-      in.length = std::min<uint64_t>(chunk, layout.total_bytes() - next_offset);
-      MPI_Irecv(&in.header, sizeof(WireHeader), MPI_BYTE, 0, kTagChunkHeader, MPI_COMM_WORLD, &in.rq[0]);
-      MPI_Irecv(into.data() + in.offset, static_cast<int>(in.length), MPI_BYTE, 0, kTagChunkData, MPI_COMM_WORLD,
-                &in.rq[1]);
-      next_offset += in.length;
-    };
-    while (next_offset < layout.total_bytes() && incoming.size() < depth) post();
-    // This thread copies (single-copy receives move bytes in the receiver);
-    // a second one checks the chunks already in, so the two overlap.
+    // This thread copies (the receiver moves the bytes, through the ring or
+    // single-copy MPI); a second one checks the chunks already in, so the two
+    // overlap.
     OrderedWorker checker;
-    while (!incoming.empty()) {
-      if (Status e = checker.error(); !e.ok()) abort_job(e.message());
-      Incoming& in = incoming.front();
-      MPI_Status status[2];
-      quiet_waitall(2, in.rq, status, kReceiver);
-      int got = 0;
-      MPI_Get_count(&status[1], MPI_BYTE, &got);
-      const WireHeader& h = in.header;
-      if (h.layout_hash != layout.hash() || h.offset != in.offset || h.length != in.length ||
-          static_cast<uint64_t>(got) != in.length) {
-        abort_job(
-            fmt::format("rank {}: bad chunk from the server (offset {}, length {}, {} bytes; expected offset {}, "
-                        "length {})",
-                        rank, h.offset, h.length, got, in.offset, in.length));
+    if (shm.enabled()) {
+      // Through the ring: each header names the slot the chunk is in; the
+      // chunk is copied into the arena at the offset this rank expects next,
+      // the slot handed back, and the copy checked.
+      const size_t slots = shm.slots;
+      uint64_t next_offset = 0;
+      for (size_t i = 0; next_offset < layout.total_bytes(); ++i) {
+        WireSlotHeader h{};
+        MPI_Request rq;
+        MPI_Irecv(&h, sizeof h, MPI_BYTE, 0, kTagSlotHeader, MPI_COMM_WORLD, &rq);
+        quiet_waitall(1, &rq, MPI_STATUS_IGNORE, kReceiver);
+        const uint64_t len = std::min<uint64_t>(chunk, layout.total_bytes() - next_offset);
+        if (h.layout_hash != layout.hash() || h.offset != next_offset || h.length != len ||
+            h.slot != static_cast<int32_t>(i % slots)) {
+          abort_job(
+              fmt::format("rank {}: bad chunk from the server (slot {}, offset {}, length {}; expected slot {}, "
+                          "offset {}, length {})",
+                          rank, h.slot, h.offset, h.length, i % slots, next_offset, len));
+        }
+        shm.sync();
+        std::memcpy(into.data() + next_offset, shm.slot(static_cast<size_t>(h.slot)), len);
+        int32_t sl = h.slot;
+        MPI_Send(&sl, 1, MPI_INT32_T, 0, kTagSlotDone, MPI_COMM_WORLD);
+        checker.push([&into, rank, off = next_offset, len, sum = h.checksum]() -> Status {
+          if (chunk_checksum(into.bytes(off, len)) == sum) return Status::Ok();
+          return data_loss("rank {}: chunk [{}, {}) from the server failed its checksum", rank, off, off + len);
+        });
+        if (Status e = checker.error(); !e.ok()) abort_job(e.message());
+        next_offset += len;
       }
-      checker.push([&into, rank, off = in.offset, len = in.length, sum = h.checksum]() -> Status {
-        if (chunk_checksum(into.bytes(off, len)) == sum) return Status::Ok();
-        return data_loss("rank {}: chunk [{}, {}) from the server failed its checksum", rank, off, off + len);
-      });
-      incoming.pop_front();
+    } else {
+      // Receives are posted `depth` chunks ahead, each straight into the arena
+      // at the offset and length this rank expects next: a peer's header can
+      // never steer bytes elsewhere (MPI refuses a longer message), and each
+      // chunk's header and xxh3 are checked before the model is used.
+      struct Incoming {
+        WireHeader header;
+        uint64_t offset, length;
+        MPI_Request rq[2];
+      };
+      std::deque<Incoming> incoming;
+      uint64_t next_offset = 0;
+      auto post = [&] {
+        Incoming& in = incoming.emplace_back();
+        in.offset = next_offset;
+        in.length = std::min<uint64_t>(chunk, layout.total_bytes() - next_offset);
+        MPI_Irecv(&in.header, sizeof(WireHeader), MPI_BYTE, 0, kTagChunkHeader, MPI_COMM_WORLD, &in.rq[0]);
+        MPI_Irecv(into.data() + in.offset, static_cast<int>(in.length), MPI_BYTE, 0, kTagChunkData, MPI_COMM_WORLD,
+                  &in.rq[1]);
+        next_offset += in.length;
+      };
       while (next_offset < layout.total_bytes() && incoming.size() < depth) post();
+      while (!incoming.empty()) {
+        if (Status e = checker.error(); !e.ok()) abort_job(e.message());
+        Incoming& in = incoming.front();
+        MPI_Status status[2];
+        quiet_waitall(2, in.rq, status, kReceiver);
+        int got = 0;
+        MPI_Get_count(&status[1], MPI_BYTE, &got);
+        const WireHeader& h = in.header;
+        if (h.layout_hash != layout.hash() || h.offset != in.offset || h.length != in.length ||
+            static_cast<uint64_t>(got) != in.length) {
+          abort_job(
+              fmt::format("rank {}: bad chunk from the server (offset {}, length {}, {} bytes; expected offset {}, "
+                          "length {})",
+                          rank, h.offset, h.length, got, in.offset, in.length));
+        }
+        checker.push([&into, rank, off = in.offset, len = in.length, sum = h.checksum]() -> Status {
+          if (chunk_checksum(into.bytes(off, len)) == sum) return Status::Ok();
+          return data_loss("rank {}: chunk [{}, {}) from the server failed its checksum", rank, off, off + len);
+        });
+        incoming.pop_front();
+        while (next_offset < layout.total_bytes() && incoming.size() < depth) post();
+      }
     }
     if (Status e = checker.drain(); !e.ok()) abort_job(e.message());  // no byte is used before this
     int32_t ok = 1;
@@ -554,26 +745,45 @@ Status run_client_rank(const ExperimentConfig& cfg, int rank, const std::string&
       st.sampler.mark(b.round, "upload");
       WireUpdateMeta md{b.round, c, update_sample_count(cfg, part), tr.train_loss, tr.val_accuracy};
       MPI_Send(&md, sizeof md, MPI_BYTE, 0, kTagUpdateMeta, MPI_COMM_WORLD);
-      // Up to `depth` chunks in flight, sent from the arena; the next
-      // chunk's checksum is taken while the server pulls the previous ones.
-      struct Outgoing {
-        WireHeader header;
-        MPI_Request rq[2];
-      };
-      std::deque<Outgoing> outgoing;
-      for (size_t off = 0; off < layout.total_bytes(); off += chunk) {
-        if (outgoing.size() == depth) {
-          quiet_waitall(2, outgoing.front().rq, MPI_STATUSES_IGNORE, kSender);
-          outgoing.pop_front();
+      if (shm.enabled()) {
+        // Through the ring: fill each slot the server lends, in the order
+        // lent, and say which chunk is in it.
+        for (size_t off = 0; off < layout.total_bytes(); off += chunk) {
+          int32_t sl = -1;
+          MPI_Request rq;
+          MPI_Irecv(&sl, 1, MPI_INT32_T, 0, kTagSlotGrant, MPI_COMM_WORLD, &rq);
+          quiet_waitall(1, &rq, MPI_STATUS_IGNORE, kReceiver);
+          if (sl < 0 || static_cast<size_t>(sl) >= shm.slots) {
+            abort_job(fmt::format("rank {}: the server lent slot {} of {}", rank, sl, shm.slots));
+          }
+          const size_t len = std::min(chunk, layout.total_bytes() - off);
+          std::memcpy(shm.slot(static_cast<size_t>(sl)), model.arena().data() + off, len);
+          shm.sync();
+          WireSlotHeader h{layout.hash(), off, len, chunk_checksum(model.arena().bytes(off, len)), sl, 0};
+          MPI_Send(&h, sizeof h, MPI_BYTE, 0, kTagSlotHeader, MPI_COMM_WORLD);
         }
-        const size_t len = std::min(chunk, layout.total_bytes() - off);
-        auto bytes = model.arena().bytes(off, len);
-        Outgoing& o = outgoing.emplace_back();
-        o.header = {layout.hash(), off, len, chunk_checksum(bytes)};
-        MPI_Isend(&o.header, sizeof o.header, MPI_BYTE, 0, kTagChunkHeader, MPI_COMM_WORLD, &o.rq[0]);
-        MPI_Isend(bytes.data(), static_cast<int>(len), MPI_BYTE, 0, kTagChunkData, MPI_COMM_WORLD, &o.rq[1]);
+      } else {
+        // Up to `depth` chunks in flight, sent from the arena; the next
+        // chunk's checksum is taken while the server pulls the previous ones.
+        struct Outgoing {
+          WireHeader header;
+          MPI_Request rq[2];
+        };
+        std::deque<Outgoing> outgoing;
+        for (size_t off = 0; off < layout.total_bytes(); off += chunk) {
+          if (outgoing.size() == depth) {
+            quiet_waitall(2, outgoing.front().rq, MPI_STATUSES_IGNORE, kSender);
+            outgoing.pop_front();
+          }
+          const size_t len = std::min(chunk, layout.total_bytes() - off);
+          auto bytes = model.arena().bytes(off, len);
+          Outgoing& o = outgoing.emplace_back();
+          o.header = {layout.hash(), off, len, chunk_checksum(bytes)};
+          MPI_Isend(&o.header, sizeof o.header, MPI_BYTE, 0, kTagChunkHeader, MPI_COMM_WORLD, &o.rq[0]);
+          MPI_Isend(bytes.data(), static_cast<int>(len), MPI_BYTE, 0, kTagChunkData, MPI_COMM_WORLD, &o.rq[1]);
+        }
+        for (Outgoing& o : outgoing) quiet_waitall(2, o.rq, MPI_STATUSES_IGNORE, kSender);
       }
-      for (Outgoing& o : outgoing) quiet_waitall(2, o.rq, MPI_STATUSES_IGNORE, kSender);
     }
     st.sampler.mark(b.round, "idle");
     // Fault injection for the tests (MEMFL_FAULT=die_after_round_1 on rank
@@ -638,8 +848,10 @@ Status run_mpi(int* argc, char*** argv, const ExperimentConfig& cfg_in, const Mp
   std::error_code ec;
   fs::create_directories(dir, ec);
   MEMFL_RETURN_IF_ERROR(write_text_file(dir + "/config.yaml", cfg.resolved_yaml));
-  Status s = rank == 0 ? run_server(cfg, world, dir, opts.progress) : run_client_rank(cfg, rank, dir);
+  SharedRing shm = open_shared_ring(cfg, rank);
+  Status s = rank == 0 ? run_server(cfg, world, dir, opts.progress, shm) : run_client_rank(cfg, rank, dir, shm);
   if (!s.ok()) abort_job(fmt::format("rank {}: {}", rank, s.message()));
+  close_shared_ring(shm);
   MPI_Finalize();
   return s;
 }
