@@ -241,3 +241,19 @@ TEST(ChunkChecksum, EqualsTheLibraryAtEveryLengthAndSplit) {
     EXPECT_EQ(memfl::chunk_checksum(memfl::Payload(pieces, 3)), expected) << "length " << whole.size() << " in pieces";
   }
 }
+
+// copy_with_checksum copies exactly and hashes the side it is asked to,
+// across block boundaries (32 KiB) and for lengths that are not multiples.
+TEST(ChunkChecksum, CopyWithChecksumHashesTheNamedSide) {
+  std::vector<std::byte> src(200 * 1024 + 77), dst(src.size()), before(src.size());
+  for (size_t i = 0; i < src.size(); ++i) src[i] = static_cast<std::byte>((i * 131 + 7) % 251);
+  for (size_t n : {size_t{0}, size_t{1}, size_t{32 * 1024}, size_t{32 * 1024 + 1}, src.size()}) {
+    std::fill(dst.begin(), dst.end(), std::byte{0xAB});
+    const uint64_t s = memfl::copy_with_checksum(dst.data(), src.data(), n, memfl::ChecksumSide::kSource);
+    EXPECT_EQ(s, XXH3_64bits(src.data(), n)) << n;
+    EXPECT_EQ(std::memcmp(dst.data(), src.data(), n), 0) << n;
+    EXPECT_EQ(dst[n < dst.size() ? n : 0], n < dst.size() ? std::byte{0xAB} : src[0]) << "nothing past n is written";
+    const uint64_t d = memfl::copy_with_checksum(dst.data(), src.data(), n, memfl::ChecksumSide::kDestination);
+    EXPECT_EQ(d, s) << n;
+  }
+}

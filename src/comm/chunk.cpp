@@ -9,6 +9,7 @@
 #if defined(MEMFL_HAVE_XXH3_AVX2)
 extern "C" uint64_t memfl_xxh3_avx2(const void* data, size_t size);
 extern "C" uint64_t memfl_xxh3_avx2_pieces(const void* const* data, const size_t* sizes, size_t count);
+extern "C" uint64_t memfl_copy_xxh3_avx2(void* dst, const void* src, size_t n, int hash_dst);
 #endif
 
 namespace memfl {
@@ -43,6 +44,22 @@ uint64_t chunk_checksum(Payload payload) {
   XXH3_INITSTATE(&state);
   XXH3_64bits_reset(&state);
   for (auto part : payload) XXH3_64bits_update(&state, part.data(), part.size());
+  return XXH3_64bits_digest(&state);
+}
+
+uint64_t copy_with_checksum(std::byte* dst, const std::byte* src, size_t n, ChecksumSide side) {
+#if defined(MEMFL_HAVE_XXH3_AVX2)
+  if (kAvx2) return memfl_copy_xxh3_avx2(dst, src, n, side == ChecksumSide::kDestination ? 1 : 0);
+#endif
+  constexpr size_t kBlock = 32 * 1024;  // the hash reads what the copy just brought into L1
+  XXH3_state_t state;
+  XXH3_INITSTATE(&state);
+  XXH3_64bits_reset(&state);
+  for (size_t off = 0; off < n; off += kBlock) {
+    const size_t len = std::min(kBlock, n - off);
+    std::memcpy(dst + off, src + off, len);
+    XXH3_64bits_update(&state, (side == ChecksumSide::kDestination ? dst : src) + off, len);
+  }
   return XXH3_64bits_digest(&state);
 }
 

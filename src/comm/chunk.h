@@ -34,6 +34,13 @@ uint64_t chunk_checksum(std::span<const std::byte> payload);
 uint64_t chunk_checksum(Payload payload);
 size_t payload_size(Payload payload);
 
+// Copies n bytes from src to dst and returns chunk_checksum of the side
+// named: the one only this process can write, so that the bytes checked
+// are the bytes kept (a shared-memory peer may change the other side).
+// One pass: the hash reads each block right after the copy moved it.
+enum class ChecksumSide { kSource, kDestination };
+uint64_t copy_with_checksum(std::byte* dst, const std::byte* src, size_t n, ChecksumSide side);
+
 // Checks a chunk from `peer` against the layout it must belong to and the
 // offset the stream is at (chunks of one stream arrive in order; a gap, an
 // overlap or a repeat is an error). Messages name the peer.

@@ -397,10 +397,10 @@ Status run_server(const ExperimentConfig& cfg, int world, const std::string& dir
         if (!reqs.empty()) quiet_waitall(static_cast<int>(reqs.size()), reqs.data(), MPI_STATUSES_IGNORE, kReceiver);
         reqs.clear();
         const size_t off = i * chunk, len = std::min(chunk, layout.total_bytes() - off);
-        std::memcpy(shm.slot(sl), model.arena().data() + off, len);
+        const uint64_t sum = copy_with_checksum(shm.slot(sl), model.arena().data() + off, len, ChecksumSide::kSource);
         shm.sync();
         WireSlotHeader& h = headers[sl];
-        h = {layout.hash(), off, len, chunk_checksum(model.arena().bytes(off, len)), static_cast<int32_t>(sl), 0};
+        h = {layout.hash(), off, len, sum, static_cast<int32_t>(sl), 0};
         for (size_t j = 0; j < ranks.size(); ++j) {
           reqs.emplace_back();
           MPI_Isend(&h, sizeof h, MPI_BYTE, ranks[j], kTagSlotHeader, MPI_COMM_WORLD, &reqs.back());
@@ -674,14 +674,14 @@ Status run_client_rank(const ExperimentConfig& cfg, int rank, const std::string&
                           rank, h.slot, h.offset, h.length, i % slots, next_offset, len));
         }
         shm.sync();
-        std::memcpy(into.data() + next_offset, shm.slot(static_cast<size_t>(h.slot)), len);
+        const uint64_t sum = copy_with_checksum(into.data() + next_offset, shm.slot(static_cast<size_t>(h.slot)), len,
+                                                ChecksumSide::kDestination);
         int32_t sl = h.slot;
         MPI_Send(&sl, 1, MPI_INT32_T, 0, kTagSlotDone, MPI_COMM_WORLD);
-        checker.push([&into, rank, off = next_offset, len, sum = h.checksum]() -> Status {
-          if (chunk_checksum(into.bytes(off, len)) == sum) return Status::Ok();
-          return data_loss("rank {}: chunk [{}, {}) from the server failed its checksum", rank, off, off + len);
-        });
-        if (Status e = checker.error(); !e.ok()) abort_job(e.message());
+        if (sum != h.checksum) {
+          abort_job(fmt::format("rank {}: chunk [{}, {}) from the server failed its checksum", rank, next_offset,
+                                next_offset + len));
+        }
         next_offset += len;
       }
     } else {
@@ -757,9 +757,10 @@ Status run_client_rank(const ExperimentConfig& cfg, int rank, const std::string&
             abort_job(fmt::format("rank {}: the server lent slot {} of {}", rank, sl, shm.slots));
           }
           const size_t len = std::min(chunk, layout.total_bytes() - off);
-          std::memcpy(shm.slot(static_cast<size_t>(sl)), model.arena().data() + off, len);
+          const uint64_t sum = copy_with_checksum(shm.slot(static_cast<size_t>(sl)), model.arena().data() + off, len,
+                                                  ChecksumSide::kSource);
           shm.sync();
-          WireSlotHeader h{layout.hash(), off, len, chunk_checksum(model.arena().bytes(off, len)), sl, 0};
+          WireSlotHeader h{layout.hash(), off, len, sum, sl, 0};
           MPI_Send(&h, sizeof h, MPI_BYTE, 0, kTagSlotHeader, MPI_COMM_WORLD);
         }
       } else {
