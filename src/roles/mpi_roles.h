@@ -9,8 +9,11 @@
 // messages: a header message (layout hash, offset, length, xxh3), then the
 // bytes, sent from the arena and received straight into the destination
 // arena (downloads) or a small ring folded into the running sum by a worker
-// thread (uploads), several chunks in flight each way. MPI counts are ints:
-// chunking is what lets models above 2 GiB pass.
+// thread (uploads), several chunks in flight each way. When every rank
+// shares the server's node, the bytes pass through a shared-memory ring of
+// chunk slots (an MPI-3 window) instead and only the headers are messages
+// (`server_configs.mpi_shared_memory`). MPI counts are ints: chunking is what
+// lets models above 2 GiB pass.
 //
 // A dead rank ends the job: MPI's default error handler aborts every rank
 // (mpirun names the rank that failed). The server's checkpoint is written
