@@ -47,6 +47,7 @@ bench: build
 	bash bench/memory_scaling.sh $(BUILD) > $(BUILD)/bench_memory.json
 	bash bench/transfer_sweep.sh $(BUILD) > $(BUILD)/bench_transfer.json
 	TRANSPORT=mpi MODES=streaming SIZES="256 1024 2560 4096" bash bench/transfer_sweep.sh $(BUILD) > $(BUILD)/bench_transfer_mpi.json
+	bash bench/mpi_raw.sh $(BUILD)/mpi_raw > $(BUILD)/bench_mpi_raw.json
 	bash bench/profile_overhead.sh $(BUILD) 2 > $(BUILD)/bench_profile_overhead.json
 	bash bench/simulation.sh $(BUILD) 100 100 1000 > $(BUILD)/bench_simulation.json
 	./$(BUILD)/memfl bench dp --model llama-dp-tiny --seq 64,128 --batch 2 --json $(BUILD)/bench_dp.json

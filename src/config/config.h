@@ -105,7 +105,7 @@ struct ServerConfig {
   int connect_timeout_s = 30;
   int clients_per_rank = 1;
   bool mpi_shared_memory = true;  // MPI on one node: chunks through a shared-memory ring
-  int parallel_clients = 1;  // in-process worker replicas (K); -1 = as many as memory_budget allows
+  int parallel_clients = 1;       // in-process worker replicas (K); -1 = as many as memory_budget allows
   std::string memory_budget = "80%";
   std::string client_selection = "random";  // see `memfl list-methods`
   int power_of_choice_d = 0;
