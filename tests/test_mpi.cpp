@@ -31,13 +31,21 @@ constexpr const char* kCnn =
     " --set client_configs.train_configs.num_threads=1"
     " --set server_configs.comm_configs.grpc_configs.model_chunk_size=65536";
 
-TEST(Mpi, ThreeRanksEqualTheInProcessRunBitForBit) {
-  testing::TempDir tmp;
-  Result m = mpirun(3, std::string(kCnn) + " --out " + tmp.file("mpi"));
+// Runs the CNN on 3 ranks (with `mpi_args`) and in process with `clients`
+// clients; the global models must be the same bit for bit.
+void expect_mpi_equals_in_process(testing::TempDir& tmp, const std::string& mpi_args, int clients) {
+  Result m = mpirun(3, std::string(kCnn) + mpi_args + " --out " + tmp.file("mpi"));
   ASSERT_EQ(m.exit_code, 0) << m.output;
-  Result r = memfl_cli(std::string("run") + kCnn + " --set server_configs.num_clients=2 --out " + tmp.file("inproc"));
+  Result r = memfl_cli(std::string("run") + kCnn + " --set server_configs.num_clients=" + std::to_string(clients) +
+                       " --out " + tmp.file("inproc"));
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_TRUE(same_model(tmp.file("inproc/global_model.safetensors"), tmp.file("mpi/rank_0/global_model.safetensors")));
+}
+
+TEST(Mpi, ThreeRanksEqualTheInProcessRunBitForBit) {
+  testing::TempDir tmp;
+  expect_mpi_equals_in_process(tmp, "", 2);
+  if (HasFatalFailure()) return;
   for (const char* rank : {"rank_0", "rank_1", "rank_2"}) {
     EXPECT_TRUE(std::filesystem::exists(tmp.file(std::string("mpi/") + rank + "/memory.json"))) << rank;
   }
@@ -54,11 +62,8 @@ TEST(Mpi, ThreeRanksEqualTheInProcessRunBitForBit) {
 
 TEST(Mpi, SeveralVirtualClientsPerRank) {
   testing::TempDir tmp;
-  Result m = mpirun(3, std::string(kCnn) + " --set server_configs.clients_per_rank=3 --out " + tmp.file("mpi"));
-  ASSERT_EQ(m.exit_code, 0) << m.output;
-  Result r = memfl_cli(std::string("run") + kCnn + " --set server_configs.num_clients=6 --out " + tmp.file("inproc"));
-  ASSERT_EQ(r.exit_code, 0) << r.output;
-  EXPECT_TRUE(same_model(tmp.file("inproc/global_model.safetensors"), tmp.file("mpi/rank_0/global_model.safetensors")));
+  expect_mpi_equals_in_process(tmp, " --set server_configs.clients_per_rank=3", 6);
+  if (HasFatalFailure()) return;
   auto metrics = read_csv(tmp.file("mpi/rank_0/metrics.csv"));
   ASSERT_EQ(metrics.size(), 3u);
   EXPECT_EQ(metrics[1][1], "6") << "2 ranks × 3 virtual clients";
@@ -87,11 +92,7 @@ TEST(Mpi, ADeadRankEndsTheJobAndTheCheckpointSurvives) {
 // every rank is on the server's node, as here) and as point-to-point messages.
 TEST(Mpi, PointToPointChunksEqualTheInProcessRunBitForBit) {
   testing::TempDir tmp;
-  Result m = mpirun(3, std::string(kCnn) + " --set server_configs.mpi_shared_memory=false --out " + tmp.file("mpi"));
-  ASSERT_EQ(m.exit_code, 0) << m.output;
-  Result r = memfl_cli(std::string("run") + kCnn + " --set server_configs.num_clients=2 --out " + tmp.file("inproc"));
-  ASSERT_EQ(r.exit_code, 0) << r.output;
-  EXPECT_TRUE(same_model(tmp.file("inproc/global_model.safetensors"), tmp.file("mpi/rank_0/global_model.safetensors")));
+  expect_mpi_equals_in_process(tmp, " --set server_configs.mpi_shared_memory=false", 2);
 }
 
 class MpiChunks : public ::testing::TestWithParam<std::tuple<int64_t, bool>> {};
