@@ -93,20 +93,16 @@ constexpr WaitStyle kIdle{100, 1000};      // waiting for a round, a client's tr
 constexpr WaitStyle kReceiver{2000, 200};  // a chunk stream's receiving side: this rank copies
 constexpr WaitStyle kSender{0, 200};       // a chunk stream's sending side: chunks are posted ahead
 
-// `between`, if given, runs between tests (the server lends freed slots).
-void quiet_waitall(int n, MPI_Request* reqs, MPI_Status* statuses, WaitStyle style,
-                   const std::function<void()>& between = {}) {
+void quiet_waitall(int n, MPI_Request* reqs, MPI_Status* statuses, WaitStyle style) {
   int done = 0;
   for (int i = 0; i < 32; ++i) {
     MPI_Testall(n, reqs, &done, statuses);
     if (done) return;
-    if (between) between();
   }
   const auto yield_until = Clock::now() + std::chrono::microseconds(style.yield_us);
   for (int sleep_us = 5;;) {
     MPI_Testall(n, reqs, &done, statuses);
     if (done) return;
-    if (between) between();
     if (Clock::now() < yield_until) {
       std::this_thread::yield();
     } else {
@@ -331,6 +327,358 @@ struct RankState {
   }
 };
 
+// The server's chunk streams of a round, through the shared-memory ring or
+// point to point. A peer's bad bytes end the job (abort_job names the peer
+// and the check that failed).
+class ServerStreams {
+ public:
+  // `model` is read at each broadcast: a file-backed global model is
+  // mapped afresh every round.
+  ServerStreams(const Layout& layout, LocalModel& model, size_t chunk, const SharedRing& shm)
+      : layout_(layout),
+        model_(model),
+        chunk_(chunk),
+        nchunks_((layout.total_bytes() + chunk - 1) / chunk),
+        depth_(chunks_in_flight(chunk)),
+        shm_(shm),
+        ring_(depth_, shm.enabled() ? 0 : chunk) {}
+
+  // Sends the global model to every rank in `ranks` at once.
+  void broadcast(const std::vector<int>& ranks) {
+    if (shm_.enabled()) {
+      broadcast_through_ring(ranks);
+    } else {
+      broadcast_point_to_point(ranks);
+    }
+  }
+
+  // Receives rank `r`'s update into `update` and commits it (in the order
+  // of the calls); returns the bytes received.
+  uint64_t receive_update(int r, const std::string& peer, const std::shared_ptr<UpdateStream>& update) {
+    if (shm_.enabled()) {
+      receive_through_ring(r, peer, *update);
+      if (Status s = update->commit(); !s.ok()) abort_job(s.message());
+    } else {
+      receive_point_to_point(r, peer, update);
+      worker_.push([update] { return update->commit(); });
+    }
+    return layout_.total_bytes();
+  }
+
+  // Returns once every update received is folded and committed.
+  void drain() {
+    if (Status e = worker_.drain(); !e.ok()) abort_job(e.message());
+  }
+
+ private:
+  size_t length(size_t i) const { return std::min(chunk_, layout_.total_bytes() - i * chunk_); }
+
+  // Chunk i goes to slot i mod slots once every rank that read the slot's
+  // last chunk said so; the header names the slot. One pass copies the
+  // chunk and takes its xxh3.
+  void broadcast_through_ring(const std::vector<int>& ranks) {
+    const size_t slots = shm_.slots;
+    std::vector<WireSlotHeader> headers(slots);
+    std::vector<int32_t> done(slots * ranks.size());
+    std::vector<std::vector<MPI_Request>> in_use(slots);
+    auto settle = [](std::vector<MPI_Request>& reqs) {
+      if (!reqs.empty()) quiet_waitall(static_cast<int>(reqs.size()), reqs.data(), MPI_STATUSES_IGNORE, kReceiver);
+      reqs.clear();
+    };
+    for (size_t i = 0; i < nchunks_; ++i) {
+      const size_t sl = i % slots, off = i * chunk_, len = length(i);
+      auto& reqs = in_use[sl];
+      settle(reqs);
+      const uint64_t sum = copy_with_checksum(shm_.slot(sl), model_.arena().data() + off, len, ChecksumSide::kSource);
+      shm_.sync();
+      WireSlotHeader& h = headers[sl];
+      h = {layout_.hash(), off, len, sum, static_cast<int32_t>(sl), 0};
+      for (size_t j = 0; j < ranks.size(); ++j) {
+        reqs.emplace_back();
+        MPI_Isend(&h, sizeof h, MPI_BYTE, ranks[j], kTagSlotHeader, MPI_COMM_WORLD, &reqs.back());
+        reqs.emplace_back();
+        MPI_Irecv(&done[sl * ranks.size() + j], 1, MPI_INT32_T, ranks[j], kTagSlotDone, MPI_COMM_WORLD, &reqs.back());
+      }
+    }
+    for (auto& reqs : in_use) settle(reqs);
+  }
+
+  // Up to `depth` chunks in flight, each sent to every participating rank
+  // at once; the next chunk's checksum is taken while they move.
+  void broadcast_point_to_point(const std::vector<int>& ranks) {
+    std::vector<WireHeader> headers(depth_);
+    std::vector<std::vector<MPI_Request>> in_flight(depth_);
+    auto settle = [](std::vector<MPI_Request>& reqs) {
+      if (!reqs.empty()) quiet_waitall(static_cast<int>(reqs.size()), reqs.data(), MPI_STATUSES_IGNORE, kSender);
+      reqs.clear();
+    };
+    for (size_t i = 0; i < nchunks_; ++i) {
+      auto& reqs = in_flight[i % depth_];
+      settle(reqs);  // the slot's header and bytes are free again
+      const size_t off = i * chunk_, len = length(i);
+      auto bytes = model_.arena().bytes(off, len);
+      WireHeader& h = headers[i % depth_];
+      h = {layout_.hash(), off, len, chunk_checksum(bytes)};
+      for (int r : ranks) {
+        reqs.emplace_back();
+        MPI_Isend(&h, sizeof h, MPI_BYTE, r, kTagChunkHeader, MPI_COMM_WORLD, &reqs.back());
+        reqs.emplace_back();
+        MPI_Isend(bytes.data(), static_cast<int>(len), MPI_BYTE, r, kTagChunkData, MPI_COMM_WORLD, &reqs.back());
+      }
+    }
+    for (auto& reqs : in_flight) settle(reqs);
+  }
+
+  // The server lends the client the slots, the client fills them in the
+  // order lent and names each in a header; this thread checks the chunk in
+  // the slot (offset, length, slot here; layout and xxh3 in accept) and
+  // folds it from there, then lends the slot again: a client gets a slot
+  // back only once its fold is done. (A client that wrote into a slot it no
+  // longer holds could change bytes after their check — but such a peer
+  // could as well have sent those bytes with their checksum: the checksum
+  // guards the transfer, not the sender's intent. Downloads copy first.)
+  // The fold runs here, not on the worker: the client copies while this
+  // thread folds, one busy thread per process; a third shared a core with
+  // one of them on this 2-core machine (measured: half the rounds at half
+  // the speed).
+  void receive_through_ring(int r, const std::string& peer, UpdateStream& update) {
+    std::deque<int32_t> lent;
+    auto lend = [&](int32_t sl) {
+      MPI_Send(&sl, 1, MPI_INT32_T, r, kTagSlotGrant, MPI_COMM_WORLD);
+      lent.push_back(sl);
+    };
+    for (size_t sl = 0; sl < std::min(shm_.slots, nchunks_); ++sl) lend(static_cast<int32_t>(sl));
+    for (size_t i = 0; i < nchunks_; ++i) {
+      WireSlotHeader h{};
+      MPI_Request rq;
+      MPI_Irecv(&h, sizeof h, MPI_BYTE, r, kTagSlotHeader, MPI_COMM_WORLD, &rq);
+      quiet_waitall(1, &rq, MPI_STATUS_IGNORE, kReceiver);
+      const size_t off = i * chunk_, len = length(i);
+      if (h.slot != lent.front() || h.offset != off || h.length != len) {
+        abort_job(fmt::format("chunk from {}: slot {} [{}, +{}); expected slot {} [{}, +{})", peer, h.slot, h.offset,
+                              h.length, lent.front(), off, len));
+      }
+      lent.pop_front();
+      shm_.sync();
+      Status folded = update.accept({h.layout_hash, h.offset, h.length, h.checksum},
+                                    std::span<const std::byte>(shm_.slot(static_cast<size_t>(h.slot)), h.length));
+      if (!folded.ok()) abort_job(folded.message());
+      if (i + shm_.slots < nchunks_) lend(h.slot);
+    }
+  }
+
+  // Receives into the ring of buffers, up to `depth` chunks ahead; each
+  // arrived chunk goes to the fold worker, which checks it (length, offset,
+  // layout, xxh3) before a byte of it is folded and hands its buffer back.
+  // Over MPI's shared memory this thread does the receive's copy (CMA), so
+  // the copy and the fold each get a core.
+  void receive_point_to_point(int r, const std::string& peer, const std::shared_ptr<UpdateStream>& update) {
+    struct Posted {
+      size_t buffer;
+      WireHeader header;
+      MPI_Request rq[2];
+    };
+    std::deque<Posted> posted;  // deque: posted requests keep their address
+    size_t next = 0;
+    auto post = [&](size_t buffer) {
+      Posted& p = posted.emplace_back();
+      p.buffer = buffer;
+      MPI_Irecv(&p.header, sizeof(WireHeader), MPI_BYTE, r, kTagChunkHeader, MPI_COMM_WORLD, &p.rq[0]);
+      MPI_Irecv(ring_.data(buffer), static_cast<int>(chunk_), MPI_BYTE, r, kTagChunkData, MPI_COMM_WORLD, &p.rq[1]);
+      ++next;
+    };
+    for (size_t i = 0; i < nchunks_; ++i) {
+      if (posted.empty()) post(ring_.acquire());
+      while (next < nchunks_ && posted.size() < depth_) {
+        auto b = ring_.try_acquire();
+        if (!b) break;
+        post(*b);
+      }
+      Posted& p = posted.front();
+      MPI_Status status[2];
+      quiet_waitall(2, p.rq, status, kReceiver);
+      int got = 0;
+      MPI_Get_count(&status[1], MPI_BYTE, &got);
+      const ChunkHeader h{p.header.layout_hash, p.header.offset, p.header.length, p.header.checksum};
+      const size_t buffer = p.buffer;
+      posted.pop_front();
+      if (static_cast<uint64_t>(got) != h.length) {
+        abort_job(fmt::format("chunk from {}: header says {} bytes but {} arrived", peer, h.length, got));
+      }
+      worker_.push([this, update, h, buffer]() {
+        Status s = update->accept(h, std::span<const std::byte>(ring_.data(buffer), h.length));
+        ring_.release(buffer);
+        return s;
+      });
+      if (Status e = worker_.error(); !e.ok()) abort_job(e.message());
+    }
+  }
+
+  const Layout& layout_;
+  LocalModel& model_;
+  const size_t chunk_, nchunks_, depth_;
+  const SharedRing& shm_;
+  BufferRing ring_;       // point to point: received chunks waiting for the fold worker
+  OrderedWorker worker_;  // point to point: checks and folds while the MPI thread receives
+};
+
+// A client rank's chunk streams: the global model in, each update out.
+class ClientStreams {
+ public:
+  ClientStreams(const Layout& layout, size_t chunk, const SharedRing& shm, int rank)
+      : layout_(layout), chunk_(chunk), depth_(chunks_in_flight(chunk)), shm_(shm), rank_(rank) {}
+
+  // Receives the global model into `into`; returns once every chunk passed
+  // its checks (the model is not used before).
+  void receive_model(Arena& into) {
+    if (shm_.enabled()) {
+      receive_through_ring(into);
+    } else {
+      receive_point_to_point(into);
+    }
+  }
+
+  // Sends the update in `model` (after its WireUpdateMeta).
+  void send_update(Arena& model) {
+    if (shm_.enabled()) {
+      send_through_ring(model);
+    } else {
+      send_point_to_point(model);
+    }
+  }
+
+ private:
+  uint64_t length_at(uint64_t offset) const { return std::min<uint64_t>(chunk_, layout_.total_bytes() - offset); }
+
+  // Each header names the slot the chunk is in; the chunk is copied into
+  // the arena at the offset this rank expects next, the slot handed back,
+  // and the copy — memory only this rank writes — checked, in the same pass.
+  void receive_through_ring(Arena& into) {
+    const size_t slots = shm_.slots;
+    uint64_t next_offset = 0;
+    for (size_t i = 0; next_offset < layout_.total_bytes(); ++i) {
+      WireSlotHeader h{};
+      MPI_Request rq;
+      MPI_Irecv(&h, sizeof h, MPI_BYTE, 0, kTagSlotHeader, MPI_COMM_WORLD, &rq);
+      quiet_waitall(1, &rq, MPI_STATUS_IGNORE, kReceiver);
+      const uint64_t len = length_at(next_offset);
+      if (h.layout_hash != layout_.hash() || h.offset != next_offset || h.length != len ||
+          h.slot != static_cast<int32_t>(i % slots)) {
+        abort_job(
+            fmt::format("rank {}: bad chunk from the server (slot {}, offset {}, length {}; expected slot {}, offset "
+                        "{}, length {})",
+                        rank_, h.slot, h.offset, h.length, i % slots, next_offset, len));
+      }
+      shm_.sync();
+      const uint64_t sum = copy_with_checksum(into.data() + next_offset, shm_.slot(static_cast<size_t>(h.slot)), len,
+                                              ChecksumSide::kDestination);
+      int32_t sl = h.slot;
+      MPI_Send(&sl, 1, MPI_INT32_T, 0, kTagSlotDone, MPI_COMM_WORLD);
+      if (sum != h.checksum) {
+        abort_job(fmt::format("rank {}: chunk [{}, {}) from the server failed its checksum", rank_, next_offset,
+                              next_offset + len));
+      }
+      next_offset += len;
+    }
+  }
+
+  // Receives are posted `depth` chunks ahead, each straight into the arena
+  // at the offset and length this rank expects next: a peer's header can
+  // never steer bytes elsewhere (MPI refuses a longer message). This thread
+  // does the receives' copy (CMA); a second one checks each chunk's xxh3,
+  // so the two overlap.
+  void receive_point_to_point(Arena& into) {
+    OrderedWorker checker;
+    struct Incoming {
+      WireHeader header;
+      uint64_t offset, length;
+      MPI_Request rq[2];
+    };
+    std::deque<Incoming> incoming;
+    uint64_t next_offset = 0;
+    auto post = [&] {
+      Incoming& in = incoming.emplace_back();
+      in.offset = next_offset;
+      in.length = length_at(next_offset);
+      MPI_Irecv(&in.header, sizeof(WireHeader), MPI_BYTE, 0, kTagChunkHeader, MPI_COMM_WORLD, &in.rq[0]);
+      MPI_Irecv(into.data() + in.offset, static_cast<int>(in.length), MPI_BYTE, 0, kTagChunkData, MPI_COMM_WORLD,
+                &in.rq[1]);
+      next_offset += in.length;
+    };
+    while (next_offset < layout_.total_bytes() && incoming.size() < depth_) post();
+    while (!incoming.empty()) {
+      if (Status e = checker.error(); !e.ok()) abort_job(e.message());
+      Incoming& in = incoming.front();
+      MPI_Status status[2];
+      quiet_waitall(2, in.rq, status, kReceiver);
+      int got = 0;
+      MPI_Get_count(&status[1], MPI_BYTE, &got);
+      const WireHeader& h = in.header;
+      if (h.layout_hash != layout_.hash() || h.offset != in.offset || h.length != in.length ||
+          static_cast<uint64_t>(got) != in.length) {
+        abort_job(fmt::format(
+            "rank {}: bad chunk from the server (offset {}, length {}, {} bytes; expected offset {}, length {})", rank_,
+            h.offset, h.length, got, in.offset, in.length));
+      }
+      checker.push([&into, rank = rank_, off = in.offset, len = in.length, sum = h.checksum]() -> Status {
+        if (chunk_checksum(into.bytes(off, len)) == sum) return Status::Ok();
+        return data_loss("rank {}: chunk [{}, {}) from the server failed its checksum", rank, off, off + len);
+      });
+      incoming.pop_front();
+      while (next_offset < layout_.total_bytes() && incoming.size() < depth_) post();
+    }
+    if (Status e = checker.drain(); !e.ok()) abort_job(e.message());
+  }
+
+  // Fills each slot the server lends, in the order lent (copy and xxh3 of
+  // the arena in one pass), and says which chunk is in it.
+  void send_through_ring(Arena& model) {
+    for (uint64_t off = 0; off < layout_.total_bytes(); off += chunk_) {
+      int32_t sl = -1;
+      MPI_Request rq;
+      MPI_Irecv(&sl, 1, MPI_INT32_T, 0, kTagSlotGrant, MPI_COMM_WORLD, &rq);
+      quiet_waitall(1, &rq, MPI_STATUS_IGNORE, kReceiver);
+      if (sl < 0 || static_cast<size_t>(sl) >= shm_.slots) {
+        abort_job(fmt::format("rank {}: the server lent slot {} of {}", rank_, sl, shm_.slots));
+      }
+      const uint64_t len = length_at(off);
+      const uint64_t sum =
+          copy_with_checksum(shm_.slot(static_cast<size_t>(sl)), model.data() + off, len, ChecksumSide::kSource);
+      shm_.sync();
+      WireSlotHeader h{layout_.hash(), off, len, sum, sl, 0};
+      MPI_Send(&h, sizeof h, MPI_BYTE, 0, kTagSlotHeader, MPI_COMM_WORLD);
+    }
+  }
+
+  // Up to `depth` chunks in flight, sent from the arena; the next chunk's
+  // checksum is taken while the server pulls the previous ones.
+  void send_point_to_point(Arena& model) {
+    struct Outgoing {
+      WireHeader header;
+      MPI_Request rq[2];
+    };
+    std::deque<Outgoing> outgoing;
+    for (uint64_t off = 0; off < layout_.total_bytes(); off += chunk_) {
+      if (outgoing.size() == depth_) {
+        quiet_waitall(2, outgoing.front().rq, MPI_STATUSES_IGNORE, kSender);
+        outgoing.pop_front();
+      }
+      const uint64_t len = length_at(off);
+      auto bytes = model.bytes(off, len);
+      Outgoing& o = outgoing.emplace_back();
+      o.header = {layout_.hash(), off, len, chunk_checksum(bytes)};
+      MPI_Isend(&o.header, sizeof o.header, MPI_BYTE, 0, kTagChunkHeader, MPI_COMM_WORLD, &o.rq[0]);
+      MPI_Isend(bytes.data(), static_cast<int>(len), MPI_BYTE, 0, kTagChunkData, MPI_COMM_WORLD, &o.rq[1]);
+    }
+    for (Outgoing& o : outgoing) quiet_waitall(2, o.rq, MPI_STATUSES_IGNORE, kSender);
+  }
+
+  const Layout& layout_;
+  const size_t chunk_, depth_;
+  const SharedRing& shm_;
+  const int rank_;
+};
+
 Status run_server(const ExperimentConfig& cfg, int world, const std::string& dir, bool progress,
                   const SharedRing& shm) {
   RankState st("server", cfg.memory.sample_interval_ms, dir);
@@ -361,11 +709,7 @@ Status run_server(const ExperimentConfig& cfg, int world, const std::string& dir
   }
   MEMFL_ASSIGN_OR_RETURN(auto metrics, MetricsWriter::open(dir + "/metrics.csv"));
   const int k = cfg.server.clients_per_rank;
-  const size_t nchunks = (layout.total_bytes() + chunk - 1) / chunk;
-  const size_t depth = chunks_in_flight(chunk);
-  BufferRing ring(depth, shm.enabled() ? 0 : chunk);  // p2p receives land here
-  BufferRing slot_pool(shm.slots, 0);                 // shared-memory slots free to lend
-  OrderedWorker worker;
+  ServerStreams streams(layout, model, chunk, shm);
   for (int round = 1; round <= cfg.server.num_global_epochs; ++round) {
     const auto t_round = Clock::now();
     RoundMetrics m;
@@ -375,8 +719,7 @@ Status run_server(const ExperimentConfig& cfg, int world, const std::string& dir
     for (int c : selected) {
       if (ranks.empty() || ranks.back() != rank_of_client(c, k)) ranks.push_back(rank_of_client(c, k));
     }
-    // Broadcast: every participating rank gets the same chunk at once
-    // (non-blocking sends), one chunk in flight per rank.
+    // Broadcast: every participating rank gets the same chunks.
     st.sampler.mark(round, "broadcast");
     auto t = Clock::now();
     for (int r = 1; r < world; ++r) {
@@ -384,58 +727,7 @@ Status run_server(const ExperimentConfig& cfg, int world, const std::string& dir
           round, 0, std::find(ranks.begin(), ranks.end(), r) != ranks.end(), 0, layout.hash(), layout.total_bytes()};
       MPI_Send(&b, sizeof b, MPI_BYTE, r, kTagModelBegin, MPI_COMM_WORLD);
     }
-    if (shm.enabled()) {
-      // Through the ring: chunk i goes to slot i mod slots once every rank
-      // that read the slot's last chunk said so; the header names the slot.
-      const size_t slots = shm.slots;
-      std::vector<WireSlotHeader> headers(slots);
-      std::vector<int32_t> done(slots * ranks.size());
-      std::vector<std::vector<MPI_Request>> in_use(slots);
-      for (size_t i = 0; i < nchunks; ++i) {
-        const size_t sl = i % slots;
-        auto& reqs = in_use[sl];
-        if (!reqs.empty()) quiet_waitall(static_cast<int>(reqs.size()), reqs.data(), MPI_STATUSES_IGNORE, kReceiver);
-        reqs.clear();
-        const size_t off = i * chunk, len = std::min(chunk, layout.total_bytes() - off);
-        const uint64_t sum = copy_with_checksum(shm.slot(sl), model.arena().data() + off, len, ChecksumSide::kSource);
-        shm.sync();
-        WireSlotHeader& h = headers[sl];
-        h = {layout.hash(), off, len, sum, static_cast<int32_t>(sl), 0};
-        for (size_t j = 0; j < ranks.size(); ++j) {
-          reqs.emplace_back();
-          MPI_Isend(&h, sizeof h, MPI_BYTE, ranks[j], kTagSlotHeader, MPI_COMM_WORLD, &reqs.back());
-          reqs.emplace_back();
-          MPI_Irecv(&done[sl * ranks.size() + j], 1, MPI_INT32_T, ranks[j], kTagSlotDone, MPI_COMM_WORLD, &reqs.back());
-        }
-      }
-      for (auto& reqs : in_use) {
-        if (!reqs.empty()) quiet_waitall(static_cast<int>(reqs.size()), reqs.data(), MPI_STATUSES_IGNORE, kReceiver);
-      }
-    } else {
-      // Up to `depth` chunks in flight, each sent to every participating rank
-      // at once; the next chunk's checksum is taken while they move.
-      std::vector<WireHeader> headers(depth);
-      std::vector<std::vector<MPI_Request>> in_flight(depth);
-      auto settle = [&](std::vector<MPI_Request>& reqs) {
-        if (!reqs.empty()) quiet_waitall(static_cast<int>(reqs.size()), reqs.data(), MPI_STATUSES_IGNORE, kSender);
-        reqs.clear();
-      };
-      for (size_t i = 0; i < nchunks; ++i) {
-        auto& reqs = in_flight[i % depth];
-        settle(reqs);  // the slot's header and bytes are free again
-        const size_t off = i * chunk, len = std::min(chunk, layout.total_bytes() - off);
-        auto bytes = model.arena().bytes(off, len);
-        WireHeader& h = headers[i % depth];
-        h = {layout.hash(), off, len, chunk_checksum(bytes)};
-        for (int r : ranks) {
-          reqs.emplace_back();
-          MPI_Isend(&h, sizeof h, MPI_BYTE, r, kTagChunkHeader, MPI_COMM_WORLD, &reqs.back());
-          reqs.emplace_back();
-          MPI_Isend(bytes.data(), static_cast<int>(len), MPI_BYTE, r, kTagChunkData, MPI_COMM_WORLD, &reqs.back());
-        }
-      }
-      for (auto& reqs : in_flight) settle(reqs);
-    }
+    streams.broadcast(ranks);
     for (int r : ranks) {
       int32_t ok = 0;
       quiet_recv(&ok, sizeof ok, r, kTagModelReceived);
@@ -464,111 +756,13 @@ Status run_server(const ExperimentConfig& cfg, int world, const std::string& dir
       auto opened = agg->open_update(peer, md.sample_count);
       if (!opened.ok()) abort_job(opened.status().message());
       std::shared_ptr<UpdateStream> update = std::move(*opened);
-      auto fold = [&](const ChunkHeader& h, size_t buffer) {
-        worker.push([&ring, update, h, buffer]() {
-          Status s = update->accept(h, std::span<const std::byte>(ring.data(buffer), h.length));
-          ring.release(buffer);
-          return s;
-        });
-        if (Status e = worker.error(); !e.ok()) abort_job(e.message());
-        m.bytes_up += h.length;
-      };
-      if (shm.enabled()) {
-        // Through the ring: the server lends the client free slots, the
-        // client fills them in the order lent and names each in a header;
-        // this thread checks the chunk in the slot and folds it from there,
-        // then frees the slot to be lent again. The client gets a
-        // slot back only once its fold is done. (A client that wrote into a
-        // slot it no longer holds could change bytes after their check —
-        // but such a peer could as well have sent those bytes with their
-        // checksum: the checksum guards the transfer, not the sender's
-        // intent. Downloads copy first: there the reader is a client.)
-        std::deque<int32_t> lent;
-        size_t lent_total = 0;
-        auto lend_free = [&](bool block) {
-          while (lent_total < nchunks && lent.size() < shm.slots) {
-            std::optional<size_t> sl = block && lent.empty() ? slot_pool.acquire() : slot_pool.try_acquire();
-            if (!sl) break;
-            const auto s32 = static_cast<int32_t>(*sl);
-            MPI_Send(&s32, 1, MPI_INT32_T, r, kTagSlotGrant, MPI_COMM_WORLD);
-            lent.push_back(s32);
-            ++lent_total;
-          }
-        };
-        const std::function<void()> lend_more = [&] { lend_free(false); };
-        for (size_t i = 0; i < nchunks; ++i) {
-          lend_free(true);  // the client holds at least one slot
-          WireSlotHeader h{};
-          MPI_Request rq;
-          MPI_Irecv(&h, sizeof h, MPI_BYTE, r, kTagSlotHeader, MPI_COMM_WORLD, &rq);
-          quiet_waitall(1, &rq, MPI_STATUS_IGNORE, kReceiver, lend_more);
-          const size_t off = i * chunk, len = std::min(chunk, layout.total_bytes() - off);
-          if (h.slot != lent.front() || h.offset != off || h.length != len) {
-            abort_job(fmt::format("chunk from {}: slot {} [{}, +{}); expected slot {} [{}, +{})", peer, h.slot,
-                                  h.offset, h.length, lent.front(), off, len));
-          }
-          lent.pop_front();
-          shm.sync();
-          // Folded here, not on the worker: the client copies while this
-          // thread folds, one busy thread per process — a third would share
-          // a core with one of them on this 2-core machine (measured: half
-          // the rounds at half the speed).
-          Status folded = update->accept({h.layout_hash, h.offset, h.length, h.checksum},
-                                         std::span<const std::byte>(shm.slot(static_cast<size_t>(h.slot)), h.length));
-          if (!folded.ok()) abort_job(folded.message());
-          slot_pool.release(static_cast<size_t>(h.slot));
-          m.bytes_up += h.length;
-        }
-      } else {
-        // Receives into the ring, up to `depth` chunks ahead; each arrived
-        // chunk goes to the fold worker, which checks it (length, offset,
-        // layout, xxh3) before a byte of it is folded and hands its buffer back.
-        struct Posted {
-          size_t buffer;
-          WireHeader header;
-          MPI_Request rq[2];
-        };
-        std::deque<Posted> posted;  // deque: posted requests keep their address
-        size_t next = 0;
-        auto post = [&](size_t buffer) {
-          Posted& p = posted.emplace_back();
-          p.buffer = buffer;
-          MPI_Irecv(&p.header, sizeof(WireHeader), MPI_BYTE, r, kTagChunkHeader, MPI_COMM_WORLD, &p.rq[0]);
-          MPI_Irecv(ring.data(buffer), static_cast<int>(chunk), MPI_BYTE, r, kTagChunkData, MPI_COMM_WORLD, &p.rq[1]);
-          ++next;
-        };
-        for (size_t i = 0; i < nchunks; ++i) {
-          if (posted.empty()) post(ring.acquire());
-          while (next < nchunks && posted.size() < depth) {
-            auto b = ring.try_acquire();
-            if (!b) break;
-            post(*b);
-          }
-          Posted& p = posted.front();
-          MPI_Status status[2];
-          quiet_waitall(2, p.rq, status, kReceiver);
-          int got = 0;
-          MPI_Get_count(&status[1], MPI_BYTE, &got);
-          const WireHeader h = p.header;
-          const size_t buffer = p.buffer;
-          posted.pop_front();
-          if (static_cast<uint64_t>(got) != h.length) {
-            abort_job(fmt::format("chunk from {}: header says {} bytes but {} arrived", peer, h.length, got));
-          }
-          fold({h.layout_hash, h.offset, h.length, h.checksum}, buffer);
-        }
-      }
-      if (shm.enabled()) {  // its chunks were folded on this thread
-        if (Status committed = update->commit(); !committed.ok()) abort_job(committed.message());
-      } else {
-        worker.push([update]() { return update->commit(); });
-      }
+      m.bytes_up += streams.receive_update(r, peer, update);
       m.clients++;
       wsum += md.sample_count;
       m.train_loss += md.sample_count * md.train_loss;
       m.val_accuracy += md.sample_count * md.val_accuracy;
     }
-    if (Status e = worker.drain(); !e.ok()) abort_job(e.message());
+    streams.drain();
     m.upload_seconds = t_up ? since(*t_up) : 0.0;
     if (wsum > 0) {
       m.train_loss /= wsum;
@@ -644,7 +838,7 @@ Status run_client_rank(const ExperimentConfig& cfg, int rank, const std::string&
   MPI_Send(reg, 2, MPI_INT32_T, 0, kTagRegister, MPI_COMM_WORLD);
   const size_t chunk =
       cfg.server.use_model_chunking ? static_cast<size_t>(cfg.server.model_chunk_size) : layout.total_bytes();
-  const size_t depth = chunks_in_flight(chunk);
+  ClientStreams streams(layout, chunk, shm, rank);
   while (true) {
     WireModelBegin b{};
     quiet_recv(&b, sizeof b, 0, kTagModelBegin);
@@ -655,86 +849,7 @@ Status run_client_rank(const ExperimentConfig& cfg, int rank, const std::string&
                             b.layout_hash, layout.hash()));
     }
     st.sampler.mark(b.round, "broadcast");
-    // This thread copies (the receiver moves the bytes, through the ring or
-    // single-copy MPI); a second one checks the chunks already in, so the two
-    // overlap.
-    OrderedWorker checker;
-    if (shm.enabled()) {
-      // Through the ring: each header names the slot the chunk is in; the
-      // chunk is copied into the arena at the offset this rank expects next,
-      // the slot handed back, and the copy checked.
-      const size_t slots = shm.slots;
-      uint64_t next_offset = 0;
-      for (size_t i = 0; next_offset < layout.total_bytes(); ++i) {
-        WireSlotHeader h{};
-        MPI_Request rq;
-        MPI_Irecv(&h, sizeof h, MPI_BYTE, 0, kTagSlotHeader, MPI_COMM_WORLD, &rq);
-        quiet_waitall(1, &rq, MPI_STATUS_IGNORE, kReceiver);
-        const uint64_t len = std::min<uint64_t>(chunk, layout.total_bytes() - next_offset);
-        if (h.layout_hash != layout.hash() || h.offset != next_offset || h.length != len ||
-            h.slot != static_cast<int32_t>(i % slots)) {
-          abort_job(
-              fmt::format("rank {}: bad chunk from the server (slot {}, offset {}, length {}; expected slot {}, "
-                          "offset {}, length {})",
-                          rank, h.slot, h.offset, h.length, i % slots, next_offset, len));
-        }
-        shm.sync();
-        const uint64_t sum = copy_with_checksum(into.data() + next_offset, shm.slot(static_cast<size_t>(h.slot)), len,
-                                                ChecksumSide::kDestination);
-        int32_t sl = h.slot;
-        MPI_Send(&sl, 1, MPI_INT32_T, 0, kTagSlotDone, MPI_COMM_WORLD);
-        if (sum != h.checksum) {
-          abort_job(fmt::format("rank {}: chunk [{}, {}) from the server failed its checksum", rank, next_offset,
-                                next_offset + len));
-        }
-        next_offset += len;
-      }
-    } else {
-      // Receives are posted `depth` chunks ahead, each straight into the arena
-      // at the offset and length this rank expects next: a peer's header can
-      // never steer bytes elsewhere (MPI refuses a longer message), and each
-      // chunk's header and xxh3 are checked before the model is used.
-      struct Incoming {
-        WireHeader header;
-        uint64_t offset, length;
-        MPI_Request rq[2];
-      };
-      std::deque<Incoming> incoming;
-      uint64_t next_offset = 0;
-      auto post = [&] {
-        Incoming& in = incoming.emplace_back();
-        in.offset = next_offset;
-        in.length = std::min<uint64_t>(chunk, layout.total_bytes() - next_offset);
-        MPI_Irecv(&in.header, sizeof(WireHeader), MPI_BYTE, 0, kTagChunkHeader, MPI_COMM_WORLD, &in.rq[0]);
-        MPI_Irecv(into.data() + in.offset, static_cast<int>(in.length), MPI_BYTE, 0, kTagChunkData, MPI_COMM_WORLD,
-                  &in.rq[1]);
-        next_offset += in.length;
-      };
-      while (next_offset < layout.total_bytes() && incoming.size() < depth) post();
-      while (!incoming.empty()) {
-        if (Status e = checker.error(); !e.ok()) abort_job(e.message());
-        Incoming& in = incoming.front();
-        MPI_Status status[2];
-        quiet_waitall(2, in.rq, status, kReceiver);
-        int got = 0;
-        MPI_Get_count(&status[1], MPI_BYTE, &got);
-        const WireHeader& h = in.header;
-        if (h.layout_hash != layout.hash() || h.offset != in.offset || h.length != in.length ||
-            static_cast<uint64_t>(got) != in.length) {
-          abort_job(
-              fmt::format("rank {}: bad chunk from the server (offset {}, length {}, {} bytes; expected offset {}, "
-                          "length {})",
-                          rank, h.offset, h.length, got, in.offset, in.length));
-        }
-        checker.push([&into, rank, off = in.offset, len = in.length, sum = h.checksum]() -> Status {
-          if (chunk_checksum(into.bytes(off, len)) == sum) return Status::Ok();
-          return data_loss("rank {}: chunk [{}, {}) from the server failed its checksum", rank, off, off + len);
-        });
-        incoming.pop_front();
-        while (next_offset < layout.total_bytes() && incoming.size() < depth) post();
-      }
-    }
-    if (Status e = checker.drain(); !e.ok()) abort_job(e.message());  // no byte is used before this
+    streams.receive_model(into);  // every chunk checked: no byte is used before this returns
     int32_t ok = 1;
     MPI_Send(&ok, 1, MPI_INT32_T, 0, kTagModelReceived, MPI_COMM_WORLD);
     for (int c : selection(cfg, b.round)) {
@@ -750,46 +865,7 @@ Status run_client_rank(const ExperimentConfig& cfg, int rank, const std::string&
       st.sampler.mark(b.round, "upload");
       WireUpdateMeta md{b.round, c, update_sample_count(cfg, part), tr.train_loss, tr.val_accuracy};
       MPI_Send(&md, sizeof md, MPI_BYTE, 0, kTagUpdateMeta, MPI_COMM_WORLD);
-      if (shm.enabled()) {
-        // Through the ring: fill each slot the server lends, in the order
-        // lent, and say which chunk is in it.
-        for (size_t off = 0; off < layout.total_bytes(); off += chunk) {
-          int32_t sl = -1;
-          MPI_Request rq;
-          MPI_Irecv(&sl, 1, MPI_INT32_T, 0, kTagSlotGrant, MPI_COMM_WORLD, &rq);
-          quiet_waitall(1, &rq, MPI_STATUS_IGNORE, kReceiver);
-          if (sl < 0 || static_cast<size_t>(sl) >= shm.slots) {
-            abort_job(fmt::format("rank {}: the server lent slot {} of {}", rank, sl, shm.slots));
-          }
-          const size_t len = std::min(chunk, layout.total_bytes() - off);
-          const uint64_t sum = copy_with_checksum(shm.slot(static_cast<size_t>(sl)), model.arena().data() + off, len,
-                                                  ChecksumSide::kSource);
-          shm.sync();
-          WireSlotHeader h{layout.hash(), off, len, sum, sl, 0};
-          MPI_Send(&h, sizeof h, MPI_BYTE, 0, kTagSlotHeader, MPI_COMM_WORLD);
-        }
-      } else {
-        // Up to `depth` chunks in flight, sent from the arena; the next
-        // chunk's checksum is taken while the server pulls the previous ones.
-        struct Outgoing {
-          WireHeader header;
-          MPI_Request rq[2];
-        };
-        std::deque<Outgoing> outgoing;
-        for (size_t off = 0; off < layout.total_bytes(); off += chunk) {
-          if (outgoing.size() == depth) {
-            quiet_waitall(2, outgoing.front().rq, MPI_STATUSES_IGNORE, kSender);
-            outgoing.pop_front();
-          }
-          const size_t len = std::min(chunk, layout.total_bytes() - off);
-          auto bytes = model.arena().bytes(off, len);
-          Outgoing& o = outgoing.emplace_back();
-          o.header = {layout.hash(), off, len, chunk_checksum(bytes)};
-          MPI_Isend(&o.header, sizeof o.header, MPI_BYTE, 0, kTagChunkHeader, MPI_COMM_WORLD, &o.rq[0]);
-          MPI_Isend(bytes.data(), static_cast<int>(len), MPI_BYTE, 0, kTagChunkData, MPI_COMM_WORLD, &o.rq[1]);
-        }
-        for (Outgoing& o : outgoing) quiet_waitall(2, o.rq, MPI_STATUSES_IGNORE, kSender);
-      }
+      streams.send_update(model.arena());
     }
     st.sampler.mark(b.round, "idle");
     // Fault injection for the tests (MEMFL_FAULT=die_after_round_1 on rank
