@@ -11,19 +11,6 @@
 namespace memfl {
 namespace {
 
-Result mpirun(int ranks, const std::string& args) {
-  setenv("OMPI_ALLOW_RUN_AS_ROOT", "1", 1);
-  setenv("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1", 1);
-  const std::string cmd = "mpirun -np " + std::to_string(ranks) + " --oversubscribe " + std::string(MEMFL_BINARY) +
-                          " mpi " + args + " 2>&1";
-  FILE* p = popen(cmd.c_str(), "r");
-  std::string out;
-  char buf[4096];
-  while (size_t n = fread(buf, 1, sizeof buf, p)) out.append(buf, n);
-  int status = pclose(p);
-  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, out};
-}
-
 constexpr const char* kCnn =
     " -q --set server_configs.num_global_epochs=2"
     " --set client_configs.data_configs.dataset_kwargs.max_train_samples=1500"
@@ -94,34 +81,6 @@ TEST(Mpi, PointToPointChunksEqualTheInProcessRunBitForBit) {
   testing::TempDir tmp;
   expect_mpi_equals_in_process(tmp, " --set server_configs.mpi_shared_memory=false", 2);
 }
-
-class MpiChunks : public ::testing::TestWithParam<std::tuple<int64_t, bool>> {};
-
-TEST_P(MpiChunks, SevenBytesAndLargerThanTheModel) {
-  testing::TempDir tmp;
-  const std::string cfg = tmp.file("synthetic.yaml");
-  std::ofstream(cfg) << "client_configs:\n  train_configs:\n    trainer: DummyTrainer\n  model_configs:\n"
-                        "    model_name: synthetic\n    model_kwargs:\n      num_params: 2500\n"
-                        "server_configs:\n  num_global_epochs: 2\n  mpi_shared_memory: "
-                     << (std::get<1>(GetParam()) ? "true" : "false")
-                     << "\n  comm_configs:\n    grpc_configs:\n      model_chunk_size: " << std::get<0>(GetParam())
-                     << "\n";
-  Result m = mpirun(3, cfg + " -q --out " + tmp.file("mpi"));
-  ASSERT_EQ(m.exit_code, 0) << m.output;
-  std::ifstream summary(tmp.file("mpi/rank_0/summary.json"));
-  const std::string text((std::istreambuf_iterator<char>(summary)), {});
-  // The ring's slots hold a chunk of up to 8 MiB: both sizes here take it when allowed.
-  EXPECT_NE(text.find(std::get<1>(GetParam()) ? "\"shared_ring\"" : "\"point_to_point\""), std::string::npos) << text;
-  Result r = memfl_cli("run " + cfg + " -q --set server_configs.num_clients=2 --out " + tmp.file("inproc"));
-  ASSERT_EQ(r.exit_code, 0) << r.output;
-  EXPECT_TRUE(same_model(tmp.file("inproc/global_model.safetensors"), tmp.file("mpi/rank_0/global_model.safetensors")));
-}
-
-INSTANTIATE_TEST_SUITE_P(Sizes, MpiChunks, ::testing::Combine(::testing::Values(7, 1 << 20), ::testing::Bool()),
-                         [](const auto& p) {
-                           return "chunk_" + std::to_string(std::get<0>(p.param)) +
-                                  (std::get<1>(p.param) ? "_shared_ring" : "_point_to_point");
-                         });
 
 }  // namespace
 }  // namespace memfl
