@@ -8,8 +8,9 @@
 
 #if defined(MEMFL_HAVE_XXH3_AVX2)
 extern "C" uint64_t memfl_xxh3_avx2(const void* data, size_t size);
-extern "C" uint64_t memfl_xxh3_avx2_pieces(const void* const* data, const size_t* sizes, size_t count);
-extern "C" uint64_t memfl_copy_xxh3_avx2(void* dst, const void* src, size_t n, int hash_dst);
+extern "C" void memfl_xxh3_avx2_reset(void* state);
+extern "C" void memfl_xxh3_avx2_update(void* state, const void* data, size_t size);
+extern "C" uint64_t memfl_xxh3_avx2_digest(const void* state);
 #endif
 
 namespace memfl {
@@ -18,6 +19,40 @@ namespace {
 #if defined(MEMFL_HAVE_XXH3_AVX2)
 const bool kAvx2 = __builtin_cpu_supports("avx2");
 #endif
+
+// xxh3-64 fed in pieces, by the AVX2 build (comm/xxh3_avx2.cpp) where the
+// CPU has it, else by libxxhash; the state lives on the stack.
+class Xxh3Stream {
+ public:
+  Xxh3Stream() {
+    XXH3_INITSTATE(&state_);
+#if defined(MEMFL_HAVE_XXH3_AVX2)
+    if (kAvx2) {
+      memfl_xxh3_avx2_reset(&state_);
+      return;
+    }
+#endif
+    XXH3_64bits_reset(&state_);
+  }
+  void update(const void* data, size_t size) {
+#if defined(MEMFL_HAVE_XXH3_AVX2)
+    if (kAvx2) {
+      memfl_xxh3_avx2_update(&state_, data, size);
+      return;
+    }
+#endif
+    XXH3_64bits_update(&state_, data, size);
+  }
+  uint64_t digest() const {
+#if defined(MEMFL_HAVE_XXH3_AVX2)
+    if (kAvx2) return memfl_xxh3_avx2_digest(&state_);
+#endif
+    return XXH3_64bits_digest(&state_);
+  }
+
+ private:
+  XXH3_state_t state_;
+};
 }  // namespace
 
 uint64_t chunk_checksum(std::span<const std::byte> payload) {
@@ -29,38 +64,21 @@ uint64_t chunk_checksum(std::span<const std::byte> payload) {
 
 uint64_t chunk_checksum(Payload payload) {
   if (payload.size() == 1) return chunk_checksum(payload[0]);
-#if defined(MEMFL_HAVE_XXH3_AVX2)
-  if (kAvx2 && payload.size() <= 64) {
-    const void* data[64];
-    size_t sizes[64];
-    for (size_t i = 0; i < payload.size(); ++i) {
-      data[i] = payload[i].data();
-      sizes[i] = payload[i].size();
-    }
-    return memfl_xxh3_avx2_pieces(data, sizes, payload.size());
-  }
-#endif
-  XXH3_state_t state;  // on the stack: no allocation per chunk
-  XXH3_INITSTATE(&state);
-  XXH3_64bits_reset(&state);
-  for (auto part : payload) XXH3_64bits_update(&state, part.data(), part.size());
-  return XXH3_64bits_digest(&state);
+  Xxh3Stream hash;
+  for (auto part : payload) hash.update(part.data(), part.size());
+  return hash.digest();
 }
 
 uint64_t copy_with_checksum(std::byte* dst, const std::byte* src, size_t n, ChecksumSide side) {
-#if defined(MEMFL_HAVE_XXH3_AVX2)
-  if (kAvx2) return memfl_copy_xxh3_avx2(dst, src, n, side == ChecksumSide::kDestination ? 1 : 0);
-#endif
   constexpr size_t kBlock = 32 * 1024;  // the hash reads what the copy just brought into L1
-  XXH3_state_t state;
-  XXH3_INITSTATE(&state);
-  XXH3_64bits_reset(&state);
+  const std::byte* hashed = side == ChecksumSide::kDestination ? dst : src;
+  Xxh3Stream hash;
   for (size_t off = 0; off < n; off += kBlock) {
     const size_t len = std::min(kBlock, n - off);
     std::memcpy(dst + off, src + off, len);
-    XXH3_64bits_update(&state, (side == ChecksumSide::kDestination ? dst : src) + off, len);
+    hash.update(hashed + off, len);
   }
-  return XXH3_64bits_digest(&state);
+  return hash.digest();
 }
 
 size_t payload_size(Payload payload) {

@@ -352,9 +352,9 @@ class ServerStreams {
     }
   }
 
-  // Receives rank `r`'s update into `update` and commits it (in the order
-  // of the calls); returns the bytes received.
-  uint64_t receive_update(int r, const std::string& peer, const std::shared_ptr<UpdateStream>& update) {
+  // Receives rank `r`'s update (the whole model's bytes) into `update` and
+  // commits it, in the order of the calls.
+  void receive_update(int r, const std::string& peer, const std::shared_ptr<UpdateStream>& update) {
     if (shm_.enabled()) {
       receive_through_ring(r, peer, *update);
       if (Status s = update->commit(); !s.ok()) abort_job(s.message());
@@ -362,7 +362,6 @@ class ServerStreams {
       receive_point_to_point(r, peer, update);
       worker_.push([update] { return update->commit(); });
     }
-    return layout_.total_bytes();
   }
 
   // Returns once every update received is folded and committed.
@@ -756,7 +755,8 @@ Status run_server(const ExperimentConfig& cfg, int world, const std::string& dir
       auto opened = agg->open_update(peer, md.sample_count);
       if (!opened.ok()) abort_job(opened.status().message());
       std::shared_ptr<UpdateStream> update = std::move(*opened);
-      m.bytes_up += streams.receive_update(r, peer, update);
+      streams.receive_update(r, peer, update);
+      m.bytes_up += layout.total_bytes();
       m.clients++;
       wsum += md.sample_count;
       m.train_loss += md.sample_count * md.train_loss;

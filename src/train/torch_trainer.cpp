@@ -211,14 +211,7 @@ class TorchReplica final : public ModelReplica {
     opt.reset();
     ledger.set(MemoryCategory::kGradients, 0);
     ledger.set(MemoryCategory::kOptimizer, 0);
-    sync_to_host();
-    if (cfg.do_validation && !val_idx.empty()) {
-      EvalResult v = evaluate_impl(data, val_idx, cfg.val_batch_size);
-      r.val_loss = v.loss;
-      r.val_accuracy = v.accuracy;
-      r.has_validation = true;
-    }
-    return r;
+    return finish_turn(std::move(r), data, val_idx, cfg);
   }
 
   // DP-SGD (train_configs.dp): Poisson batches of rate q = batch / n, the
@@ -274,6 +267,13 @@ class TorchReplica final : public ModelReplica {
     r.dp_steps = r.num_steps;
     r.dp_sample_rate = q;
     for (auto& p : net_->parameters()) p.mutable_grad() = torch::Tensor();
+    return finish_turn(std::move(r), data, val_idx, cfg);
+  }
+
+  // The end of a client's turn, with or without DP: the weights go back to
+  // the host arena and the validation split is scored.
+  TrainResult finish_turn(TrainResult r, const ImageDataset& data, std::span<const uint32_t> val_idx,
+                          const TrainConfig& cfg) {
     sync_to_host();
     if (cfg.do_validation && !val_idx.empty()) {
       EvalResult v = evaluate_impl(data, val_idx, cfg.val_batch_size);
