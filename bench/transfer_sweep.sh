@@ -2,7 +2,7 @@
 # gRPC transfer sweep (issue #3): model size M × client count N, streaming and
 # naive, DummyTrainer, 2 rounds each. Skips what would not fit this machine's
 # memory (estimated from the bound) and says so.
-# Usage: [TRANSPORT=grpc|mpi] bench/transfer_sweep.sh [BUILD_DIR] [MAX_GIB] > bench_transfer.json
+# Usage: [TRANSPORT=grpc|mpi] [BENCH_ARGS="--mpi-path point_to_point"] bench/transfer_sweep.sh [BUILD_DIR] [MAX_GIB] > bench_transfer.json
 set -euo pipefail
 BUILD=${1:-build}
 MAX_GIB=${2:-18}
@@ -10,6 +10,7 @@ SIZES=${SIZES:-"256 1024 4096"}
 CLIENTS=${CLIENTS:-"1 2 4 8"}
 MODES=${MODES:-"streaming naive"}
 TRANSPORT=${TRANSPORT:-grpc}
+BENCH_ARGS=${BENCH_ARGS:-}  # more `memfl bench transfer` flags for every cell
 echo "["
 first=1
 for mode in $MODES; do
@@ -22,7 +23,7 @@ for mode in $MODES; do
         continue
       fi
       echo "run: $TRANSPORT $mode ${mb} MiB × $n clients" >&2
-      out=$("$BUILD/memfl" bench transfer --transport "$TRANSPORT" --model-mb "$mb" --clients "$n" --memory-mode "$mode")
+      out=$("$BUILD/memfl" bench transfer --transport "$TRANSPORT" --model-mb "$mb" --clients "$n" --memory-mode "$mode" $BENCH_ARGS)
       [ $first -eq 1 ] || echo ","
       first=0
       echo "$out"

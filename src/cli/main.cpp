@@ -293,6 +293,10 @@ int main(int argc, char** argv) {
   transfer->add_option("--dtype", tb.dtype, "f32 | bf16 | f16")->capture_default_str();
   transfer->add_option("--chunk-mb", tb.chunk_mb, "chunk size in MiB")->capture_default_str();
   transfer->add_option("--memory-mode", tb.memory_mode, "streaming | naive")->capture_default_str();
+  transfer
+      ->add_option("--mpi-path", tb.mpi_path,
+                   "MPI on one node: shared_ring (chunks through a shared-memory ring) | point_to_point")
+      ->capture_default_str();
   transfer->add_option("--json", tb.json_out, "write the JSON here too");
   transfer->add_option("--keep", tb.run_dir, "keep the run directory here");
 #endif

@@ -33,6 +33,9 @@ StatusOr<std::string> run_bench_transfer(const TransferBenchOptions& o) {
   }
   const auto dtype = dtype_from_name(o.dtype);
   if (!dtype || !dtype_is_float(*dtype)) return invalid_argument("--dtype must be f32, bf16 or f16, got '{}'", o.dtype);
+  if (o.mpi_path != "shared_ring" && o.mpi_path != "point_to_point") {
+    return invalid_argument("--mpi-path must be shared_ring or point_to_point, got '{}'", o.mpi_path);
+  }
   if (o.model_mb <= 0 || o.clients < 1 || o.chunk_mb <= 0) {
     return invalid_argument("--model-mb, --clients and --chunk-mb must be positive");
   }
@@ -44,7 +47,8 @@ StatusOr<std::string> run_bench_transfer(const TransferBenchOptions& o) {
   fs::remove_all(dir, ec);
   fs::create_directories(dir);
   const std::string config = (fs::path(dir) / "bench.yaml").string();
-  MEMFL_RETURN_IF_ERROR(write_text_file(config, fmt::format(R"(client_configs:
+  MEMFL_RETURN_IF_ERROR(write_text_file(
+      config, fmt::format(R"(client_configs:
   train_configs:
     trainer: DummyTrainer
   model_configs:
@@ -58,12 +62,13 @@ server_configs:
   do_server_eval: false
   memory_mode: {}
   round_timeout_s: 600
+  mpi_shared_memory: {}
   comm_configs:
     grpc_configs:
       server_uri: 127.0.0.1:0
       model_chunk_size: {}
 )",
-                                                            num_params, o.dtype, o.clients, o.memory_mode, chunk)));
+                          num_params, o.dtype, o.clients, o.memory_mode, o.mpi_path == "shared_ring", chunk)));
   std::string server_dir = (fs::path(dir) / "server").string();
   std::string client_prefix = "client_";
   int client_base = 0;

@@ -15,6 +15,7 @@ struct TransferBenchOptions {
   std::string dtype = "f32";
   double chunk_mb = 1;  // MiB
   std::string memory_mode = "streaming";
+  std::string mpi_path = "shared_ring";  // MPI on one node: shared_ring | point_to_point
   std::string json_out;
   std::string run_dir;  // kept when given, else a temporary directory
 };
