@@ -12,6 +12,7 @@
 
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "comm/chunk.h"
 #include "tensor/arena.h"
@@ -31,7 +32,13 @@ class Aggregator {
   virtual ~Aggregator() = default;
   virtual std::string_view name() const = 0;
   // Starts collecting updates for `round`; clears what the last round left.
-  virtual Status begin_round(int round) = 0;
+  // `fold_order` lists the clients expected, in the order their updates
+  // combine (so the result does not depend on the order they arrive in);
+  // empty: the order they are opened in.
+  virtual Status begin_round(int round, std::vector<std::string> fold_order = {}) = 0;
+  // `client_id` will send nothing this round (dropped, timed out): updates
+  // after it in fold order need not wait for it.
+  virtual Status withdraw(const std::string& client_id) = 0;
   // Opens the upload of `client_id`, whose metadata said `sample_count`.
   virtual StatusOr<std::unique_ptr<UpdateStream>> open_update(const std::string& client_id, double sample_count) = 0;
   // Writes the aggregate of the committed updates into `global`. Fails,
@@ -42,6 +49,18 @@ class Aggregator {
   virtual int num_committed() const = 0;
   // Bytes the aggregator holds between rounds (for the memory bound).
   virtual size_t state_bytes() const = 0;
+  // Anonymous bytes it may hold during a round on top of state_bytes(), in
+  // a model of `model_bytes` (its stated bound; disk it spools to is not memory).
+  virtual size_t working_bytes() const = 0;
+  // Whether its state shares the global model's bytes (then the server holds
+  // one model-sized buffer, and state_bytes() is 0).
+  virtual bool sums_in_place() const = 0;
+  // Points state kept in the global model's bytes at another model-sized
+  // arena (a file-backed server folds each round into the next checkpoint's
+  // file). Only between rounds.
+  virtual Status retarget(Arena& in_place) = 0;
+  // Where updates that arrive before their turn are spooled.
+  virtual void set_spool_dir(std::string dir) = 0;
 };
 
 }  // namespace memfl

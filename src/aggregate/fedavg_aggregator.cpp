@@ -1,8 +1,13 @@
 #include "aggregate/fedavg_aggregator.h"
 
+#include <fcntl.h>
+#include <unistd.h>
+
 #include <cassert>
+#include <cerrno>
 #include <cmath>
 #include <cstring>
+#include <filesystem>
 
 namespace memfl {
 
@@ -37,10 +42,68 @@ MEMFL_FOLD_CLONES void fold_bf16(float* acc, const std::byte* src, size_t count,
 }
 }  // namespace
 
+// UpdateSpool: an unnamed scratch file that holds, per fold slot, the bytes
+// of an update that arrived before its turn to fold (see the header).
+class FedAvgAggregator::Spool {
+ public:
+  ~Spool() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  Status open(const std::string& dir) {
+    if (fd_ >= 0) return Status::Ok();
+    dir_ = dir.empty() ? std::filesystem::temp_directory_path().string() : dir;
+    fd_ = ::open(dir_.c_str(), O_TMPFILE | O_RDWR | O_CLOEXEC, 0600);
+    if (fd_ < 0) {  // a file system without O_TMPFILE: a named file, unlinked at once
+      std::string tmpl = dir_ + "/memfl-spool-XXXXXX";
+      fd_ = ::mkstemp(tmpl.data());
+      if (fd_ >= 0) ::unlink(tmpl.c_str());
+    }
+    if (fd_ < 0) return resource_exhausted("fold spool in {}: {}", dir_, std::strerror(errno));
+    return Status::Ok();
+  }
+  Status write(uint64_t at, std::span<const std::byte> bytes) {
+    size_t done = 0;
+    while (done < bytes.size()) {
+      const ssize_t n = ::pwrite(fd_, bytes.data() + done, bytes.size() - done, static_cast<off_t>(at + done));
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0)
+        return resource_exhausted("fold spool in {}: write of {} bytes failed: {}", dir_, bytes.size(),
+                                  std::strerror(errno));
+      done += static_cast<size_t>(n);
+    }
+    return Status::Ok();
+  }
+  Status read(uint64_t at, std::span<std::byte> into) const {
+    size_t done = 0;
+    while (done < into.size()) {
+      const ssize_t n = ::pread(fd_, into.data() + done, into.size() - done, static_cast<off_t>(at + done));
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0)
+        return resource_exhausted("fold spool in {}: read of {} bytes failed: {}", dir_, into.size(),
+                                  std::strerror(errno));
+      done += static_cast<size_t>(n);
+    }
+    return Status::Ok();
+  }
+  // Gives a slot's disk blocks back once it has folded.
+  void release(uint64_t at, uint64_t length) {
+    if (fd_ >= 0 && length > 0)
+      (void)::fallocate(fd_, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, static_cast<off_t>(at),
+                        static_cast<off_t>(length));
+  }
+  void clear() {
+    if (fd_ >= 0) (void)::ftruncate(fd_, 0);
+  }
+
+ private:
+  int fd_ = -1;
+  std::string dir_;
+};
+
 class FedAvgAggregator::Stream final : public UpdateStream {
  public:
-  Stream(FedAvgAggregator& agg, std::string client_id, double weight)
-      : agg_(agg), client_id_(std::move(client_id)), weight_(weight) {}
+  Stream(FedAvgAggregator& agg, size_t slot, std::string client_id, double weight)
+      : agg_(agg), slot_(slot), client_id_(std::move(client_id)), weight_(weight) {}
   ~Stream() override {
     if (!done_) abort();
   }
@@ -53,26 +116,25 @@ class FedAvgAggregator::Stream final : public UpdateStream {
       abort();  // a peer that sends bad bytes loses its update
       return s;
     }
-    std::lock_guard lock(agg_.mu_);
-    double w = weight_;
-    if (agg_.accumulation_ == Accumulation::kRunningMean) {
-      if (agg_.mean_owner_ != this) {
-        if (agg_.mean_owner_ != nullptr) {
-          agg_.tainted_by_ = client_id_;
-          return failed_precondition(
-              "update from {}: a running-mean aggregation folds one update at a time, and another is still open",
-              client_id_);
-        }
-        agg_.mean_owner_ = this;  // our share is fixed when our first byte folds
-        agg_.mean_weight_ += weight_;
-        fraction_ = weight_ / agg_.mean_weight_;
-      }
-      w = fraction_;
+    // Our turn (every update before ours in fold order has folded or is
+    // out): fold straight into the state. Otherwise park the bytes in the
+    // spool, without the lock, while the update whose turn it is folds.
+    if (!live_ && agg_.cursor_.load(std::memory_order_acquire) == slot_) {
+      std::lock_guard lock(agg_.mu_);
+      MEMFL_RETURN_IF_ERROR(agg_.start_folding_locked(slot_, next_offset_, carry_));
+      live_ = true;
     }
-    size_t at = h.offset;
-    for (auto part : payload) {  // pieces may cut elements anywhere: fold carries them
-      agg_.fold(at, part, w, carry_);
-      at += part.size();
+    if (live_) {
+      std::lock_guard lock(agg_.mu_);
+      size_t at = h.offset;
+      for (auto part : payload) {  // pieces may cut elements anywhere: fold carries them
+        agg_.fold(at, part, agg_.slots_[slot_].fold_weight, carry_);
+        at += part.size();
+      }
+    } else {
+      MEMFL_RETURN_IF_ERROR(agg_.park(slot_, h.offset, payload, client_id_));
+      std::lock_guard lock(agg_.mu_);
+      agg_.slots_[slot_].state = SlotState::kParked;
     }
     next_offset_ += h.length;
     return Status::Ok();
@@ -88,11 +150,12 @@ class FedAvgAggregator::Stream final : public UpdateStream {
     }
     std::lock_guard lock(agg_.mu_);
     done_ = true;
-    if (agg_.mean_owner_ == this) agg_.mean_owner_ = nullptr;
     agg_.open_streams_--;
     agg_.total_weight_ += weight_;
     agg_.committed_++;
-    return Status::Ok();
+    auto& slot = agg_.slots_[slot_];
+    slot.state = live_ ? SlotState::kFolded : SlotState::kCommittedParked;
+    return agg_.advance_locked();
   }
 
  private:
@@ -101,18 +164,90 @@ class FedAvgAggregator::Stream final : public UpdateStream {
     done_ = true;
     std::lock_guard lock(agg_.mu_);
     agg_.open_streams_--;
-    if (agg_.mean_owner_ == this) agg_.mean_owner_ = nullptr;
-    if (next_offset_ > 0 && agg_.tainted_by_.empty()) agg_.tainted_by_ = client_id_;
+    auto& slot = agg_.slots_[slot_];
+    // Bytes already in the state cannot be taken out: the round is redone.
+    // Parked bytes never reached it: the update is simply out.
+    if (live_ && slot.folded_any && agg_.tainted_by_.empty()) agg_.tainted_by_ = client_id_;
+    slot.state = SlotState::kOut;
+    agg_.spool_release_locked(slot_);
+    (void)agg_.advance_locked();
   }
 
   FedAvgAggregator& agg_;
+  const size_t slot_;
   std::string client_id_;
   double weight_;
   uint64_t next_offset_ = 0;
   std::byte carry_[8] = {};
-  double fraction_ = 1.0;  // kRunningMean: w_k / W_k
+  bool live_ = false;
   bool done_ = false;
 };
+
+Status FedAvgAggregator::park(size_t slot, uint64_t offset, Payload payload, const std::string& client_id) {
+  {
+    std::lock_guard lock(mu_);
+    Status s = spool_->open(spool_dir_);
+    if (!s.ok()) return s.with_context("update from " + client_id);
+  }
+  uint64_t at = static_cast<uint64_t>(slot) * layout_.total_bytes() + offset;
+  for (auto part : payload) {
+    Status s = spool_->write(at, part);
+    if (!s.ok()) return s.with_context("update from " + client_id);
+    at += part.size();
+  }
+  return Status::Ok();
+}
+
+void FedAvgAggregator::spool_release_locked(size_t slot) {
+  spool_->release(static_cast<uint64_t>(slot) * layout_.total_bytes(), layout_.total_bytes());
+}
+
+Status FedAvgAggregator::start_folding_locked(size_t slot, uint64_t parked_bytes, std::byte* carry) {
+  Slot& s = slots_[slot];
+  // The weight this update folds with is fixed here, in fold order, so a
+  // running mean is the same whatever order the bytes arrived in.
+  s.fold_weight = s.weight;
+  if (accumulation_ == Accumulation::kRunningMean) {
+    mean_weight_ += s.weight;
+    s.fold_weight = s.weight / mean_weight_;
+  }
+  s.folded_any = true;
+  if (parked_bytes == 0) return Status::Ok();
+  // What arrived before our turn folds from the spool first, a block at a time.
+  std::vector<std::byte> block(std::min<uint64_t>(kSpoolBlock, parked_bytes));
+  const uint64_t base = static_cast<uint64_t>(slot) * layout_.total_bytes();
+  for (uint64_t off = 0; off < parked_bytes; off += block.size()) {
+    const size_t len = static_cast<size_t>(std::min<uint64_t>(block.size(), parked_bytes - off));
+    Status st = spool_->read(base + off, std::span(block.data(), len));
+    if (!st.ok()) {
+      if (tainted_by_.empty()) tainted_by_ = s.client_id;
+      return st;
+    }
+    fold(off, std::span<const std::byte>(block.data(), len), s.fold_weight, carry);
+  }
+  spool_release_locked(slot);
+  return Status::Ok();
+}
+
+Status FedAvgAggregator::advance_locked() {
+  size_t c = cursor_.load(std::memory_order_relaxed);
+  Status result = Status::Ok();
+  while (c < slots_.size()) {
+    Slot& s = slots_[c];
+    if (s.state == SlotState::kFolded || s.state == SlotState::kOut) {
+      ++c;
+      continue;
+    }
+    if (s.state != SlotState::kCommittedParked) break;  // its turn; it folds live or when it commits
+    std::byte carry[8] = {};
+    Status st = start_folding_locked(c, layout_.total_bytes(), carry);
+    if (!st.ok() && result.ok()) result = st;
+    s.state = SlotState::kFolded;
+    ++c;
+  }
+  cursor_.store(c, std::memory_order_release);
+  return result;
+}
 
 size_t FedAvgAggregator::sum_bytes(const Layout& layout) {
   size_t acc = 0;
@@ -126,7 +261,7 @@ FedAvgAggregator::FedAvgAggregator(const Layout& layout, ClientWeightsMode mode)
     : FedAvgAggregator(layout, mode, Arena(sum_bytes(layout), MemoryCategory::kAggregation)) {}
 
 FedAvgAggregator::FedAvgAggregator(const Layout& layout, ClientWeightsMode mode, Arena&& sum_storage)
-    : layout_(layout), mode_(mode) {
+    : layout_(layout), mode_(mode), spool_(std::make_unique<Spool>()) {
   assert(sum_storage.size() >= sum_bytes(layout));
   size_t acc = 0;
   for (const auto& e : layout.entries()) {
@@ -138,12 +273,14 @@ FedAvgAggregator::FedAvgAggregator(const Layout& layout, ClientWeightsMode mode,
 
 FedAvgAggregator::FedAvgAggregator(const Layout& layout, ClientWeightsMode mode, Arena& in_place,
                                    Accumulation accumulation)
-    : layout_(layout), mode_(mode), accumulation_(accumulation) {
+    : layout_(layout), mode_(mode), accumulation_(accumulation), spool_(std::make_unique<Spool>()) {
   assert((accumulation == Accumulation::kRunningMean || can_sum_in_place(layout)) &&
          in_place.size() >= layout.total_bytes());
   for (const auto& e : layout.entries()) acc_offsets_.push_back(e.offset);
   in_place_ = &in_place;
 }
+
+FedAvgAggregator::~FedAvgAggregator() = default;
 
 Status FedAvgAggregator::retarget(Arena& in_place) {
   std::lock_guard lock(mu_);
@@ -166,13 +303,12 @@ bool FedAvgAggregator::tainted() const {
   return !tainted_by_.empty();
 }
 
-Status FedAvgAggregator::begin_round(int round) {
+Status FedAvgAggregator::begin_round(int round, std::vector<std::string> fold_order) {
   std::lock_guard lock(mu_);
   if (open_streams_ > 0) return failed_precondition("begin_round({}) while {} updates are open", round, open_streams_);
   if (accumulation_ == Accumulation::kRunningMean) {
     // Nothing to clear: the first update of the round is copied over.
     mean_weight_ = 0;
-    mean_owner_ = nullptr;
   } else if (in_place_ != nullptr) {
     in_place_->zero();  // the global model becomes the running sum
   } else if (round_ >= 0) {
@@ -182,6 +318,27 @@ Status FedAvgAggregator::begin_round(int round) {
   total_weight_ = 0;
   committed_ = 0;
   tainted_by_.clear();
+  slots_.clear();
+  ordered_ = !fold_order.empty();
+  for (auto& id : fold_order) {
+    for (const auto& s : slots_) {
+      if (s.client_id == id) return invalid_argument("begin_round({}): {} appears twice in the fold order", round, id);
+    }
+    slots_.push_back(Slot{std::move(id)});
+  }
+  cursor_.store(0, std::memory_order_release);
+  spool_->clear();
+  return Status::Ok();
+}
+
+Status FedAvgAggregator::withdraw(const std::string& client_id) {
+  std::lock_guard lock(mu_);
+  for (auto& s : slots_) {
+    if (s.client_id != client_id) continue;
+    if (s.state != SlotState::kPending) return Status::Ok();  // its stream decides
+    s.state = SlotState::kOut;
+    return advance_locked();
+  }
   return Status::Ok();
 }
 
@@ -196,8 +353,24 @@ StatusOr<std::unique_ptr<UpdateStream>> FedAvgAggregator::open_update(const std:
   }
   std::lock_guard lock(mu_);
   if (round_ < 0) return failed_precondition("open_update before begin_round");
+  size_t slot = slots_.size();
+  if (ordered_) {
+    for (size_t i = 0; i < slots_.size(); ++i) {
+      if (slots_[i].client_id == client_id) slot = i;
+    }
+    if (slot == slots_.size()) {
+      return failed_precondition("update from {}: not selected for round {}", client_id, round_);
+    }
+    if (slots_[slot].state != SlotState::kPending) {
+      return failed_precondition("update from {}: a second update in round {}", client_id, round_);
+    }
+  } else {
+    slots_.push_back(Slot{client_id});  // no fold order given: the order updates are opened in
+  }
+  slots_[slot].state = SlotState::kOpen;
+  slots_[slot].weight = w;
   open_streams_++;
-  return std::unique_ptr<UpdateStream>(std::make_unique<Stream>(*this, client_id, w));
+  return std::unique_ptr<UpdateStream>(std::make_unique<Stream>(*this, slot, client_id, w));
 }
 
 int FedAvgAggregator::num_committed() const {
@@ -348,6 +521,14 @@ void FedAvgAggregator::fold_elements(const LayoutEntry& e, size_t acc_offset, si
 Status FedAvgAggregator::finalize(Arena& global) {
   std::lock_guard lock(mu_);
   if (open_streams_ > 0) return failed_precondition("finalize while {} updates are still open", open_streams_);
+  // Clients that never sent an update are out; what waited for them folds now.
+  for (auto& s : slots_) {
+    if (s.state == SlotState::kPending) s.state = SlotState::kOut;
+  }
+  Status drained = advance_locked();
+  if (!drained.ok())
+    return Status(StatusCode::kAborted,
+                  fmt::format("round {}: {}; the round must be redone", round_, drained.message()));
   if (!tainted_by_.empty()) {
     return Status(StatusCode::kAborted, fmt::format("round {}: the update of {} broke after part of it was counted; "
                                                     "the round must be redone",

@@ -16,19 +16,37 @@
 // update is copied exactly; two bf16 updates of equal weight give the
 // correctly rounded mean (x₁ + x₂ fits in f32 exactly); N updates are within
 // (N − 1)/2 units in the last place of the largest input (half an ulp per
-// rounding after the first, exact, update; tested). Updates must then fold
-// one after another (every transport folds in client order anyway); a stream
-// that folds while an earlier one is open is refused.
+// rounding after the first, exact, update; tested). Updates fold one after
+// another in fold order (below), which fixes each one's share.
 //
 // Weights (`client_weights_mode`): `equal` gives every client weight 1;
 // `sample_size` weighs by the sample count the client reported.
 //
 // Chunks may be any size and cut elements anywhere: a stream keeps the bytes
 // of an element split between two chunks (at most 7) until the rest arrives.
-// Streams may be open concurrently; folding a chunk into the sum is serialised.
+//
+// Order. Float addition is not associative, so the sum depends on the order
+// updates fold in. The aggregator fixes that order — the round's fold order
+// given to begin_round (the selected clients, in client order), or the order
+// updates were opened in when none is given — and never makes an upload wait
+// for it: an update whose turn has come folds chunk by chunk as it arrives;
+// one that arrives early is *parked*: its verified chunks are written to an
+// unnamed spool file (O_TMPFILE in `spool_dir`, page cache, not anonymous
+// memory), and fold from there, 4 MiB at a time, when its turn comes (or
+// straight away from the point its turn comes, if it is still arriving).
+// So the result is bit-identical whatever the arrival order and the
+// transport. Cost: a parked update is written and read once more (disk
+// space ≤ (clients − 1) × model in the worst case, given back slot by slot
+// as each folds); memory: one 4 MiB block while a parked update folds. A
+// parked update that breaks never touched the sum: it is simply out, where a
+// live one that breaks after folding bytes taints the round (redo).
+// Streams may be open concurrently; folding into the sum is serialised.
 #pragma once
 
+#include <atomic>
+#include <memory>
 #include <mutex>
+#include <string>
 #include <vector>
 
 #include "aggregate/aggregator.h"
@@ -51,28 +69,52 @@ class FedAvgAggregator final : public Aggregator {
                    Accumulation accumulation = Accumulation::kSum);
   // The sum in `sum_storage` (e.g. a file-backed arena) instead of memory.
   FedAvgAggregator(const Layout& layout, ClientWeightsMode mode, Arena&& sum_storage);
+  ~FedAvgAggregator() override;
   // Size of the f32/f64 running sum of `layout` (what sum_storage must hold).
   static size_t sum_bytes(const Layout& layout);
   // Points the in-place state at another model-sized arena (a file-backed
   // server folds each round into the next checkpoint's file). Only between
   // rounds.
-  Status retarget(Arena& in_place);
+  Status retarget(Arena& in_place) override;
   Accumulation accumulation() const { return accumulation_; }
   // Whether a layout's running sum can share the model's bytes.
   static bool can_sum_in_place(const Layout& layout);
-  bool sums_in_place() const { return in_place_ != nullptr; }
+  bool sums_in_place() const override { return in_place_ != nullptr; }
   std::string_view name() const override { return "FedAvgAggregator"; }
-  Status begin_round(int round) override;
+  // Where parked updates are spooled (default: the system's temp directory).
+  void set_spool_dir(std::string dir) override { spool_dir_ = std::move(dir); }
+  Status begin_round(int round, std::vector<std::string> fold_order = {}) override;
+  Status withdraw(const std::string& client_id) override;
   StatusOr<std::unique_ptr<UpdateStream>> open_update(const std::string& client_id, double sample_count) override;
   Status finalize(Arena& global) override;
   int num_committed() const override;
   size_t state_bytes() const override { return sum_.size(); }
+  // One 4 MiB block while a parked update folds from the spool.
+  size_t working_bytes() const override { return kSpoolBlock; }
+  static constexpr size_t kSpoolBlock = 4 << 20;
   // Whether a stream broke after some of its bytes were folded this round.
   bool tainted() const;
 
  private:
   class Stream;
+  class Spool;
   friend class Stream;
+  enum class SlotState { kPending, kOpen, kParked, kCommittedParked, kFolded, kOut };
+  // One place in the round's fold order.
+  struct Slot {
+    std::string client_id;
+    SlotState state = SlotState::kPending;
+    double weight = 0;       // wᵢ
+    double fold_weight = 0;  // what it folds with (wᵢ, or wᵢ/Wᵢ for a running mean)
+    bool folded_any = false;
+  };
+  // Called with mu_ held: the update in `slot` starts folding; the first
+  // `parked_bytes` of it come from the spool.
+  Status start_folding_locked(size_t slot, uint64_t parked_bytes, std::byte* carry);
+  // Moves the cursor past every update that is done, folding the parked ones.
+  Status advance_locked();
+  Status park(size_t slot, uint64_t offset, Payload payload, const std::string& client_id);
+  void spool_release_locked(size_t slot);
   // Folds `payload` (model bytes starting at `offset`, whole elements only
   // or the tail/head of one) into the sum with weight `w`.
   void fold(size_t offset, std::span<const std::byte> payload, double w, std::byte* carry);
@@ -88,9 +130,13 @@ class FedAvgAggregator final : public Aggregator {
   Arena sum_;
   Arena* in_place_ = nullptr;
   Accumulation accumulation_ = Accumulation::kSum;
-  double mean_weight_ = 0;            // kRunningMean: W of the streams that have folded
-  const void* mean_owner_ = nullptr;  // kRunningMean: the stream folding now
+  double mean_weight_ = 0;  // kRunningMean: W of the updates that have folded
   mutable std::mutex mu_;
+  std::vector<Slot> slots_;
+  bool ordered_ = false;
+  std::atomic<size_t> cursor_{0};  // the slot whose turn it is to fold
+  std::unique_ptr<Spool> spool_;
+  std::string spool_dir_;
   int round_ = -1;
   double total_weight_ = 0;
   int committed_ = 0;

@@ -14,11 +14,11 @@
 #include "config/config.h"
 #include "dp/rdp_accountant.h"
 #include "default_config.h"
-#include "roles/run_dir.h"
+#include "io/run_dir.h"
 #include "roles/simulation.h"
 #include "memory/alloc_tracker.h"
 #include "report/report.h"
-#include "roles/compare_methods.h"
+#include "experiments/compare_methods.h"
 #include "schedule/client_selection.h"
 #include "tensor/safetensors.h"
 #include "model/llama.h"
@@ -29,7 +29,7 @@
 #include "report/dp_sweep.h"
 #include "train/trainer_backend.h"
 #ifdef MEMFL_HAVE_GRPC
-#include "roles/bench_transfer.h"
+#include "experiments/bench_transfer.h"
 #include "roles/grpc_roles.h"
 #endif
 
@@ -206,15 +206,18 @@ int main(int argc, char** argv) {
   app.require_subcommand(1);
   app.set_version_flag("--version", "memfl 0.1.0");
 
-  std::string config_path, out_dir;
+  std::string config_path, out_dir, resume_dir;
   std::vector<std::string> sets;
   bool quiet = false;
+  const char* resume_doc =
+      "continue the run in DIR after its newest committed round (config: DIR's config.yaml unless CONFIG is given)";
 
   auto* run = app.add_subcommand("run", "Run an in-process federated simulation (server + virtual clients)");
   run->add_option("CONFIG", config_path, "YAML config (default: the embedded configs/fedavg_fmnist_cnn.yaml)");
   run->add_option("--out", out_dir, "run directory (default: <logging_output_dirname>/<timestamp>-<pid>)");
   run->add_option("--set", sets, "override a config key: --set server_configs.num_global_epochs=2 (repeatable)");
   run->add_flag("-q,--quiet", quiet, "no per-round progress lines");
+  run->add_option("--resume", resume_dir, resume_doc);
   bool profile = false;
   run->add_flag("--profile", profile, "record allocations with stacks (profile.bin; see memfl report)");
 
@@ -270,6 +273,7 @@ int main(int argc, char** argv) {
   server->add_option("--out", out_dir, "run directory");
   server->add_option("--set", sets, "override a config key (repeatable)");
   server->add_flag("-q,--quiet", quiet, "no per-round progress lines");
+  server->add_option("--resume", resume_dir, resume_doc);
   server->add_flag("--profile", profile, "record allocations with stacks (profile.bin)");
   auto* client = app.add_subcommand("client", "Run one federated client over gRPC");
   client->add_option("CONFIG", config_path, "YAML config: how to reach the server (the server sends the experiment)");
@@ -308,6 +312,8 @@ int main(int argc, char** argv) {
   mpi->add_option("--out", out_dir, "run directory (rank_0/, rank_1/, ...)");
   mpi->add_option("--set", sets, "override a config key (repeatable)");
   mpi->add_flag("-q,--quiet", quiet, "no per-round progress lines");
+  mpi->add_option("--resume", resume_dir,
+                  "continue the MPI run in DIR (config: DIR/rank_0/config.yaml unless CONFIG is given)");
   mpi->add_flag("--profile", profile, "record allocations with stacks (profile.bin per rank)");
 #endif
   std::string report_dir, compare_out;
@@ -399,10 +405,13 @@ int main(int argc, char** argv) {
 
 #ifdef MEMFL_HAVE_MPI
   if (app.got_subcommand("mpi")) {
+    if (!resume_dir.empty() && config_path.empty()) config_path = resume_dir + "/rank_0/config.yaml";
     auto cfg = load(config_path, sets);
     if (!cfg.ok()) return fail(cfg.status());
-    std::string dir = out_dir.empty() ? fmt::format("runs/mpi-{}", getpid()) : out_dir;
-    memfl::Status st = memfl::run_mpi(&argc, &argv, *cfg, {dir, !quiet});
+    std::string dir = !resume_dir.empty() ? resume_dir
+                      : out_dir.empty()   ? fmt::format("runs/mpi-{}", getpid())
+                                          : out_dir;
+    memfl::Status st = memfl::run_mpi(&argc, &argv, *cfg, {dir, !quiet, !resume_dir.empty()});
     if (!st.ok()) return fail(st);
     return kExitOk;
   }
@@ -462,6 +471,8 @@ int main(int argc, char** argv) {
     return kExitOk;
   }
   if (app.got_subcommand("server") || app.got_subcommand("client")) {
+    if (!resume_dir.empty() && config_path.empty()) config_path = resume_dir + "/config.yaml";
+    if (!resume_dir.empty()) out_dir = resume_dir;
     auto cfg = load(config_path, sets);
     if (!cfg.ok()) return fail(cfg.status());
     const bool is_server = app.got_subcommand("server");
@@ -475,7 +486,7 @@ int main(int argc, char** argv) {
     const std::string role = is_server ? "server" : "client_" + std::to_string(client_id);
     start_profiler(*cfg, dir, role);
     if (st.ok()) {
-      st = is_server ? memfl::run_grpc_server(*cfg, {dir, !quiet})
+      st = is_server ? memfl::run_grpc_server(*cfg, {dir, !quiet, !resume_dir.empty()})
                      : memfl::run_grpc_client(*cfg, client_id, {dir, !quiet});
     }
     memfl::alloc_tracker_stop();
@@ -485,17 +496,20 @@ int main(int argc, char** argv) {
 #endif
 
   // run
+  const bool resume = !resume_dir.empty();
+  if (resume && config_path.empty()) config_path = resume_dir + "/config.yaml";
   auto cfg = load(config_path, sets);
   if (!cfg.ok()) return fail(cfg.status());
-  auto dir = memfl::prepare_run_dir(out_dir, *cfg);
+  auto dir = resume ? memfl::StatusOr<std::string>(resume_dir) : memfl::prepare_run_dir(out_dir, *cfg);
   if (!dir.ok()) return fail(dir.status());
-  memfl::Status st =
-      memfl::write_text_file(*dir + "/config.yaml", "# resolved from " + cfg->source + "\n" + cfg->resolved_yaml);
+  memfl::Status st = resume ? memfl::Status::Ok()
+                            : memfl::write_text_file(*dir + "/config.yaml",
+                                                     "# resolved from " + cfg->source + "\n" + cfg->resolved_yaml);
   if (!st.ok()) return fail(st);
   spdlog::set_pattern("[%H:%M:%S.%e] [%l] %v");
   spdlog::info("run directory {}", *dir);
   start_profiler(*cfg, *dir, "simulation");
-  auto result = memfl::run_simulation(*cfg, {*dir, !quiet});
+  auto result = memfl::run_simulation(*cfg, {*dir, !quiet, resume});
   memfl::alloc_tracker_stop();
   if (!result.ok()) {
     fmt::print(stderr, "memfl: run failed; what was measured so far is in {}\n", *dir);

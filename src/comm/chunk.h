@@ -30,6 +30,19 @@ struct ChunkHeader {
 // read the pieces in place; nobody glues them into one buffer.
 using Payload = std::span<const std::span<const std::byte>>;
 
+// The most bytes one chunk carries on any transport, whatever
+// model_chunk_size says: what a stream buffers (two chunks in flight) stays a
+// few MiB when APPFL users configure 256 MiB–1 GiB chunks. Measured: 1–4 MiB
+// chunks are also the fastest here over gRPC and MPI (docs/BENCHMARKS.md).
+inline constexpr uint64_t kMaxTransferChunk = 4 << 20;
+// The chunk a transport uses: model_chunk_size (the whole model when
+// use_model_chunking is off), at most kMaxTransferChunk.
+inline uint64_t transfer_chunk_bytes(bool use_model_chunking, int64_t model_chunk_size, uint64_t model_bytes) {
+  const uint64_t want =
+      use_model_chunking && model_chunk_size > 0 ? static_cast<uint64_t>(model_chunk_size) : model_bytes;
+  return want < kMaxTransferChunk ? (want == 0 ? 1 : want) : kMaxTransferChunk;
+}
+
 uint64_t chunk_checksum(std::span<const std::byte> payload);
 uint64_t chunk_checksum(Payload payload);
 size_t payload_size(Payload payload);

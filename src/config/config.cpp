@@ -1,7 +1,9 @@
 #include "config/config.h"
 
 #include "memory/budget.h"
+#include "aggregate/registry.h"
 #include "model/llama.h"
+#include "schedule/scheduler.h"
 
 #include <fmt/ranges.h>  // fmt::join (its home since fmt 11; here on 9 too)
 #include <yaml-cpp/yaml.h>
@@ -78,6 +80,25 @@ const std::vector<KeySpec>& schema() {
        kInf,
        "local trainer (DummyTrainer: no training, for transfer and memory measurements)",
        S(train.trainer)},
+      {"client_configs.train_configs.dummy_update_scale",
+       Type::kFloat,
+       "0",
+       {},
+       0,
+       1e6,
+       "DummyTrainer: 0 = send the model back as received; s > 0 = client c in round r adds s*(c+1)*(1 + (i + r) mod "
+       "5) to float element i of every tensor and reports 5*(c+1) samples, so updates differ per client and round "
+       "(tests, benchmarks)",
+       F(train.dummy_update_scale)},
+      {"client_configs.train_configs.dummy_delay_s",
+       Type::kString,
+       "\"\"",
+       {},
+       -kInf,
+       kInf,
+       "DummyTrainer: seconds client c spends in its local update, a comma-separated list taken by c mod its length "
+       "(e.g. 1.5,0.5,0.5,0.5: client 0 three times slower)",
+       S(train.dummy_delay_s)},
       {"client_configs.train_configs.mode",
        Type::kString,
        "epoch",
@@ -393,22 +414,12 @@ const std::vector<KeySpec>& schema() {
        "clients selected per round (0 = all)",
        I(server.clients_per_round)},
       {"server_configs.num_global_epochs", Type::kInt, "5", {}, 1, 1e7, "rounds", I(server.num_global_epochs)},
-      {"server_configs.scheduler",
-       Type::kString,
-       "SyncScheduler",
-       {"SyncScheduler"},
-       -kInf,
-       kInf,
-       "round scheduler",
-       S(server.scheduler)},
-      {"server_configs.aggregator",
-       Type::kString,
-       "FedAvgAggregator",
-       {"FedAvgAggregator"},
-       -kInf,
-       kInf,
-       "aggregation rule",
-       S(server.aggregator)},
+      {"server_configs.scheduler", Type::kString, "SyncScheduler",
+       scheduler_names(),  // the registry's names (schedule/scheduler.h)
+       -kInf, kInf, "round scheduler", S(server.scheduler)},
+      {"server_configs.aggregator", Type::kString, "FedAvgAggregator",
+       aggregator_names(),  // the registry's names (aggregate/registry.h)
+       -kInf, kInf, "aggregation rule", S(server.aggregator)},
       {"server_configs.aggregator_kwargs.client_weights_mode",
        Type::kString,
        "equal",
@@ -838,6 +849,9 @@ Status cross_checks(const ExperimentConfig& c, const std::string& source) {
   if (c.data.dataset_name == "TextFile" && c.data.dataset_path.empty()) {
     return invalid_argument("{}: dataset TextFile needs 'client_configs.data_configs.dataset_path'", source);
   }
+  if (!c.train.dummy_delay_s.empty() && !parse_delays(c.train.dummy_delay_s).ok()) {
+    return parse_delays(c.train.dummy_delay_s).status().with_context(source);
+  }
   if (c.server.dp_fedavg_clip_norm > 0 && c.server.client_weights_mode != "equal") {
     return invalid_argument(
         "{}: client-level DP-FedAvg ('server_configs.aggregator_kwargs.dp_fedavg_clip_norm') needs "
@@ -870,6 +884,25 @@ Status cross_checks(const ExperimentConfig& c, const std::string& source) {
 }
 
 }  // namespace
+
+StatusOr<std::vector<double>> parse_delays(const std::string& text) {
+  std::vector<double> out;
+  size_t pos = 0;
+  while (pos <= text.size()) {
+    const size_t comma = std::min(text.find(',', pos), text.size());
+    const std::string item = text.substr(pos, comma - pos);
+    char* end = nullptr;
+    const double v = std::strtod(item.c_str(), &end);
+    if (item.empty() || end == item.c_str() || *end != '\0' || !std::isfinite(v) || v < 0 || v > 86400) {
+      return invalid_argument(
+          "'client_configs.train_configs.dummy_delay_s': '{}' is not a comma-separated list of seconds in [0, 86400]",
+          text);
+    }
+    out.push_back(v);
+    pos = comma + 1;
+  }
+  return out;
+}
 
 StatusOr<ExperimentConfig> load_config_text(const std::string& yaml_text, const std::string& source,
                                             const std::vector<std::string>& overrides) {

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "common/status.h"
+#include "model/model_config.h"
 
 namespace memfl {
 
@@ -51,20 +52,10 @@ struct TrainConfig {
   std::string device = "cpu";
   int num_threads = 0;  // libtorch intra-op threads; 0 = number of cores
   DpConfig dp;
-};
-
-struct ModelConfig {
-  std::string model_name = "CNN";  // a registry model, or "synthetic"
-  int64_t num_params = 1 << 20;    // synthetic
-  std::string dtype = "f32";       // synthetic: f32 | bf16 | f16
-  // 0 = take it from the data set; otherwise must agree with it.
-  int num_channel = 0, num_pixel = 0, num_classes = 0;
-  int hidden_size = 200;  // MLP; llama (custom spec)
-  // model_name "llama": a custom spec (the llama-* presets fix their own).
-  int num_layers = 2, num_heads = 4, num_kv_heads = 2;
-  int64_t intermediate_size = 172, vocab_size = 256;
-  bool tie_word_embeddings = false;
-  int seq_length = 64;  // llama training: tokens per sample
+  // DummyTrainer: an update that differs per client and round (0: none), and
+  // per-client delays ("1.5,0.5": client c takes entry c mod 2).
+  double dummy_update_scale = 0;
+  std::string dummy_delay_s;
 };
 
 struct DataConfig {
@@ -155,5 +146,8 @@ const std::vector<std::string>& known_model_names();
 
 // One line per schema key: "path (type, default): doc" — for `memfl config-keys`.
 std::string describe_config_keys();
+
+// `train_configs.dummy_delay_s` as numbers (an error names the key).
+StatusOr<std::vector<double>> parse_delays(const std::string& text);
 
 }  // namespace memfl

@@ -26,7 +26,7 @@
 #include <vector>
 
 #include "common/status.h"
-#include "config/config.h"
+#include "model/model_config.h"
 #include "tensor/layout.h"
 
 namespace memfl {

@@ -5,7 +5,7 @@
 #include <map>
 #include <set>
 
-#include "roles/run_dir.h"
+#include "io/run_dir.h"
 
 namespace memfl {
 

@@ -11,7 +11,7 @@
 
 #include "memory/profile.h"
 #include "report/report_assets.h"
-#include "roles/run_dir.h"
+#include "io/run_dir.h"
 #include "tensor/layout.h"
 
 namespace memfl {

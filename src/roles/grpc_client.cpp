@@ -13,9 +13,9 @@
 
 #include "comm/grpc/wire.h"
 #include "memory/sampler.h"
-#include "roles/client_work.h"
+#include "client/client_work.h"
 #include "roles/grpc_roles.h"
-#include "roles/run_dir.h"
+#include "io/run_dir.h"
 
 namespace memfl {
 
@@ -81,43 +81,76 @@ Status run_grpc_client(const ExperimentConfig& local, int client_id, const RoleO
     creds = grpc::SslCredentials(ssl);
   }
   grpc::ChannelArguments args;
-  const int limit = max_message_bytes(lc.model_chunk_size, lc.max_message_size);
+  // Messages are at most one transfer chunk, whatever model_chunk_size says
+  // (the server's may differ from this local config): limits and the flow
+  // control window follow that bound.
+  const int64_t wire_chunk = static_cast<int64_t>(kMaxTransferChunk);
+  const int limit = max_message_bytes(wire_chunk, lc.max_message_size);
   args.SetMaxReceiveMessageSize(limit);
   args.SetMaxSendMessageSize(limit);
   args.SetInt(GRPC_ARG_HTTP2_BDP_PROBE, 0);  // see the server: flow control is the backpressure
-  args.SetInt(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, stream_window_bytes(lc.model_chunk_size));
+  args.SetInt(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, stream_window_bytes(wire_chunk));
   auto channel = grpc::CreateCustomChannel(lc.server_uri, creds, args);
   if (!channel->WaitForConnected(std::chrono::system_clock::now() + std::chrono::seconds(lc.connect_timeout_s))) {
     return Status(StatusCode::kUnavailable,
                   fmt::format("cannot connect to server {} within {} s{}", peer, lc.connect_timeout_s,
                               lc.use_ssl ? " (TLS: does root_cert sign the server's certificate?)" : ""));
   }
-  grpc::ClientContext ctx;
-  grpc::internal::RpcMethod method(kSessionMethod, grpc::internal::RpcMethod::BIDI_STREAMING, channel);
-  std::unique_ptr<Stream> stream(
-      grpc::internal::ClientReaderWriterFactory<Frame, Frame>::Create(channel.get(), method, &ctx));
+  std::unique_ptr<grpc::ClientContext> ctx;
+  std::unique_ptr<Stream> stream;
   DecodedFrame d;
   wire::ServerMessage msg;
   wire::ClientMessage out;
-  out.mutable_register_()->set_client_id(std::to_string(client_id));
-  out.mutable_register_()->set_token(fault == "wrong_token" ? lc.auth_token + "-wrong" : lc.auth_token);
-  MEMFL_RETURN_IF_ERROR(write(*stream, out, peer));
-  MEMFL_RETURN_IF_ERROR(read_server_message(*stream, peer, &d, &msg));
-  if (d.is_chunk || !msg.has_register_reply()) return data_loss("server {}: expected a RegisterReply", peer);
-  if (!msg.register_reply().accepted()) {
-    return Status(StatusCode::kFailedPrecondition,
-                  fmt::format("server {} refused {}: {}", peer, role, msg.register_reply().message()));
-  }
-
-  // The server's configuration is the experiment; the local one only says
-  // how to reach the server.
-  out.Clear();
-  out.mutable_get_configuration();
-  MEMFL_RETURN_IF_ERROR(write(*stream, out, peer));
-  MEMFL_RETURN_IF_ERROR(read_server_message(*stream, peer, &d, &msg));
-  if (d.is_chunk || !msg.has_configuration()) return data_loss("server {}: expected a Configuration", peer);
-  MEMFL_ASSIGN_OR_RETURN(ExperimentConfig cfg,
-                         load_config_text(msg.configuration().config_yaml(), "configuration from server " + peer));
+  // A session: Register, then GetConfiguration (the experiment's YAML).
+  auto open_session = [&]() -> StatusOr<std::string> {
+    ctx = std::make_unique<grpc::ClientContext>();
+    grpc::internal::RpcMethod method(kSessionMethod, grpc::internal::RpcMethod::BIDI_STREAMING, channel);
+    stream.reset(grpc::internal::ClientReaderWriterFactory<Frame, Frame>::Create(channel.get(), method, ctx.get()));
+    out.Clear();
+    out.mutable_register_()->set_client_id(std::to_string(client_id));
+    out.mutable_register_()->set_token(fault == "wrong_token" ? lc.auth_token + "-wrong" : lc.auth_token);
+    MEMFL_RETURN_IF_ERROR(write(*stream, out, peer));
+    MEMFL_RETURN_IF_ERROR(read_server_message(*stream, peer, &d, &msg));
+    if (d.is_chunk || !msg.has_register_reply()) return data_loss("server {}: expected a RegisterReply", peer);
+    if (!msg.register_reply().accepted()) {
+      return Status(StatusCode::kFailedPrecondition,
+                    fmt::format("server {} refused {}: {}", peer, role, msg.register_reply().message()));
+    }
+    // The server's configuration is the experiment; the local one only says
+    // how to reach the server.
+    out.Clear();
+    out.mutable_get_configuration();
+    MEMFL_RETURN_IF_ERROR(write(*stream, out, peer));
+    MEMFL_RETURN_IF_ERROR(read_server_message(*stream, peer, &d, &msg));
+    if (d.is_chunk || !msg.has_configuration()) return data_loss("server {}: expected a Configuration", peer);
+    return msg.configuration().config_yaml();
+  };
+  // The server went away (killed, restarted with --resume): a new session,
+  // with backoff from 0.1 s to 2 s, for connect_timeout_s at most.
+  auto reconnect = [&](const Status& why) -> Status {
+    spdlog::warn("{}; reconnecting for up to {} s", why.message(), lc.connect_timeout_s);
+    const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(lc.connect_timeout_s);
+    auto wait = std::chrono::milliseconds(100);
+    Status last = why;
+    while (std::chrono::steady_clock::now() < give_up) {
+      std::this_thread::sleep_for(wait);
+      wait = std::min(2 * wait, std::chrono::milliseconds(2000));
+      if (!channel->WaitForConnected(std::chrono::system_clock::now() + wait)) continue;
+      auto yaml = open_session();
+      if (yaml.ok()) {
+        spdlog::info("{}: reconnected to server {}", role, peer);
+        return Status::Ok();
+      }
+      last = yaml.status();
+      if (last.code() != StatusCode::kUnavailable) return last;  // refused: say why, stop
+    }
+    return Status(StatusCode::kUnavailable,
+                  fmt::format("{}: gave up reconnecting to server {} after {} s (server_configs.comm_configs."
+                              "grpc_configs.connect_timeout_s); last error: {}",
+                              role, peer, lc.connect_timeout_s, last.message()));
+  };
+  MEMFL_ASSIGN_OR_RETURN(std::string config_yaml, open_session());
+  MEMFL_ASSIGN_OR_RETURN(ExperimentConfig cfg, load_config_text(config_yaml, "configuration from server " + peer));
   if (cfg.train.num_threads == 0) cfg.train.num_threads = 1;  // clients share the machine's cores
 
   std::optional<DatasetSplits> data;
@@ -133,19 +166,20 @@ Status run_grpc_client(const ExperimentConfig& local, int client_id, const RoleO
   MEMFL_ASSIGN_OR_RETURN(LocalModel model, make_local_model(cfg, input, /*fill=*/false, cfg.server.seed, opts.run_dir));
   const Layout& layout = model.layout();
   const size_t chunk =
-      cfg.server.use_model_chunking ? static_cast<size_t>(cfg.server.model_chunk_size) : layout.total_bytes();
+      transfer_chunk_bytes(cfg.server.use_model_chunking, cfg.server.model_chunk_size, layout.total_bytes());
   std::atomic<int64_t> inflight{0};
   int rounds = 0;
   int64_t dp_steps = 0;  // DP-SGD steps over every round, for this client's ε
 
-  while (true) {
+  // One round; true when the server says the run is finished.
+  auto play_round = [&]() -> StatusOr<bool> {
     out.Clear();
     out.mutable_get_global_model();
     MEMFL_RETURN_IF_ERROR(write(*stream, out, peer));
     MEMFL_RETURN_IF_ERROR(read_server_message(*stream, peer, &d, &msg));
     if (d.is_chunk || !msg.has_model_begin()) return data_loss("server {}: expected ModelBegin", peer);
     const auto begin = msg.model_begin();
-    if (begin.finished()) break;
+    if (begin.finished()) return true;
     if (begin.layout_hash() != layout.hash() || begin.total_bytes() != layout.total_bytes()) {
       return data_loss(
           "server {}: its model (layout {:016x}, {} bytes) is not this client's (layout {:016x}, {} bytes)", peer,
@@ -182,7 +216,7 @@ Status run_grpc_client(const ExperimentConfig& local, int client_id, const RoleO
     out.Clear();
     auto* md = out.mutable_update_metadata();
     md->set_round(round);
-    md->set_sample_count(update_sample_count(cfg, part));
+    md->set_sample_count(update_sample_count(cfg, part, client_id));
     (*md->mutable_metrics())["train_loss"] = tr.train_loss;
     (*md->mutable_metrics())["val_accuracy"] = tr.val_accuracy;
     if (cfg.train.dp.enabled) (*md->mutable_metrics())["epsilon"] = epsilon;
@@ -194,7 +228,7 @@ Status run_grpc_client(const ExperimentConfig& local, int client_id, const RoleO
       ChunkHeader h{layout.hash(), off, len, chunk_checksum(bytes)};
       const bool inject = !fault.empty() && rounds == 0 && (index == 1 || off + len >= layout.total_bytes());
       if (inject && fault == "disconnect_mid_upload") {
-        ctx.TryCancel();
+        ctx->TryCancel();
         return Status(StatusCode::kAborted, "injected fault: disconnected in the middle of the upload");
       }
       if (inject && fault == "bad_checksum") h.checksum ^= 1;
@@ -216,6 +250,18 @@ Status run_grpc_client(const ExperimentConfig& local, int client_id, const RoleO
     }
     ++rounds;
     sampler.mark(round, "idle");
+    return false;
+  };
+  while (true) {
+    auto finished = play_round();
+    if (finished.ok()) {
+      if (*finished) break;
+      continue;
+    }
+    // Only a server that went away is worth a new session; bad bytes,
+    // refusals and injected faults end the client with their message.
+    if (finished.status().code() != StatusCode::kUnavailable) return finished.status();
+    MEMFL_RETURN_IF_ERROR(reconnect(finished.status()));
   }
   out.Clear();
   out.mutable_bye();

@@ -17,6 +17,7 @@ namespace memfl {
 struct RoleOptions {
   std::string run_dir;
   bool progress = true;
+  bool resume = false;  // continue after the newest committed round of run_dir
 };
 
 Status run_grpc_server(const ExperimentConfig& cfg, const RoleOptions& opts);

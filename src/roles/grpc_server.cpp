@@ -16,14 +16,14 @@
 #include <nlohmann/json.hpp>
 #include <spdlog/spdlog.h>
 
-#include "aggregate/fedavg_aggregator.h"
 #include "comm/grpc/wire.h"
+#include "server/round_driver.h"
+#include "server/transport.h"
 #include "memory/sampler.h"
-#include "roles/client_work.h"
+#include "client/client_work.h"
 #include "roles/grpc_roles.h"
-#include "roles/global_model.h"
-#include "roles/run_dir.h"
-#include "roles/simulation.h"
+#include "server/global_model.h"
+#include "io/run_dir.h"
 #include "tensor/safetensors.h"
 
 namespace memfl {
@@ -49,51 +49,63 @@ struct ClientSlot {
   int served_round = 0;  // last round whose model this client was sent
   bool received = false;
   bool committed = false;
+  bool uploading = false;  // a session is inside its update (holds an aggregator stream)
   grpc::ServerContext* ctx = nullptr;
-  TrainResult metrics;
+  ClientUpdateInfo info;  // what its update's metadata said
 };
 
-class ServerAgent {
+// The gRPC transport of the server core: sessions (a thread each, gRPC's
+// synchronous server) wait on the phase the round driver puts the transport
+// in — broadcast, then upload — and move chunks between the wire and the
+// global arena or the aggregator.
+class ServerAgent final : public ServerTransport {
  public:
-  ServerAgent(const ExperimentConfig& cfg, const RoleOptions& opts) : cfg_(cfg), opts_(opts) {}
-  Status run();
+  ServerAgent(const ExperimentConfig& cfg, GlobalModel& global, bool naive)
+      : cfg_(cfg),
+        global_(global),
+        chunk_(transfer_chunk_bytes(cfg.server.use_model_chunking, cfg.server.model_chunk_size,
+                                    global.layout().total_bytes())),
+        naive_(naive),
+        slots_(static_cast<size_t>(cfg.server.num_clients)) {}
   grpc::Status session(grpc::ServerContext* ctx, grpc::ServerReaderWriter<Frame, Frame>* stream);
+  // Waits (round_timeout_s at most) for every client to register.
+  void wait_for_clients();
+
+  std::string_view name() const override { return "grpc"; }
+  bool broadcast_done_before_collect() const override { return true; }
+  Status broadcast(int round, const std::vector<int>& selected, const Arena& global, BroadcastResult* out) override;
+  Status collect(int round, const std::vector<int>& selected, const Arena& global, Aggregator& aggregator,
+                 CollectResult* out) override;
+  void finish(int last_round) override;
 
  private:
-  Status setup();
-  Status play_round(int round, RoundMetrics* m, bool* redo);
   bool wait_for(std::unique_lock<std::mutex>& lock, Clock::time_point deadline, const std::function<bool()>& pred);
   void fail_locked(int id, const std::string& why);
-  bool my_turn_locked(int id) const;
   grpc::Status send_model(grpc::ServerReaderWriter<Frame, Frame>* stream, int round, const std::string& peer);
   grpc::Status receive_update(grpc::ServerReaderWriter<Frame, Frame>* stream, int id, const wire::UpdateMetadata& md,
                               const std::string& peer);
   void naive_average_locked();
 
   const ExperimentConfig& cfg_;
-  RoleOptions opts_;
-  MemorySampler sampler_{"server", cfg_.memory.sample_interval_ms};
-  std::optional<DatasetSplits> data_;
-  // The global model (its arena, and the network for evaluation) with its
-  // aggregator and undo.
-  std::unique_ptr<GlobalModel> global_;
+  GlobalModel& global_;
   size_t chunk_ = 0;
-  int64_t baseline_rss_ = 0;
   bool naive_ = false;
 
   std::mutex mu_;
   std::condition_variable cv_;
   Phase phase_ = Phase::kWaiting;
   int round_ = 0;
+  Clock::time_point deadline_;
+  Aggregator* aggregator_ = nullptr;  // the round's, during the upload phase
   std::vector<ClientSlot> slots_;
-  std::vector<int> order_;  // selected clients, in folding order
+  std::vector<int> order_;  // selected clients
   std::atomic<int64_t> inflight_{0};
   // Transfer timing of the current round.
   std::optional<Clock::time_point> down_start_, up_start_;
   Clock::time_point down_end_, up_end_;
   uint64_t bytes_down_ = 0, bytes_up_ = 0;
   // Naive mode: every client's serialised model, held until the end of the upload phase.
-  std::vector<std::pair<double, std::vector<std::byte>>> naive_updates_;
+  std::vector<std::pair<int, std::pair<double, std::vector<std::byte>>>> naive_updates_;
 };
 
 bool ServerAgent::wait_for(std::unique_lock<std::mutex>& lock, Clock::time_point deadline,
@@ -110,46 +122,9 @@ void ServerAgent::fail_locked(int id, const std::string& why) {
   cv_.notify_all();
 }
 
-bool ServerAgent::my_turn_locked(int id) const {
-  // Updates fold in client order, so the sum (and the model) is the same
-  // bit for bit as the in-process run's, whatever order they arrive in.
-  for (int c : order_) {
-    const auto& s = slots_[static_cast<size_t>(c)];
-    if (s.failed || s.committed) continue;
-    return c == id;
-  }
-  return false;
-}
-
-Status ServerAgent::setup() {
-  if (cfg_.server.client_selection != "random") {
-    return invalid_argument(
-        "server_configs.client_selection: '{}' runs in the in-process simulation; over gRPC "
-        "the server selects at random",
-        cfg_.server.client_selection);
-  }
-  sampler_.mark(0, "setup");
-  // Measured before the model exists: the bound is stated on top of it.
-  baseline_rss_ = read_rss_bytes();
-  InputSpec input;
-  if (!is_spec_only(cfg_)) {
-    MEMFL_ASSIGN_OR_RETURN(data_, load_data(cfg_));
-    MEMFL_ASSIGN_OR_RETURN(input, input_spec(cfg_, data_->train));
-  }
-  naive_ = cfg_.server.memory_mode == "naive";
-  MEMFL_ASSIGN_OR_RETURN(global_, GlobalModel::create(cfg_, input, opts_.run_dir, naive_));
-  const Layout& layout = global_->layout();
-  chunk_ = cfg_.server.use_model_chunking ? static_cast<size_t>(cfg_.server.model_chunk_size) : layout.total_bytes();
-  slots_.resize(static_cast<size_t>(cfg_.server.num_clients));
-  spdlog::info("server: model {} ({} parameters, {}), layout {:016x}, {} aggregation, chunk {}", cfg_.model.model_name,
-               layout.num_params(), format_bytes(static_cast<double>(layout.payload_bytes())), layout.hash(),
-               global_->description(), format_bytes(static_cast<double>(chunk_)));
-  return Status::Ok();
-}
-
 grpc::Status ServerAgent::send_model(grpc::ServerReaderWriter<Frame, Frame>* stream, int round,
                                      const std::string& peer) {
-  const Layout& layout = global_->model().layout();
+  const Layout& layout = global_.layout();
   wire::ServerMessage begin;
   begin.mutable_model_begin()->set_round(round);
   begin.mutable_model_begin()->set_layout_hash(layout.hash());
@@ -163,7 +138,7 @@ grpc::Status ServerAgent::send_model(grpc::ServerReaderWriter<Frame, Frame>* str
   // frameworks do (pickle/torch.save); streaming sends from the arena.
   std::vector<std::byte> serialised;
   std::atomic<int64_t> serialised_inflight{0};
-  const std::byte* base = global_->model().arena().data();
+  const std::byte* base = global_.arena().data();
   if (naive_) {
     serialised.assign(base, base + layout.total_bytes());
     base = serialised.data();
@@ -197,9 +172,9 @@ grpc::Status ServerAgent::receive_update(grpc::ServerReaderWriter<Frame, Frame>*
   {
     std::unique_lock lock(mu_);
     const auto deadline = Clock::now() + std::chrono::seconds(cfg_.server.round_timeout_s);
+    // No turn to wait for: the aggregator parks an update that is early.
     if (!wait_for(lock, deadline, [&] {
-          return phase_ == Phase::kFinished || slots_[static_cast<size_t>(id)].failed ||
-                 (phase_ == Phase::kUpload && my_turn_locked(id));
+          return phase_ == Phase::kFinished || slots_[static_cast<size_t>(id)].failed || phase_ == Phase::kUpload;
         })) {
       return {grpc::StatusCode::DEADLINE_EXCEEDED, peer + ": the upload phase did not reach it in time"};
     }
@@ -207,12 +182,30 @@ grpc::Status ServerAgent::receive_update(grpc::ServerReaderWriter<Frame, Frame>*
       return {grpc::StatusCode::ABORTED, peer + ": not part of this round's upload"};
     }
     if (!up_start_) up_start_ = Clock::now();
+    slots_[static_cast<size_t>(id)].uploading = true;
   }
-  const Layout& layout = global_->model().layout();
+  // However this update ends, the round may be aggregated once it has.
+  struct Done {
+    ServerAgent* a;
+    int id;
+    ~Done() {
+      std::lock_guard lock(a->mu_);
+      a->slots_[static_cast<size_t>(id)].uploading = false;
+      a->cv_.notify_all();
+    }
+  };
+  const Layout& layout = global_.layout();
   std::unique_ptr<UpdateStream> update;
+  Done done{this, id};  // declared before `update`: the stream closes first
   std::vector<std::byte> naive_copy;
   if (!naive_) {
-    auto u = global_->aggregator().open_update(peer, md.sample_count());
+    Aggregator* agg = nullptr;
+    {
+      std::lock_guard lock(mu_);
+      agg = aggregator_;
+    }
+    if (agg == nullptr) return {grpc::StatusCode::ABORTED, peer + ": not part of this round's upload"};
+    auto u = agg->open_update(client_id(id), md.sample_count());
     if (!u.ok()) return {grpc::StatusCode::INVALID_ARGUMENT, u.status().message()};
     update = std::move(*u);
   } else {
@@ -274,10 +267,14 @@ grpc::Status ServerAgent::receive_update(grpc::ServerReaderWriter<Frame, Frame>*
   }
   auto& s = slots_[static_cast<size_t>(id)];
   s.committed = true;
-  s.metrics.train_loss = md.metrics().count("train_loss") ? md.metrics().at("train_loss") : 0;
-  s.metrics.val_accuracy = md.metrics().count("val_accuracy") ? md.metrics().at("val_accuracy") : 0;
-  s.metrics.num_samples = static_cast<int64_t>(md.sample_count());
-  if (naive_) naive_updates_.emplace_back(md.sample_count(), std::move(naive_copy));
+  s.info = ClientUpdateInfo{};
+  s.info.client = id;
+  s.info.sample_count = md.sample_count();
+  s.info.train_loss = md.metrics().count("train_loss") ? md.metrics().at("train_loss") : 0;
+  s.info.has_validation = md.metrics().count("val_accuracy") > 0;
+  s.info.val_weight = md.sample_count();
+  s.info.val_accuracy = s.info.has_validation ? md.metrics().at("val_accuracy") : 0;
+  if (naive_) naive_updates_.emplace_back(id, std::make_pair(md.sample_count(), std::move(naive_copy)));
   bytes_up_ += received;
   up_end_ = Clock::now();
   cv_.notify_all();
@@ -403,27 +400,24 @@ grpc::Status ServerAgent::session(grpc::ServerContext* ctx, grpc::ServerReaderWr
 
 void ServerAgent::naive_average_locked() {
   // Naive: every client's model was held whole; average them now.
-  if (naive_updates_.empty()) return;
-  (void)global_->aggregator().begin_round(round_);
-  for (auto& [w, bytes] : naive_updates_) {
-    auto u = global_->aggregator().open_update("naive", w);
+  for (auto& [id, update] : naive_updates_) {
+    auto& [w, bytes] = update;
+    auto u = aggregator_->open_update(client_id(id), w);
+    if (!u.ok()) continue;
     std::span<const std::byte> all(bytes.data(), bytes.size());
-    ChunkHeader h{global_->model().layout().hash(), 0, bytes.size(), chunk_checksum(all)};
+    ChunkHeader h{global_.layout().hash(), 0, bytes.size(), chunk_checksum(all)};
     (void)(*u)->accept(h, all);
     (void)(*u)->commit();
   }
   naive_updates_.clear();
 }
 
-Status ServerAgent::play_round(int round, RoundMetrics* m, bool* redo) {
-  *redo = false;
-  const auto t_round = Clock::now();
-  const auto deadline = t_round + std::chrono::seconds(cfg_.server.round_timeout_s);
+Status ServerAgent::broadcast(int round, const std::vector<int>& selected, const Arena&, BroadcastResult* out) {
   std::unique_lock lock(mu_);
-  const auto chosen = select_clients(cfg_.server.num_clients, cfg_.server.clients_per_round, cfg_.server.seed, round);
+  deadline_ = Clock::now() + std::chrono::seconds(cfg_.server.round_timeout_s);
   order_.clear();
   for (auto& s : slots_) s.selected = false;
-  for (int c : chosen) {
+  for (int c : selected) {
     auto& s = slots_[static_cast<size_t>(c)];
     if (s.failed) continue;
     s.selected = true;
@@ -438,16 +432,15 @@ Status ServerAgent::play_round(int round, RoundMetrics* m, bool* redo) {
   naive_updates_.clear();
   round_ = round;
   phase_ = Phase::kBroadcast;
-  sampler_.mark(round, "broadcast");
   cv_.notify_all();
-  auto all_done = [&](auto pred) {
+  auto all_received = [&] {
     for (int c : order_) {
       const auto& s = slots_[static_cast<size_t>(c)];
-      if (!s.failed && !pred(s)) return false;
+      if (!s.failed && !s.received) return false;
     }
     return true;
   };
-  if (!wait_for(lock, deadline, [&] { return all_done([](const ClientSlot& s) { return s.received; }); })) {
+  if (!wait_for(lock, deadline_, all_received)) {
     for (int c : order_) {
       if (!slots_[static_cast<size_t>(c)].received)
         fail_locked(c, fmt::format("round {} timed out in broadcast", round));
@@ -458,61 +451,76 @@ Status ServerAgent::play_round(int round, RoundMetrics* m, bool* redo) {
   lock.unlock();
   while (inflight_.load() > 0) std::this_thread::sleep_for(std::chrono::microseconds(200));
   lock.lock();
-  MEMFL_RETURN_IF_ERROR(global_->begin_round(round));  // in place: the global model becomes the sum
+  out->bytes = bytes_down_;
+  if (down_start_) out->seconds = std::chrono::duration<double>(down_end_ - *down_start_).count();
+  return Status::Ok();
+}
+
+Status ServerAgent::collect(int round, const std::vector<int>&, const Arena&, Aggregator& aggregator,
+                            CollectResult* out) {
+  std::unique_lock lock(mu_);
+  aggregator_ = &aggregator;
   phase_ = Phase::kUpload;
-  sampler_.mark(round, "upload");
   cv_.notify_all();
-  if (!wait_for(lock, deadline, [&] { return all_done([](const ClientSlot& s) { return s.committed; }); })) {
+  auto all_done = [&] {
+    for (int c : order_) {
+      const auto& s = slots_[static_cast<size_t>(c)];
+      if (!s.failed && !s.committed) return false;
+    }
+    return true;
+  };
+  if (!wait_for(lock, deadline_, all_done)) {
     for (int c : order_) {
       if (!slots_[static_cast<size_t>(c)].committed) fail_locked(c, fmt::format("round {} timed out in upload", round));
     }
+    // A session still inside its update holds a stream of the aggregator:
+    // it ends (cancelled above) before the round can be aggregated.
+    lock.unlock();
+    while (true) {
+      lock.lock();
+      const bool busy =
+          std::any_of(order_.begin(), order_.end(), [&](int c) { return slots_[static_cast<size_t>(c)].uploading; });
+      lock.unlock();
+      if (!busy) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    lock.lock();
   }
   phase_ = Phase::kWaiting;
-  sampler_.mark(round, "aggregate");
   if (naive_) naive_average_locked();
-  Status fin = global_->finish_round(round);
-  if (!fin.ok()) {
-    // A broken update was partly counted (or none completed): the global
-    // model is restored from the pre-round checkpoint and the round is redone
-    // with the clients that are still in.
-    spdlog::warn("round {}: {} — restoring the pre-round checkpoint and redoing the round", round, fin.message());
-    *redo = true;
-    return Status::Ok();
-  }
-  m->round = round;
-  double wsum = 0;
+  aggregator_ = nullptr;
   for (int c : order_) {
     const auto& s = slots_[static_cast<size_t>(c)];
-    if (!s.committed) continue;
-    m->clients++;
-    wsum += static_cast<double>(s.metrics.num_samples);
-    m->train_loss += static_cast<double>(s.metrics.num_samples) * s.metrics.train_loss;
-    m->val_accuracy += static_cast<double>(s.metrics.num_samples) * s.metrics.val_accuracy;
+    if (s.committed) {
+      out->committed.push_back(s.info);
+    } else {
+      out->failed.push_back(c);
+    }
   }
-  if (wsum > 0) {
-    m->train_loss /= wsum;
-    m->val_accuracy /= wsum;
-  }
-  m->bytes_down = bytes_down_;
-  m->bytes_up = bytes_up_;
-  m->bytes_moved = bytes_down_ + bytes_up_;
-  if (down_start_) m->download_seconds = std::chrono::duration<double>(down_end_ - *down_start_).count();
-  if (up_start_) m->upload_seconds = std::chrono::duration<double>(up_end_ - *up_start_).count();
-  lock.unlock();
-  if (cfg_.server.do_server_eval && global_->model().replica() != nullptr) {
-    sampler_.mark(round, "evaluate");
-    std::vector<uint32_t> idx(data_->test.size());
-    std::iota(idx.begin(), idx.end(), 0u);
-    auto ev = global_->model().replica()->evaluate(data_->test, idx, cfg_.server.eval_batch_size);
-    if (!ev.ok()) return ev.status();
-    m->test_loss = ev->loss;
-    m->test_accuracy = ev->accuracy;
-  }
-  sampler_.mark(round, "checkpoint");
-  MEMFL_RETURN_IF_ERROR(global_->write_checkpoint(round));
-  m->round_seconds = std::chrono::duration<double>(Clock::now() - t_round).count();
-  m->peak_rss_bytes = sampler_.peak_rss();
+  out->bytes_up = bytes_up_;
+  if (up_start_) out->upload_seconds = std::chrono::duration<double>(up_end_ - *up_start_).count();
   return Status::Ok();
+}
+
+void ServerAgent::finish(int) {
+  std::lock_guard lock(mu_);
+  phase_ = Phase::kFinished;
+  cv_.notify_all();
+}
+
+void ServerAgent::wait_for_clients() {
+  std::unique_lock lock(mu_);
+  const auto deadline = Clock::now() + std::chrono::seconds(cfg_.server.round_timeout_s);
+  if (!wait_for(lock, deadline, [&] {
+        return std::all_of(slots_.begin(), slots_.end(), [](const ClientSlot& s) { return s.connected; });
+      })) {
+    int n = static_cast<int>(std::count_if(slots_.begin(), slots_.end(), [](auto& s) { return s.connected; }));
+    spdlog::warn("server: only {} of {} clients registered within {} s; going on with them", n, cfg_.server.num_clients,
+                 cfg_.server.round_timeout_s);
+    for (size_t i = 0; i < slots_.size(); ++i) {
+      if (!slots_[i].connected) slots_[i].failed = true;
+    }
+  }
 }
 
 class SessionService final : public grpc::Service {
@@ -527,101 +535,6 @@ class SessionService final : public grpc::Service {
             agent)));
   }
 };
-
-Status ServerAgent::run() {
-  sampler_.start();
-  WriteMemoryOnExit write_on_exit(sampler_, opts_.run_dir);
-  MEMFL_RETURN_IF_ERROR(setup());
-
-  const auto& sc = cfg_.server;
-  SessionService service(this);
-  grpc::ServerBuilder builder;
-  std::shared_ptr<grpc::ServerCredentials> creds = grpc::InsecureServerCredentials();
-  if (sc.use_ssl) {
-    grpc::SslServerCredentialsOptions ssl;
-    ssl.pem_key_cert_pairs.push_back({read_file(sc.server_key), read_file(sc.server_cert)});
-    if (ssl.pem_key_cert_pairs[0].private_key.empty() || ssl.pem_key_cert_pairs[0].cert_chain.empty()) {
-      return not_found("server_configs.comm_configs.grpc_configs: cannot read server_key {} or server_cert {}",
-                       sc.server_key, sc.server_cert);
-    }
-    creds = grpc::SslServerCredentials(ssl);
-  }
-  int port = 0;
-  builder.AddListeningPort(sc.server_uri, creds, &port);
-  const int limit = max_message_bytes(sc.model_chunk_size, sc.max_message_size);
-  builder.SetMaxReceiveMessageSize(limit);
-  builder.SetMaxSendMessageSize(limit);
-  // Flow control is the backpressure: a client waiting for its turn to fold
-  // may have only a few chunks in the server's buffers. HTTP/2's BDP probing
-  // would grow the window far past that (≈150 MiB buffered at 1 GiB models).
-  builder.AddChannelArgument(GRPC_ARG_HTTP2_BDP_PROBE, 0);
-  builder.AddChannelArgument(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, stream_window_bytes(sc.model_chunk_size));
-  builder.RegisterService(&service);
-  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-  if (!server || port == 0) {
-    return invalid_argument("server_configs.comm_configs.grpc_configs.server_uri: cannot listen on {}", sc.server_uri);
-  }
-  MEMFL_RETURN_IF_ERROR(write_text_file((fs::path(opts_.run_dir) / "port").string(), std::to_string(port) + "\n"));
-  spdlog::info("server: listening on {} (port {}){}", sc.server_uri, port, sc.use_ssl ? " with TLS" : "");
-
-  Status result = Status::Ok();
-  {
-    std::unique_lock lock(mu_);
-    const auto deadline = Clock::now() + std::chrono::seconds(sc.round_timeout_s);
-    if (!wait_for(lock, deadline, [&] {
-          return std::all_of(slots_.begin(), slots_.end(), [](const ClientSlot& s) { return s.connected; });
-        })) {
-      int n = static_cast<int>(std::count_if(slots_.begin(), slots_.end(), [](auto& s) { return s.connected; }));
-      spdlog::warn("server: only {} of {} clients registered within {} s; going on with them", n, sc.num_clients,
-                   sc.round_timeout_s);
-      for (size_t i = 0; i < slots_.size(); ++i) {
-        if (!slots_[i].connected) slots_[i].failed = true;
-      }
-    }
-  }
-  MEMFL_ASSIGN_OR_RETURN(auto metrics, MetricsWriter::open((fs::path(opts_.run_dir) / "metrics.csv").string()));
-  std::vector<RoundMetrics> rounds;
-  for (int round = 1; round <= sc.num_global_epochs && result.ok();) {
-    RoundMetrics m;
-    bool redo = false;
-    result = play_round(round, &m, &redo);
-    if (!result.ok() || redo) continue;
-    MEMFL_RETURN_IF_ERROR(metrics->append(m));
-    rounds.push_back(m);
-    if (opts_.progress) {
-      fmt::print(
-          "server round {:>3}/{}  clients {:>2}  test_acc {:.4f}  down {:.2f} GB/s  up {:.2f} GB/s  {:.2f} s  "
-          "peak RSS {}\n",
-          round, sc.num_global_epochs, m.clients, m.test_accuracy,
-          m.download_seconds > 0 ? static_cast<double>(m.bytes_down) / m.download_seconds / 1e9 : 0.0,
-          m.upload_seconds > 0 ? static_cast<double>(m.bytes_up) / m.upload_seconds / 1e9 : 0.0, m.round_seconds,
-          format_bytes(static_cast<double>(m.peak_rss_bytes)));
-      std::fflush(stdout);
-    }
-    ++round;
-  }
-  {
-    std::lock_guard lock(mu_);
-    phase_ = Phase::kFinished;
-    cv_.notify_all();
-  }
-  sampler_.mark(sc.num_global_epochs, "done");
-  // Let clients hear "finished" and say Bye, then stop.
-  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(10));
-  nlohmann::ordered_json summary;
-  summary["role"] = "server";
-  summary["rounds"] = rounds.size();
-  summary["model_bytes"] = global_->model().layout().payload_bytes();
-  summary["num_params"] = global_->model().layout().num_params();
-  summary["baseline_rss_bytes"] = baseline_rss_;
-  summary["peak_rss_bytes"] = std::max(sampler_.peak_rss(), read_peak_rss_bytes());
-  summary["sum_in_place"] = global_->aggregator().sums_in_place();
-  summary["memory_mode"] = sc.memory_mode;
-  summary["final_test_accuracy"] = rounds.empty() ? 0.0 : rounds.back().test_accuracy;
-  summary["status"] = result.ok() ? "ok" : result.message();
-  MEMFL_RETURN_IF_ERROR(write_text_file((fs::path(opts_.run_dir) / "summary.json").string(), summary.dump(2) + "\n"));
-  return result;
-}
 
 }  // namespace
 
@@ -640,8 +553,118 @@ void tune_malloc_for_streaming() {
 
 Status run_grpc_server(const ExperimentConfig& cfg, const RoleOptions& opts) {
   tune_malloc_for_streaming();
-  ServerAgent agent(cfg, opts);
-  return agent.run();
+  const auto& sc = cfg.server;
+  if (sc.client_selection != "random") {
+    return invalid_argument(
+        "server_configs.client_selection: '{}' runs in the in-process simulation; over gRPC "
+        "the server selects at random",
+        sc.client_selection);
+  }
+  MemorySampler sampler("server", cfg.memory.sample_interval_ms);
+  sampler.start();
+  WriteMemoryOnExit write_on_exit(sampler, opts.run_dir);
+  sampler.mark(0, "setup");
+  SchedulerOptions so;
+  so.num_clients = sc.num_clients;
+  so.clients_per_round = sc.clients_per_round;
+  so.seed = sc.seed;
+  // Refused before any work: an unknown scheduler name.
+  MEMFL_ASSIGN_OR_RETURN(auto scheduler, make_scheduler(sc.scheduler, so));
+  // Measured before the model exists: the bound is stated on top of it.
+  const int64_t baseline_rss = read_rss_bytes();
+  std::optional<DatasetSplits> data;
+  InputSpec input;
+  if (!is_spec_only(cfg)) {
+    MEMFL_ASSIGN_OR_RETURN(data, load_data(cfg));
+    MEMFL_ASSIGN_OR_RETURN(input, input_spec(cfg, data->train));
+  }
+  const bool naive = sc.memory_mode == "naive";
+  MEMFL_ASSIGN_OR_RETURN(auto global, GlobalModel::create(cfg, input, opts.run_dir, naive));
+  const Layout& layout = global->layout();
+  ServerAgent agent(cfg, *global, naive);
+  spdlog::info("server: model {} ({} parameters, {}), layout {:016x}, {} aggregation, chunk {}", cfg.model.model_name,
+               layout.num_params(), format_bytes(static_cast<double>(layout.payload_bytes())), layout.hash(),
+               global->description(),
+               format_bytes(static_cast<double>(
+                   transfer_chunk_bytes(sc.use_model_chunking, sc.model_chunk_size, layout.total_bytes()))));
+
+  SessionService service(&agent);
+  grpc::ServerBuilder builder;
+  std::shared_ptr<grpc::ServerCredentials> creds = grpc::InsecureServerCredentials();
+  if (sc.use_ssl) {
+    grpc::SslServerCredentialsOptions ssl;
+    ssl.pem_key_cert_pairs.push_back({read_file(sc.server_key), read_file(sc.server_cert)});
+    if (ssl.pem_key_cert_pairs[0].private_key.empty() || ssl.pem_key_cert_pairs[0].cert_chain.empty()) {
+      return not_found("server_configs.comm_configs.grpc_configs: cannot read server_key {} or server_cert {}",
+                       sc.server_key, sc.server_cert);
+    }
+    creds = grpc::SslServerCredentials(ssl);
+  }
+  int port = 0;
+  builder.AddListeningPort(sc.server_uri, creds, &port);
+  // A message is at most one transfer chunk (comm/chunk.h), whatever
+  // model_chunk_size says: limits and the flow-control window follow that bound.
+  const int64_t wire_chunk = static_cast<int64_t>(kMaxTransferChunk);
+  const int limit = max_message_bytes(wire_chunk, sc.max_message_size);
+  builder.SetMaxReceiveMessageSize(limit);
+  builder.SetMaxSendMessageSize(limit);
+  // Flow control is the backpressure: a session may have only a few chunks
+  // in the server's buffers. HTTP/2's BDP probing would grow the window far
+  // past that (≈150 MiB buffered at 1 GiB models).
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_BDP_PROBE, 0);
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES,
+                             stream_window_bytes(static_cast<int64_t>(transfer_chunk_bytes(
+                                 sc.use_model_chunking, sc.model_chunk_size, layout.total_bytes()))));
+  builder.RegisterService(&service);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (!server || port == 0) {
+    return invalid_argument("server_configs.comm_configs.grpc_configs.server_uri: cannot listen on {}", sc.server_uri);
+  }
+  MEMFL_RETURN_IF_ERROR(write_text_file((fs::path(opts.run_dir) / "port").string(), std::to_string(port) + "\n"));
+  spdlog::info("server: listening on {} (port {}){}", sc.server_uri, port, sc.use_ssl ? " with TLS" : "");
+  agent.wait_for_clients();
+
+  RoundDriverOptions dopts;
+  dopts.run_dir = opts.run_dir;
+  dopts.role = "server";
+  dopts.resume = opts.resume;
+  if (sc.do_server_eval && global->model().replica() != nullptr) {
+    dopts.evaluate = [&](int, Arena&) {
+      std::vector<uint32_t> idx(data->test.size());
+      std::iota(idx.begin(), idx.end(), 0u);
+      return global->model().replica()->evaluate(data->test, idx, sc.eval_batch_size);
+    };
+  }
+  dopts.on_round = [&](const RoundMetrics& m) {
+    if (!opts.progress) return;
+    fmt::print(
+        "server round {:>3}/{}  clients {:>2}  test_acc {:.4f}  down {:.2f} GB/s  up {:.2f} GB/s  {:.2f} s  "
+        "peak RSS {}\n",
+        m.round, sc.num_global_epochs, m.clients, m.test_accuracy,
+        m.download_seconds > 0 ? static_cast<double>(m.bytes_down) / m.download_seconds / 1e9 : 0.0,
+        m.upload_seconds > 0 ? static_cast<double>(m.bytes_up) / m.upload_seconds / 1e9 : 0.0, m.round_seconds,
+        format_bytes(static_cast<double>(m.peak_rss_bytes)));
+    std::fflush(stdout);
+  };
+  RoundDriver driver(cfg, *global, agent, *scheduler, sampler, std::move(dopts));
+  Status result = driver.run();
+  agent.finish(sc.num_global_epochs);  // also on failure: sessions must not wait for a round
+  // Let clients hear "finished" and say Bye, then stop.
+  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  const auto& rounds = driver.rounds();
+  nlohmann::ordered_json summary;
+  summary["role"] = "server";
+  summary["rounds"] = rounds.size();
+  summary["model_bytes"] = layout.payload_bytes();
+  summary["num_params"] = layout.num_params();
+  summary["baseline_rss_bytes"] = baseline_rss;
+  summary["peak_rss_bytes"] = std::max(sampler.peak_rss(), read_peak_rss_bytes());
+  summary["sum_in_place"] = global->aggregator().sums_in_place();
+  summary["memory_mode"] = sc.memory_mode;
+  summary["final_test_accuracy"] = rounds.empty() ? 0.0 : rounds.back().test_accuracy;
+  summary["status"] = result.ok() ? "ok" : result.message();
+  MEMFL_RETURN_IF_ERROR(write_text_file((fs::path(opts.run_dir) / "summary.json").string(), summary.dump(2) + "\n"));
+  return result;
 }
 
 }  // namespace memfl

@@ -16,7 +16,7 @@
 #include <spdlog/spdlog.h>
 
 #include "roles/grpc_roles.h"
-#include "roles/run_dir.h"
+#include "io/run_dir.h"
 
 extern char** environ;
 

@@ -26,10 +26,12 @@
 #include "aggregate/fedavg_aggregator.h"
 #include "comm/chunk.h"
 #include "memory/sampler.h"
-#include "roles/client_work.h"
-#include "roles/global_model.h"
-#include "roles/run_dir.h"
-#include "roles/simulation.h"
+#include "client/client_work.h"
+#include "server/global_model.h"
+#include "io/run_dir.h"
+#include "schedule/scheduler.h"
+#include "server/round_driver.h"
+#include "server/transport.h"
 #include "tensor/safetensors.h"
 
 namespace memfl {
@@ -277,7 +279,7 @@ constexpr size_t kMaxSharedSlot = size_t{8} << 20;
 // every rank shares the server's node, and a chunk fits a slot.
 SharedRing open_shared_ring(const ExperimentConfig& cfg, int rank) {
   SharedRing ring;
-  const size_t chunk = static_cast<size_t>(cfg.server.model_chunk_size);
+  const size_t chunk = transfer_chunk_bytes(true, cfg.server.model_chunk_size, kMaxTransferChunk);
   MPI_Comm node;
   MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node);
   int here = rank == 0 ? 1 : 0, server_here = 0, everywhere = 0;
@@ -678,10 +680,117 @@ class ClientStreams {
   const int rank_;
 };
 
-Status run_server(const ExperimentConfig& cfg, int world, const std::string& dir, bool progress,
+// Waits quietly for a message with `tag` from any rank; returns its source.
+int quiet_probe_any(int tag) {
+  MPI_Status status;
+  int flag = 0;
+  for (int sleep_us = 5;;) {
+    MPI_Iprobe(MPI_ANY_SOURCE, tag, MPI_COMM_WORLD, &flag, &status);
+    if (flag) return status.MPI_SOURCE;
+    std::this_thread::sleep_for(std::chrono::microseconds(sleep_us));
+    sleep_us = std::min(2 * sleep_us, kIdle.max_sleep_us);
+  }
+}
+
+// The MPI transport of the server core (rank 0): ModelBegin to every rank,
+// the chunk streams to the participating ones; updates are taken in the
+// order ranks send them (whichever rank's metadata comes first), and fold or
+// park as they stream (aggregate/fedavg_aggregator.h).
+class MpiServerTransport final : public ServerTransport {
+ public:
+  MpiServerTransport(const ExperimentConfig& cfg, const Layout& layout, ServerStreams& streams, int world)
+      : cfg_(cfg), layout_(layout), streams_(streams), world_(world) {}
+  std::string_view name() const override { return "mpi"; }
+  bool broadcast_done_before_collect() const override { return true; }
+
+  Status broadcast(int round, const std::vector<int>& selected, const Arena&, BroadcastResult* out) override {
+    const int k = cfg_.server.clients_per_rank;
+    std::vector<int> ranks;
+    for (int c : selected) {
+      if (ranks.empty() || ranks.back() != rank_of_client(c, k)) ranks.push_back(rank_of_client(c, k));
+    }
+    const auto t = Clock::now();
+    for (int r = 1; r < world_; ++r) {
+      WireModelBegin b{
+          round, 0, std::find(ranks.begin(), ranks.end(), r) != ranks.end(), 0, layout_.hash(), layout_.total_bytes()};
+      MPI_Send(&b, sizeof b, MPI_BYTE, r, kTagModelBegin, MPI_COMM_WORLD);
+    }
+    streams_.broadcast(ranks);
+    for (int r : ranks) {
+      int32_t ok = 0;
+      quiet_recv(&ok, sizeof ok, r, kTagModelReceived);
+      out->bytes += layout_.total_bytes() *
+                    static_cast<uint64_t>(std::count_if(selected.begin(), selected.end(),
+                                                        [&](int c) { return rank_of_client(c, k) == r; }));
+    }
+    out->seconds = since(t);
+    return Status::Ok();
+  }
+
+  Status collect(int round, const std::vector<int>& selected, const Arena&, Aggregator& agg,
+                 CollectResult* out) override {
+    const int k = cfg_.server.clients_per_rank;
+    // Upload time runs from the first update's first message to the last
+    // byte folded, as for gRPC (the clients' training is not in it).
+    std::optional<Clock::time_point> t_up;
+    std::vector<bool> done(static_cast<size_t>(cfg_.server.num_clients), false);
+    for (size_t n = 0; n < selected.size(); ++n) {
+      const int r = quiet_probe_any(kTagUpdateMeta);
+      WireUpdateMeta md{};
+      quiet_recv(&md, sizeof md, r, kTagUpdateMeta);
+      if (!t_up) t_up = Clock::now();
+      const bool expected = md.round == round && md.client >= 0 && md.client < cfg_.server.num_clients &&
+                            rank_of_client(md.client, k) == r &&
+                            std::find(selected.begin(), selected.end(), md.client) != selected.end() &&
+                            !done[static_cast<size_t>(md.client)];
+      if (!expected) {
+        abort_job(fmt::format("rank {} sent an update of client {} round {}, which round {} did not ask of it", r,
+                              md.client, md.round, round));
+      }
+      done[static_cast<size_t>(md.client)] = true;
+      const std::string peer = fmt::format("client_{} (rank {})", md.client, r);
+      auto opened = agg.open_update(client_id(md.client), md.sample_count);
+      if (!opened.ok()) abort_job(opened.status().message());
+      std::shared_ptr<UpdateStream> update = std::move(*opened);
+      streams_.receive_update(r, peer, update);
+      out->bytes_up += layout_.total_bytes();
+      ClientUpdateInfo info;
+      info.client = md.client;
+      info.sample_count = md.sample_count;
+      info.train_loss = md.train_loss;
+      info.has_validation = true;
+      info.val_weight = md.sample_count;
+      info.val_accuracy = md.val_accuracy;
+      out->committed.push_back(info);
+    }
+    streams_.drain();
+    out->upload_seconds = t_up ? since(*t_up) : 0.0;
+    return Status::Ok();
+  }
+
+  void finish(int) override {
+    for (int r = 1; r < world_; ++r) {
+      WireModelBegin b{0, 1, 0, 0, layout_.hash(), layout_.total_bytes()};
+      MPI_Send(&b, sizeof b, MPI_BYTE, r, kTagModelBegin, MPI_COMM_WORLD);
+    }
+  }
+
+ private:
+  const ExperimentConfig& cfg_;
+  const Layout& layout_;
+  ServerStreams& streams_;
+  int world_;
+};
+
+Status run_server(const ExperimentConfig& cfg, int world, const std::string& dir, bool progress, bool resume,
                   const SharedRing& shm) {
   RankState st("server", cfg.memory.sample_interval_ms, dir);
   st.sampler.mark(0, "setup");
+  SchedulerOptions so;
+  so.num_clients = cfg.server.num_clients;
+  so.clients_per_round = cfg.server.clients_per_round;
+  so.seed = cfg.server.seed;
+  MEMFL_ASSIGN_OR_RETURN(auto scheduler, make_scheduler(cfg.server.scheduler, so));
   const int64_t baseline = read_rss_bytes();
   std::optional<DatasetSplits> data;
   InputSpec input;
@@ -692,9 +801,8 @@ Status run_server(const ExperimentConfig& cfg, int world, const std::string& dir
   MEMFL_ASSIGN_OR_RETURN(auto global, GlobalModel::create(cfg, input, dir, /*naive=*/false));
   LocalModel& model = global->model();
   const Layout& layout = model.layout();
-  FedAvgAggregator* agg = &global->aggregator();
   const size_t chunk =
-      cfg.server.use_model_chunking ? static_cast<size_t>(cfg.server.model_chunk_size) : layout.total_bytes();
+      transfer_chunk_bytes(cfg.server.use_model_chunking, cfg.server.model_chunk_size, layout.total_bytes());
   if (chunk > static_cast<size_t>(INT32_MAX))
     return invalid_argument("model_chunk_size must fit an MPI count (< 2 GiB)");
   // Register: every client rank says who it is and how many clients it runs.
@@ -706,104 +814,36 @@ Status run_server(const ExperimentConfig& cfg, int world, const std::string& dir
                             cfg.server.clients_per_rank));
     }
   }
-  MEMFL_ASSIGN_OR_RETURN(auto metrics, MetricsWriter::open(dir + "/metrics.csv"));
-  const int k = cfg.server.clients_per_rank;
   ServerStreams streams(layout, model, chunk, shm);
-  for (int round = 1; round <= cfg.server.num_global_epochs; ++round) {
-    const auto t_round = Clock::now();
-    RoundMetrics m;
-    m.round = round;
-    const auto selected = selection(cfg, round);
-    std::vector<int> ranks;
-    for (int c : selected) {
-      if (ranks.empty() || ranks.back() != rank_of_client(c, k)) ranks.push_back(rank_of_client(c, k));
-    }
-    // Broadcast: every participating rank gets the same chunks.
-    st.sampler.mark(round, "broadcast");
-    auto t = Clock::now();
-    for (int r = 1; r < world; ++r) {
-      WireModelBegin b{
-          round, 0, std::find(ranks.begin(), ranks.end(), r) != ranks.end(), 0, layout.hash(), layout.total_bytes()};
-      MPI_Send(&b, sizeof b, MPI_BYTE, r, kTagModelBegin, MPI_COMM_WORLD);
-    }
-    streams.broadcast(ranks);
-    for (int r : ranks) {
-      int32_t ok = 0;
-      quiet_recv(&ok, sizeof ok, r, kTagModelReceived);
-      m.bytes_down +=
-          layout.total_bytes() * static_cast<uint64_t>(std::count_if(selected.begin(), selected.end(),
-                                                                     [&](int c) { return rank_of_client(c, k) == r; }));
-    }
-    m.download_seconds = since(t);
-    // Every rank has its copy: the global arena becomes the running sum.
-    MEMFL_RETURN_IF_ERROR(global->begin_round(round));
-    st.sampler.mark(round, "upload");
-    // Upload time runs from the first update's first message to the last
-    // byte folded, as for gRPC (the clients' training is not in it).
-    std::optional<Clock::time_point> t_up;
-    double wsum = 0;
-    for (int c : selected) {
-      const int r = rank_of_client(c, k);
-      const std::string peer = fmt::format("client_{} (rank {})", c, r);
-      WireUpdateMeta md{};
-      quiet_recv(&md, sizeof md, r, kTagUpdateMeta);
-      if (!t_up) t_up = Clock::now();
-      if (md.client != c || md.round != round) {
-        abort_job(fmt::format("{} sent the update of client {} round {}; expected client {} round {}", peer, md.client,
-                              md.round, c, round));
-      }
-      auto opened = agg->open_update(peer, md.sample_count);
-      if (!opened.ok()) abort_job(opened.status().message());
-      std::shared_ptr<UpdateStream> update = std::move(*opened);
-      streams.receive_update(r, peer, update);
-      m.bytes_up += layout.total_bytes();
-      m.clients++;
-      wsum += md.sample_count;
-      m.train_loss += md.sample_count * md.train_loss;
-      m.val_accuracy += md.sample_count * md.val_accuracy;
-    }
-    streams.drain();
-    m.upload_seconds = t_up ? since(*t_up) : 0.0;
-    if (wsum > 0) {
-      m.train_loss /= wsum;
-      m.val_accuracy /= wsum;
-    }
-    st.sampler.mark(round, "aggregate");
-    MEMFL_RETURN_IF_ERROR(global->finish_round(round));
-    if (cfg.server.do_server_eval && model.replica() != nullptr) {
-      st.sampler.mark(round, "evaluate");
+  MpiServerTransport transport(cfg, layout, streams, world);
+  RoundDriverOptions dopts;
+  dopts.run_dir = dir;
+  dopts.role = "mpi server";
+  dopts.resume = resume;
+  if (cfg.server.do_server_eval && model.replica() != nullptr) {
+    dopts.evaluate = [&](int, Arena&) {
       std::vector<uint32_t> idx(data->test.size());
       std::iota(idx.begin(), idx.end(), 0u);
-      MEMFL_ASSIGN_OR_RETURN(EvalResult ev, model.replica()->evaluate(data->test, idx, cfg.server.eval_batch_size));
-      m.test_loss = ev.loss;
-      m.test_accuracy = ev.accuracy;
-    }
-    st.sampler.mark(round, "checkpoint");
-    MEMFL_RETURN_IF_ERROR(global->write_checkpoint(round));
-    m.bytes_moved = m.bytes_down + m.bytes_up;
-    m.round_seconds = since(t_round);
-    m.peak_rss_bytes = st.sampler.peak_rss();
-    MEMFL_RETURN_IF_ERROR(metrics->append(m));
-    if (progress) {
-      fmt::print("mpi round {:>3}/{}  clients {:>3}  test_acc {:.4f}  down {:.2f} GB/s  up {:.2f} GB/s  {:.2f} s\n",
-                 round, cfg.server.num_global_epochs, m.clients, m.test_accuracy,
-                 m.download_seconds > 0 ? static_cast<double>(m.bytes_down) / m.download_seconds / 1e9 : 0.0,
-                 m.upload_seconds > 0 ? static_cast<double>(m.bytes_up) / m.upload_seconds / 1e9 : 0.0,
-                 m.round_seconds);
-      std::fflush(stdout);
-    }
+      return model.replica()->evaluate(data->test, idx, cfg.server.eval_batch_size);
+    };
   }
-  for (int r = 1; r < world; ++r) {
-    WireModelBegin b{0, 1, 0, 0, layout.hash(), layout.total_bytes()};
-    MPI_Send(&b, sizeof b, MPI_BYTE, r, kTagModelBegin, MPI_COMM_WORLD);
-  }
-  st.sampler.mark(cfg.server.num_global_epochs, "done");
+  dopts.on_round = [&](const RoundMetrics& m) {
+    if (!progress) return;
+    fmt::print("mpi round {:>3}/{}  clients {:>3}  test_acc {:.4f}  down {:.2f} GB/s  up {:.2f} GB/s  {:.2f} s\n",
+               m.round, cfg.server.num_global_epochs, m.clients, m.test_accuracy,
+               m.download_seconds > 0 ? static_cast<double>(m.bytes_down) / m.download_seconds / 1e9 : 0.0,
+               m.upload_seconds > 0 ? static_cast<double>(m.bytes_up) / m.upload_seconds / 1e9 : 0.0, m.round_seconds);
+    std::fflush(stdout);
+  };
+  RoundDriver driver(cfg, *global, transport, *scheduler, st.sampler, std::move(dopts));
+  Status result = driver.run();
+  if (!result.ok()) abort_job(result.message());  // client ranks wait for a round that will not come
   nlohmann::ordered_json summary;
   summary["role"] = "server";
   summary["model_bytes"] = layout.payload_bytes();
   summary["baseline_rss_bytes"] = baseline;
   summary["peak_rss_bytes"] = std::max(st.sampler.peak_rss(), read_peak_rss_bytes());
-  summary["sum_in_place"] = agg->sums_in_place();
+  summary["sum_in_place"] = global->aggregator().sums_in_place();
   summary["chunk_path"] = shm.enabled() ? "shared_ring" : "point_to_point";
   return write_text_file(dir + "/summary.json", summary.dump(2) + "\n");
 }
@@ -837,7 +877,7 @@ Status run_client_rank(const ExperimentConfig& cfg, int rank, const std::string&
   int32_t reg[2] = {rank, k};
   MPI_Send(reg, 2, MPI_INT32_T, 0, kTagRegister, MPI_COMM_WORLD);
   const size_t chunk =
-      cfg.server.use_model_chunking ? static_cast<size_t>(cfg.server.model_chunk_size) : layout.total_bytes();
+      transfer_chunk_bytes(cfg.server.use_model_chunking, cfg.server.model_chunk_size, layout.total_bytes());
   ClientStreams streams(layout, chunk, shm, rank);
   while (true) {
     WireModelBegin b{};
@@ -863,7 +903,7 @@ Status run_client_rank(const ExperimentConfig& cfg, int rank, const std::string&
         MEMFL_RETURN_IF_ERROR(record_client_privacy(cfg, dir, b.round, c, dp_steps[c], tr.dp_sample_rate).status());
       }
       st.sampler.mark(b.round, "upload");
-      WireUpdateMeta md{b.round, c, update_sample_count(cfg, part), tr.train_loss, tr.val_accuracy};
+      WireUpdateMeta md{b.round, c, update_sample_count(cfg, part, c), tr.train_loss, tr.val_accuracy};
       MPI_Send(&md, sizeof md, MPI_BYTE, 0, kTagUpdateMeta, MPI_COMM_WORLD);
       streams.send_update(model.arena());
     }
@@ -931,7 +971,8 @@ Status run_mpi(int* argc, char*** argv, const ExperimentConfig& cfg_in, const Mp
   fs::create_directories(dir, ec);
   MEMFL_RETURN_IF_ERROR(write_text_file(dir + "/config.yaml", cfg.resolved_yaml));
   SharedRing shm = open_shared_ring(cfg, rank);
-  Status s = rank == 0 ? run_server(cfg, world, dir, opts.progress, shm) : run_client_rank(cfg, rank, dir, shm);
+  Status s =
+      rank == 0 ? run_server(cfg, world, dir, opts.progress, opts.resume, shm) : run_client_rank(cfg, rank, dir, shm);
   if (!s.ok()) abort_job(fmt::format("rank {}: {}", rank, s.message()));
   close_shared_ring(shm);
   MPI_Finalize();

@@ -27,6 +27,7 @@ namespace memfl {
 struct MpiOptions {
   std::string run_dir;  // each rank writes RUN_DIR/rank_<r>/
   bool progress = true;
+  bool resume = false;  // the server continues after the newest committed round of RUN_DIR/rank_0
 };
 
 // Runs this process's role (by rank). Calls MPI_Init/MPI_Finalize.

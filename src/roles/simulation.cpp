@@ -1,8 +1,5 @@
 #include "roles/simulation.h"
 
-#include "aggregate/dp_fedavg.h"
-#include "dp/rdp_accountant.h"
-
 #include <algorithm>
 #include <chrono>
 #include <cstring>
@@ -19,56 +16,20 @@
 #include <nlohmann/json.hpp>
 #include <spdlog/spdlog.h>
 
-#include "aggregate/fedavg_aggregator.h"
-#include "comm/chunk.h"
+#include "comm/inproc.h"
 #include "memory/budget.h"
+#include "server/global_model.h"
+#include "server/round_driver.h"
 #include "memory/sampler.h"
-#include "roles/client_work.h"
-#include "schedule/client_selection.h"
+#include "client/client_work.h"
+#include "schedule/scheduler.h"
 #include "tensor/safetensors.h"
 
 namespace memfl {
 
 namespace fs = std::filesystem;
 
-std::vector<int> select_clients(int num_clients, int clients_per_round, uint64_t seed, int round) {
-  std::vector<int> all(static_cast<size_t>(num_clients));
-  std::iota(all.begin(), all.end(), 0);
-  if (clients_per_round <= 0 || clients_per_round >= num_clients) return all;
-  std::mt19937_64 rng(seed * 7919 + static_cast<uint64_t>(round));
-  std::shuffle(all.begin(), all.end(), rng);
-  all.resize(static_cast<size_t>(clients_per_round));
-  std::sort(all.begin(), all.end());
-  return all;
-}
-
 namespace {
-
-// Counts bytes and forwards: what "bytes moved" in metrics.csv measures.
-class CountingSink final : public ChunkSink {
- public:
-  explicit CountingSink(ChunkSink& inner) : inner_(inner) {}
-  using ChunkSink::accept;
-  Status accept(const ChunkHeader& h, Payload p) override {
-    MEMFL_RETURN_IF_ERROR(inner_.accept(h, p));
-    bytes_ += payload_size(p);
-    return Status::Ok();
-  }
-  uint64_t bytes() const { return bytes_; }
-
- private:
-  ChunkSink& inner_;
-  uint64_t bytes_ = 0;
-};
-
-// The server's broadcast of the global model into a worker's arena.
-StatusOr<uint64_t> broadcast(const Layout& layout, const Arena& global, Arena& into_arena, size_t chunk,
-                             const std::string& peer) {
-  ArenaWriter into(layout, into_arena, peer);
-  MEMFL_ASSIGN_OR_RETURN(uint64_t n, stream_arena(layout, global, chunk, into));
-  MEMFL_RETURN_IF_ERROR(into.finish());
-  return n;
-}
 
 double seconds_since(std::chrono::steady_clock::time_point t) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
@@ -195,203 +156,102 @@ StatusOr<SimulationResult> run_simulation(const ExperimentConfig& cfg, const Sim
   }
 
   WorkerGovernor governor(budget, k_workers);
+  std::mutex governor_mu;
+  auto keep_worker = [&](int worker_index) {
+    // The governor: warn at 85 % of the budget, one worker fewer at 90 %.
+    std::lock_guard glock(governor_mu);
+    const int64_t rss = read_rss_bytes();
+    switch (governor.observe(rss)) {
+      case WorkerGovernor::Action::kWarn:
+        spdlog::warn("memory: RSS {} is {:.0f} % of the {} budget (server_configs.memory_budget)",
+                     format_bytes(static_cast<double>(rss)),
+                     100.0 * static_cast<double>(rss) / static_cast<double>(budget),
+                     format_bytes(static_cast<double>(budget)));
+        break;
+      case WorkerGovernor::Action::kShed:
+        spdlog::warn("memory: RSS {} is {:.0f} % of the {} budget: shedding a worker, {} left",
+                     format_bytes(static_cast<double>(rss)),
+                     100.0 * static_cast<double>(rss) / static_cast<double>(budget),
+                     format_bytes(static_cast<double>(budget)), governor.active());
+        break;
+      case WorkerGovernor::Action::kNone:
+        break;
+    }
+    return worker_index < governor.active();
+  };
 
-  // ServerAgent state: the global model and the aggregator's running sum.
-  Arena global(layout.total_bytes(), MemoryCategory::kModel);
-  std::memcpy(global.data(), worker0.arena().data(), layout.total_bytes());
-  FedAvgAggregator aggregator(
-      layout, sc.client_weights_mode == "sample_size" ? ClientWeightsMode::kSampleSize : ClientWeightsMode::kEqual);
-  const size_t chunk = sc.use_model_chunking ? static_cast<size_t>(sc.model_chunk_size) : layout.total_bytes();
-  MEMFL_ASSIGN_OR_RETURN(auto metrics, MetricsWriter::open((fs::path(opts.run_dir) / "metrics.csv").string()));
-  // Client selection: `random` is select_clients (the same on every
-  // transport); the others learn from each client's last loss.
-  MEMFL_ASSIGN_OR_RETURN(auto method, make_client_selection(sc.client_selection, {sc.power_of_choice_d, sc.exploration,
-                                                                                  sc.fairness_penalty}));
-  std::vector<ClientStats> stats(static_cast<size_t>(sc.num_clients));
-  for (size_t c = 0; c < stats.size(); ++c)
-    stats[c].samples = update_sample_count(cfg, synthetic ? nullptr : &clients[c]);
-  std::mt19937_64 selection_rng(sc.seed * 7919 + 17);
-  const std::string checkpoint = (fs::path(opts.run_dir) / "global_model.safetensors").string();
+  // ServerAgent state: the global model and its aggregator. Workers read the
+  // global model while updates fold, so the sum has an arena of its own.
+  MEMFL_ASSIGN_OR_RETURN(auto global,
+                         GlobalModel::create(cfg, input, opts.run_dir, /*naive=*/false, /*sum_in_place=*/false));
+  const size_t chunk = transfer_chunk_bytes(sc.use_model_chunking, sc.model_chunk_size, layout.total_bytes());
+
+  std::vector<InProcessTransport::Worker> pool;
+  for (auto& w : workers) pool.push_back({&w.arena()});
+  auto train = [&](int w, int c, int round, ClientUpdateInfo* info) -> Status {
+    const ClientPartition* part = synthetic ? nullptr : &clients[static_cast<size_t>(c)];
+    sampler.mark(round, "train");
+    MEMFL_ASSIGN_OR_RETURN(TrainResult tr,
+                           local_update(workers[static_cast<size_t>(w)], cfg, data ? &*data : nullptr, part, round, c));
+    info->sample_count = update_sample_count(cfg, part, c);
+    info->train_loss = tr.train_loss;
+    info->train_accuracy = tr.train_accuracy;
+    info->has_validation = tr.has_validation;
+    info->val_weight = part != nullptr ? static_cast<double>(part->val.size()) : 0.0;
+    info->val_loss = tr.val_loss;
+    info->val_accuracy = tr.val_accuracy;
+    info->dp_steps = tr.dp_steps;
+    info->dp_sample_rate = tr.dp_sample_rate;
+    sampler.mark(round, "upload");
+    return Status::Ok();
+  };
+  InProcessTransport transport(layout, chunk, std::move(pool), train, keep_worker);
+
+  SchedulerOptions so;
+  so.num_clients = sc.num_clients;
+  so.clients_per_round = sc.clients_per_round;
+  so.seed = sc.seed;
+  so.client_selection = sc.client_selection;
+  so.selection = {sc.power_of_choice_d, sc.exploration, sc.fairness_penalty};
+  for (size_t c = 0; c < clients.size(); ++c)
+    so.client_samples.push_back(update_sample_count(cfg, synthetic ? nullptr : &clients[c], static_cast<int>(c)));
+  MEMFL_ASSIGN_OR_RETURN(auto scheduler, make_scheduler(sc.scheduler, so));
+
   double max_epsilon = 0;
-  double dp_fedavg_epsilon = 0;
-
-  for (int round = 1; round <= sc.num_global_epochs; ++round) {
-    const auto t_round = std::chrono::steady_clock::now();
-    RoundMetrics m;
-    m.round = round;
-    const bool all = sc.clients_per_round <= 0 || sc.clients_per_round >= sc.num_clients;
-    const auto selected = all || sc.client_selection == "random"
-                              ? select_clients(sc.num_clients, sc.clients_per_round, sc.seed, round)
-                              : method->select(round, sc.clients_per_round, stats, selection_rng);
-    m.clients = static_cast<int>(selected.size());
-    MEMFL_RETURN_IF_ERROR(aggregator.begin_round(round));
-    double wsum = 0, vsum = 0;
-    // Clients take turns on the K workers: a worker receives the global
-    // model, trains, and folds its update when its turn in client order
-    // comes — so the sum, and the model, are the same as with one worker.
-    std::mutex mu;
-    std::condition_variable turn;
-    size_t next_fold = 0;
-    std::atomic<size_t> next_client{0};
-    Status first_error = Status::Ok();
-    auto work = [&](LocalModel& w, int worker_index) {
-      while (true) {
-        {
-          // The governor: warn at 85 % of the budget, one worker fewer at 90 %.
-          std::lock_guard glock(mu);
-          const int64_t rss = read_rss_bytes();
-          switch (governor.observe(rss)) {
-            case WorkerGovernor::Action::kWarn:
-              spdlog::warn("memory: RSS {} is {:.0f} % of the {} budget (server_configs.memory_budget)",
-                           format_bytes(static_cast<double>(rss)),
-                           100.0 * static_cast<double>(rss) / static_cast<double>(budget),
-                           format_bytes(static_cast<double>(budget)));
-              break;
-            case WorkerGovernor::Action::kShed:
-              spdlog::warn("memory: RSS {} is {:.0f} % of the {} budget: shedding a worker, {} left",
-                           format_bytes(static_cast<double>(rss)),
-                           100.0 * static_cast<double>(rss) / static_cast<double>(budget),
-                           format_bytes(static_cast<double>(budget)), governor.active());
-              break;
-            case WorkerGovernor::Action::kNone:
-              break;
-          }
-          if (worker_index >= governor.active()) return;  // shed: the others take its clients
-        }
-        const size_t i = next_client.fetch_add(1);
-        if (i >= selected.size()) return;
-        const int c = selected[i];
-        const std::string peer = fmt::format("client_{}", c);
-        const ClientPartition* part = synthetic ? nullptr : &clients[static_cast<size_t>(c)];
-        Status st = Status::Ok();
-        sampler.mark(round, "broadcast");
-        auto t = std::chrono::steady_clock::now();
-        auto down = broadcast(layout, global, w.arena(), chunk, peer);
-        const double down_s = seconds_since(t);
-        std::optional<TrainResult> tr;
-        if (!down.ok()) {
-          st = down.status();
-        } else {
-          sampler.mark(round, "train");
-          auto r = local_update(w, cfg, data ? &*data : nullptr, part, round, c);
-          if (r.ok()) {
-            tr = *r;
-          } else {
-            st = r.status().with_context(fmt::format("round {}, {}", round, peer));
-          }
-        }
-        std::unique_lock lock(mu);
-        turn.wait(lock, [&] { return next_fold == i; });
-        lock.unlock();
-        // The update folds into the running sum chunk by chunk as it streams.
-        const double samples = update_sample_count(cfg, part);
-        double up_s = 0;
-        uint64_t up_bytes = 0;
-        if (st.ok()) {
-          sampler.mark(round, "upload");
-          t = std::chrono::steady_clock::now();
-          auto update = aggregator.open_update(peer, samples);
-          if (!update.ok()) {
-            st = update.status();
-          } else {
-            CountingSink counted(**update);
-            auto up = stream_arena(layout, w.arena(), chunk, counted);
-            st = up.ok() ? (*update)->commit()
-                         : up.status().with_context(fmt::format("round {}, upload from {}", round, peer));
-            up_bytes = counted.bytes();
-          }
-          up_s = seconds_since(t);
-        }
-        lock.lock();
-        if (!st.ok() && first_error.ok()) first_error = st;
-        if (st.ok()) {
-          m.download_seconds += down_s;
-          m.bytes_down += *down;
-          m.upload_seconds += up_s;
-          m.bytes_up += up_bytes;
-          auto& cs = stats[static_cast<size_t>(c)];
-          cs.last_loss = tr->train_loss;
-          cs.times_picked++;
-          cs.last_round = round;
-          cs.dp_steps += tr->dp_steps;
-          if (tr->dp_steps > 0) cs.dp_sample_rate = tr->dp_sample_rate;
-          wsum += samples;
-          m.train_loss += samples * tr->train_loss;
-          m.train_accuracy += samples * tr->train_accuracy;
-          if (tr->has_validation) {
-            const double wv = static_cast<double>(part->val.size());
-            vsum += wv;
-            m.val_loss += wv * tr->val_loss;
-            m.val_accuracy += wv * tr->val_accuracy;
-          }
-        }
-        next_fold++;  // a failed client still passes its turn on, so no worker waits forever
-        turn.notify_all();
-      }
+  RoundDriverOptions dopts;
+  dopts.run_dir = opts.run_dir;
+  dopts.role = "simulation";
+  dopts.resume = opts.resume;
+  if (sc.do_server_eval && global->model().replica() != nullptr) {
+    dopts.evaluate = [&](int, Arena&) {
+      return global->model().replica()->evaluate(data->test, test_idx, sc.eval_batch_size);
     };
-    {
-      std::vector<std::thread> threads;
-      const size_t active = static_cast<size_t>(governor.active());
-      for (size_t k = 1; k < active; ++k) threads.emplace_back([&, k] { work(workers[k], static_cast<int>(k)); });
-      work(workers[0], 0);
-      for (auto& th : threads) th.join();
-      // A shed worker's replica goes now, between rounds.
-      for (size_t k = static_cast<size_t>(governor.active()); k < workers.size(); ++k) workers[k] = LocalModel();
-    }
-    MEMFL_RETURN_IF_ERROR(first_error);
-    m.bytes_moved = m.bytes_down + m.bytes_up;
-    if (wsum > 0) {
-      m.train_loss /= wsum;
-      m.train_accuracy /= wsum;
-    }
-    if (vsum > 0) {
-      m.val_loss /= vsum;
-      m.val_accuracy /= vsum;
-    }
-
-    sampler.mark(round, "aggregate");
-    MEMFL_RETURN_IF_ERROR(aggregator.finalize(global));
-    if (sc.dp_fedavg_clip_norm > 0) {
-      const int n = aggregator.num_committed();
-      add_gaussian_noise(layout, global, sc.dp_fedavg_noise_multiplier * sc.dp_fedavg_clip_norm / n,
-                         sc.seed * 1000003ULL + static_cast<uint64_t>(round));
-      const double q = all ? 1.0 : static_cast<double>(sc.clients_per_round) / sc.num_clients;
-      auto eps = rdp_epsilon(sc.dp_fedavg_noise_multiplier, q, round, sc.dp_fedavg_delta);
-      dp_fedavg_epsilon = eps.ok() ? *eps : std::numeric_limits<double>::infinity();
-      spdlog::info("round {}: client-level DP-FedAvg ε = {:.3f} (δ = {}, σ = {}, q = {:.4f})", round, dp_fedavg_epsilon,
-                   sc.dp_fedavg_delta, sc.dp_fedavg_noise_multiplier, q);
-    }
+  }
+  dopts.on_round = [&](const RoundMetrics& m) {
     if (cfg.train.dp.enabled) {
       // Each client's ε over the rounds it took part in (privacy.csv, as every
       // transport's client writes it), and the largest one for the summary.
-      for (int c : selected) {
-        const auto& cs = stats[static_cast<size_t>(c)];
-        MEMFL_ASSIGN_OR_RETURN(double e,
-                               record_client_privacy(cfg, opts.run_dir, round, c, cs.dp_steps, cs.dp_sample_rate));
-        max_epsilon = std::max(max_epsilon, e);
+      const auto& stats = scheduler->stats();
+      for (size_t c = 0; c < stats.size(); ++c) {
+        if (stats[c].last_round != m.round) continue;
+        auto e = record_client_privacy(cfg, opts.run_dir, m.round, static_cast<int>(c), stats[c].dp_steps,
+                                       stats[c].dp_sample_rate);
+        if (e.ok()) max_epsilon = std::max(max_epsilon, *e);
       }
     }
-
-    if (sc.do_server_eval && worker0.replica() != nullptr) {
-      sampler.mark(round, "evaluate");
-      // The worker replica is free between clients: evaluate the global model on it.
-      MEMFL_RETURN_IF_ERROR(broadcast(layout, global, worker0.arena(), chunk, "server-eval").status());
-      auto ev = worker0.replica()->evaluate(data->test, test_idx, sc.eval_batch_size);
-      if (!ev.ok()) return ev.status().with_context(fmt::format("round {}, server evaluation", round));
-      m.test_loss = ev->loss;
-      m.test_accuracy = ev->accuracy;
-    }
-    sampler.mark(round, "checkpoint");
-    MEMFL_RETURN_IF_ERROR(write_safetensors(
-        checkpoint, layout, global,
-        {{"format", "memfl"}, {"round", std::to_string(round)}, {"model_name", cfg.model.model_name}}));
-    m.round_seconds = seconds_since(t_round);
-    m.peak_rss_bytes = sampler.peak_rss();
-    m.rss_bytes = read_rss_bytes();
-    MEMFL_RETURN_IF_ERROR(metrics->append(m));
-    result.rounds.push_back(m);
+    // A shed worker's replica goes now, between rounds.
+    for (size_t k = static_cast<size_t>(governor.active()); k < workers.size(); ++k) workers[k] = LocalModel();
     if (opts.progress) print_progress(cfg, m, seconds_since(t_start));
-  }
+  };
+  dopts.save_extra = [&] { return nlohmann::json{{"max_client_epsilon", max_epsilon}}; };
+  dopts.load_extra = [&](const nlohmann::json& j) {
+    max_epsilon = j.value("max_client_epsilon", 0.0);
+    return Status::Ok();
+  };
+  RoundDriver driver(cfg, *global, transport, *scheduler, sampler, std::move(dopts));
+  MEMFL_RETURN_IF_ERROR(driver.run());
+  result.rounds = driver.rounds();
+  const double dp_fedavg_epsilon = driver.dp_fedavg_epsilon();
   sampler.mark(sc.num_global_epochs, "done");
   result.peak_rss_bytes = std::max(sampler.peak_rss(), read_peak_rss_bytes());
   result.wall_seconds = seconds_since(t_start);
@@ -423,11 +283,12 @@ StatusOr<SimulationResult> run_simulation(const ExperimentConfig& cfg, const Sim
   summary["wall_seconds"] = result.wall_seconds;
   summary["num_clients"] = sc.num_clients;
   summary["model_chunk_size"] = chunk;
+  summary["parallel_clients"] = k_workers;
   // The stated bound (docs/ARCHITECTURE.md): global + FedAvg sum + one worker
   // replica + its gradients + optimizer state, in model sizes M, whatever the
   // number of clients. Activations come on top and scale with the batch.
   const double m_bytes = static_cast<double>(layout.total_bytes());
-  const double sum_bytes = static_cast<double>(aggregator.state_bytes());
+  const double sum_bytes = static_cast<double>(global->aggregator().state_bytes());
   const bool trains = worker0.replica() != nullptr && cfg.train.trainer != "DummyTrainer";
   const double opt_models =
       !trains ? 0.0 : (cfg.train.optim.optim == "Adam" ? 2.0 : (cfg.train.optim.momentum > 0 ? 1.0 : 0.0));

@@ -10,7 +10,8 @@
 #include <vector>
 
 #include "config/config.h"
-#include "roles/run_dir.h"
+#include "io/run_dir.h"
+#include "schedule/scheduler.h"
 
 namespace memfl {
 
@@ -27,12 +28,9 @@ struct SimulationResult {
 struct SimulationOptions {
   std::string run_dir;
   bool progress = true;  // one line per round on stdout
+  bool resume = false;   // continue after the newest committed round of run_dir
 };
 
 StatusOr<SimulationResult> run_simulation(const ExperimentConfig& cfg, const SimulationOptions& opts);
-
-// SyncScheduler's choice of clients for `round`: all when clients_per_round is
-// 0 or num_clients, else a seeded sample without replacement (sorted).
-std::vector<int> select_clients(int num_clients, int clients_per_round, uint64_t seed, int round);
 
 }  // namespace memfl

@@ -237,6 +237,8 @@ Status write_safetensors(const std::string& path, std::span<const LayoutEntry> e
     ok = std::fwrite(arena.data() + e.offset, 1, e.nbytes(), f) == e.nbytes();
   }
   ok = (std::fflush(f) == 0) && ok;
+  // On disk before the rename: a crash leaves the old file or the new one, whole.
+  ok = (::fsync(fileno(f)) == 0) && ok;
   ok = (std::fclose(f) == 0) && ok;
   if (!ok) {
     std::remove(tmp.c_str());

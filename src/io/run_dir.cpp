@@ -1,4 +1,4 @@
-#include "roles/run_dir.h"
+#include "io/run_dir.h"
 
 #include <unistd.h>
 

@@ -70,7 +70,12 @@ StatusOr<TrainResult> local_update(LocalModel& model, const ExperimentConfig& cf
 StatusOr<double> record_client_privacy(const ExperimentConfig& cfg, const std::string& run_dir, int round, int client,
                                        int64_t total_steps, double sample_rate);
 
-// The sample count a client reports with its update (FedAvg's weight).
-double update_sample_count(const ExperimentConfig& cfg, const ClientPartition* part);
+// The sample count client `client` reports with its update (FedAvg's weight).
+double update_sample_count(const ExperimentConfig& cfg, const ClientPartition* part, int client);
+
+// DummyTrainer's local update: waits train_configs.dummy_delay_s, then (with
+// dummy_update_scale s > 0) adds s·(client+1)·(1 + (i + round) mod 5) to float
+// element i of every tensor, so updates differ per client and round.
+void dummy_update(const ExperimentConfig& cfg, const Layout& layout, Arena& arena, int round, int client);
 
 }  // namespace memfl

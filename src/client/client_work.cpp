@@ -1,6 +1,7 @@
 #include <cassert>
-#include "roles/client_work.h"
+#include "client/client_work.h"
 
+#include <chrono>
 #include <cstring>
 #include <filesystem>
 #include <limits>
@@ -8,7 +9,7 @@
 
 #include "aggregate/dp_fedavg.h"
 #include "dp/rdp_accountant.h"
-#include "roles/run_dir.h"
+#include "io/run_dir.h"
 #include "model/llama.h"
 #include "model/synthetic.h"
 
@@ -110,7 +111,10 @@ uint64_t client_train_seed(uint64_t seed, int round, int client) {
 
 StatusOr<TrainResult> local_update(LocalModel& model, const ExperimentConfig& cfg, const DatasetSplits* data,
                                    const ClientPartition* part, int round, int client) {
-  if (cfg.train.trainer == "DummyTrainer" || model.replica() == nullptr) return TrainResult{};
+  if (cfg.train.trainer == "DummyTrainer" || model.replica() == nullptr) {
+    dummy_update(cfg, model.layout(), model.arena(), round, client);
+    return TrainResult{};
+  }
   if (data == nullptr || part == nullptr) return failed_precondition("VanillaTrainer needs a data set and a partition");
   if (cfg.server.dp_fedavg_clip_norm <= 0) {
     return model.replica()->train(data->train, part->train, part->val, cfg.train,
@@ -140,7 +144,53 @@ StatusOr<double> record_client_privacy(const ExperimentConfig& cfg, const std::s
   return e;
 }
 
-double update_sample_count(const ExperimentConfig& cfg, const ClientPartition* part) {
+void dummy_update(const ExperimentConfig& cfg, const Layout& layout, Arena& arena, int round, int client) {
+  if (!cfg.train.dummy_delay_s.empty()) {
+    auto delays = parse_delays(cfg.train.dummy_delay_s);
+    if (delays.ok() && !delays->empty()) {
+      std::this_thread::sleep_for(
+          std::chrono::duration<double>((*delays)[static_cast<size_t>(client) % delays->size()]));
+    }
+  }
+  const double s = cfg.train.dummy_update_scale;
+  if (s <= 0) return;
+  for (const auto& e : layout.entries()) {
+    if (!dtype_is_float(e.dtype)) continue;
+    std::byte* base = arena.data() + e.offset;
+    const size_t n = e.numel();
+    for (size_t i = 0; i < n; ++i) {
+      const float d = static_cast<float>(s * (client + 1) * (1 + (i + static_cast<size_t>(round)) % 5));
+      switch (e.dtype) {
+        case DType::kF32: {
+          float v;
+          std::memcpy(&v, base + 4 * i, 4);
+          v += d;
+          std::memcpy(base + 4 * i, &v, 4);
+          break;
+        }
+        case DType::kBF16: {
+          uint16_t v;
+          std::memcpy(&v, base + 2 * i, 2);
+          v = f32_to_bf16(bf16_to_f32(v) + d);
+          std::memcpy(base + 2 * i, &v, 2);
+          break;
+        }
+        case DType::kF16: {
+          uint16_t v;
+          std::memcpy(&v, base + 2 * i, 2);
+          v = f32_to_f16(f16_to_f32(v) + d);
+          std::memcpy(base + 2 * i, &v, 2);
+          break;
+        }
+        default:
+          break;
+      }
+    }
+  }
+}
+
+double update_sample_count(const ExperimentConfig& cfg, const ClientPartition* part, int client) {
+  if (cfg.train.trainer == "DummyTrainer" && cfg.train.dummy_update_scale > 0) return 5.0 * (client + 1);
   if (cfg.train.trainer == "DummyTrainer" || part == nullptr) return 1.0;
   return static_cast<double>(part->train.size());
 }

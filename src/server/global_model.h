@@ -1,5 +1,7 @@
-// The server's global model and its FedAvg aggregator, shared by every
-// transport (gRPC server, MPI rank 0), with the round's undo.
+// The server's global model and its aggregator, with the round's undo — the
+// state the round driver (server/round_driver.h) plays rounds on, whatever
+// the transport. Client-level DP-FedAvg's noise is added here, on the
+// aggregate, so it is one code path for every transport.
 //
 // Where the bytes live and how a round folds into them:
 //   memory, f32 model        the running sum shares the global arena after the
@@ -24,21 +26,26 @@
 #include <string>
 
 #include "aggregate/fedavg_aggregator.h"
-#include "roles/client_work.h"
+#include "client/client_work.h"
 
 namespace memfl {
 
 class GlobalModel {
  public:
+  // `sum_in_place`: the running sum may overwrite the global arena once the
+  // broadcast is done (false when clients read the global model while
+  // updates fold: the in-process simulation).
   static StatusOr<std::unique_ptr<GlobalModel>> create(const ExperimentConfig& cfg, const InputSpec& input,
-                                                       const std::string& run_dir, bool naive);
+                                                       const std::string& run_dir, bool naive,
+                                                       bool sum_in_place = true);
   LocalModel& model() { return model_; }
   const Layout& layout() const { return model_.layout(); }
   Arena& arena() { return model_.arena(); }
-  FedAvgAggregator& aggregator() { return *aggregator_; }
+  Aggregator& aggregator() { return *aggregator_; }
   const std::string& checkpoint_path() const { return checkpoint_; }
   // After the broadcast (the in-place modes overwrite the global arena).
-  Status begin_round(int round);
+  // `fold_order`: the round's clients, in the order their updates combine.
+  Status begin_round(int round, std::vector<std::string> fold_order);
   // Finalizes the aggregate into the global model. On failure the pre-round
   // model is back in place and the failure is returned: redo the round.
   Status finish_round(int round);
@@ -53,7 +60,7 @@ class GlobalModel {
   Status restore();
   ExperimentConfig cfg_;
   LocalModel model_;
-  std::unique_ptr<FedAvgAggregator> aggregator_;
+  std::unique_ptr<Aggregator> aggregator_;
   std::string checkpoint_;
   std::string description_;
   bool mapped_ = false;        // the global arena is the checkpoint file's data

@@ -1,9 +1,10 @@
-#include "roles/global_model.h"
+#include "server/global_model.h"
 
 #include <cstdio>
 #include <filesystem>
 
 #include "aggregate/dp_fedavg.h"
+#include "aggregate/registry.h"
 #include "model/llama.h"
 #include "model/synthetic.h"
 #include "tensor/safetensors.h"
@@ -24,14 +25,14 @@ Accumulation resolve_accumulation(const ExperimentConfig& cfg, const Layout& lay
 }
 
 StatusOr<std::unique_ptr<GlobalModel>> GlobalModel::create(const ExperimentConfig& cfg, const InputSpec& input,
-                                                           const std::string& run_dir, bool naive) {
+                                                           const std::string& run_dir, bool naive, bool sum_in_place) {
   std::unique_ptr<GlobalModel> g(new GlobalModel());
   g->cfg_ = cfg;
   g->checkpoint_ = (fs::path(run_dir) / "global_model.safetensors").string();
   const bool file = cfg.memory.arena_backing == "file";
   const std::map<std::string, std::string> meta = {
       {"format", "memfl"}, {"round", "0"}, {"model_name", cfg.model.model_name}};
-  if (file && !naive && is_spec_only(cfg)) {
+  if (file && !naive && sum_in_place && is_spec_only(cfg)) {
     MEMFL_ASSIGN_OR_RETURN(Layout layout, layout_without_network(cfg.model));
     if (layout_is_dense(layout)) {
       // Round 0's file is the initial model, written in place, renamed when whole.
@@ -52,31 +53,34 @@ StatusOr<std::unique_ptr<GlobalModel>> GlobalModel::create(const ExperimentConfi
   const Layout& layout = g->model_.layout();
   const auto mode =
       cfg.server.client_weights_mode == "sample_size" ? ClientWeightsMode::kSampleSize : ClientWeightsMode::kEqual;
-  const Accumulation acc = resolve_accumulation(cfg, layout);
-  if (naive) {
-    g->aggregator_ = std::make_unique<FedAvgAggregator>(layout, mode);
-    g->description_ = "naive";
-  } else if (g->mapped_) {
-    g->aggregator_ = std::make_unique<FedAvgAggregator>(layout, mode, g->model_.arena(), Accumulation::kRunningMean);
-    g->description_ = "running mean into the next checkpoint file";
-  } else if (acc == Accumulation::kRunningMean) {
-    g->aggregator_ = std::make_unique<FedAvgAggregator>(layout, mode, g->model_.arena(), Accumulation::kRunningMean);
-    g->description_ = "in-place running mean";
-  } else if (FedAvgAggregator::can_sum_in_place(layout)) {
-    g->aggregator_ = std::make_unique<FedAvgAggregator>(layout, mode, g->model_.arena());
-    g->description_ = "in-place streaming";
-  } else {
-    MEMFL_ASSIGN_OR_RETURN(
-        Arena sum, make_model_arena(cfg, FedAvgAggregator::sum_bytes(layout), run_dir, MemoryCategory::kAggregation));
-    g->aggregator_ = std::make_unique<FedAvgAggregator>(layout, mode, std::move(sum));
-    g->description_ = "streaming (f32 sum)";
-  }
+  AggregatorContext ctx;
+  ctx.layout = &layout;
+  ctx.weights = mode;
+  // A mapped global model is the checkpoint file: each round folds a running
+  // mean into the next one (no second model-sized buffer, no f32 sum).
+  ctx.accumulation = g->mapped_ ? Accumulation::kRunningMean : resolve_accumulation(cfg, layout);
+  // naive keeps whole client copies elsewhere and averages them at the end
+  // of the upload phase into a sum of its own.
+  ctx.in_place = naive || !sum_in_place ? nullptr : &g->model_.arena();
+  ctx.make_state_arena = [&](size_t bytes) {
+    return naive ? StatusOr<Arena>(Arena(bytes, MemoryCategory::kAggregation))
+                 : make_model_arena(cfg, bytes, run_dir, MemoryCategory::kAggregation);
+  };
+  MEMFL_ASSIGN_OR_RETURN(g->aggregator_, make_aggregator(cfg.server.aggregator, ctx));
+  const bool in_place = g->aggregator_->sums_in_place();
+  g->description_ = naive        ? "naive"
+                    : g->mapped_ ? "running mean into the next checkpoint file"
+                    : in_place && ctx.accumulation == Accumulation::kRunningMean ? "in-place running mean"
+                    : in_place                                                   ? "in-place streaming"
+                                                                                 : "streaming (f32 sum)";
   if (file) g->description_ += ", file-backed";
+  // Updates that arrive before their turn to fold wait in a spool file here.
+  g->aggregator_->set_spool_dir(cfg.memory.scratch_dir.empty() ? run_dir : cfg.memory.scratch_dir);
   if (!g->mapped_) MEMFL_RETURN_IF_ERROR(write_safetensors(g->checkpoint_, layout, g->model_.arena(), meta));
   return g;
 }
 
-Status GlobalModel::begin_round(int round) {
+Status GlobalModel::begin_round(int round, std::vector<std::string> fold_order) {
   if (mapped_) {
     next_.reset();
     MEMFL_ASSIGN_OR_RETURN(Arena next, create_safetensors_arena(checkpoint_ + ".next", layout(),
@@ -86,7 +90,7 @@ Status GlobalModel::begin_round(int round) {
     next_.emplace(std::move(next));
     MEMFL_RETURN_IF_ERROR(aggregator_->retarget(*next_));
   }
-  return aggregator_->begin_round(round);
+  return aggregator_->begin_round(round, std::move(fold_order));
 }
 
 Status GlobalModel::restore() {

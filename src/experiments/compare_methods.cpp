@@ -1,4 +1,4 @@
-#include "roles/compare_methods.h"
+#include "experiments/compare_methods.h"
 
 #include <chrono>
 #include <cmath>

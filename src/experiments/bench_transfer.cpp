@@ -2,7 +2,7 @@
 // model, 2 rounds, and what each role's peak RSS and each direction's
 // throughput were. Measures transfer and aggregation memory with no training
 // in the way.
-#include "roles/bench_transfer.h"
+#include "experiments/bench_transfer.h"
 
 #include <filesystem>
 #include <fstream>
@@ -14,7 +14,7 @@
 
 #include "roles/grpc_roles.h"
 #include "tensor/dtype.h"
-#include "roles/run_dir.h"
+#include "io/run_dir.h"
 
 namespace memfl {
 

@@ -1,0 +1,101 @@
+#include "comm/inproc.h"
+
+#include <atomic>
+#include <chrono>
+#include <mutex>
+#include <thread>
+
+#include <fmt/format.h>
+
+#include "comm/chunk.h"
+
+namespace memfl {
+
+namespace {
+
+// Counts bytes and forwards: what "bytes moved" in metrics.csv measures.
+class CountingSink final : public ChunkSink {
+ public:
+  explicit CountingSink(ChunkSink& inner) : inner_(inner) {}
+  using ChunkSink::accept;
+  Status accept(const ChunkHeader& h, Payload p) override {
+    MEMFL_RETURN_IF_ERROR(inner_.accept(h, p));
+    bytes_ += payload_size(p);
+    return Status::Ok();
+  }
+  uint64_t bytes() const { return bytes_; }
+
+ private:
+  ChunkSink& inner_;
+  uint64_t bytes_ = 0;
+};
+
+double seconds_since(std::chrono::steady_clock::time_point t) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
+}
+
+}  // namespace
+
+Status InProcessTransport::collect(int round, const std::vector<int>& selected, const Arena& global,
+                                   Aggregator& aggregator, CollectResult* out) {
+  std::mutex mu;
+  std::atomic<size_t> next{0};
+  Status first_error = Status::Ok();
+  auto work = [&](int w) {
+    Arena& arena = *workers_[static_cast<size_t>(w)].arena;
+    while (true) {
+      if (keep_worker_ && !keep_worker_(w)) return;  // shed: the others take its clients
+      const size_t i = next.fetch_add(1);
+      if (i >= selected.size()) return;
+      const int c = selected[i];
+      const std::string peer = client_id(c);
+      ClientUpdateInfo info;
+      info.client = c;
+      // Broadcast: the global model's chunks into the worker's arena.
+      auto t = std::chrono::steady_clock::now();
+      ArenaWriter into(layout_, arena, peer);
+      auto down = stream_arena(layout_, global, chunk_, into);
+      Status st = down.ok() ? into.finish() : down.status();
+      const double down_s = seconds_since(t);
+      if (st.ok()) st = local_update_(w, c, round, &info).with_context(fmt::format("round {}, {}", round, peer));
+      // Upload: the update folds as it streams (or parks until its turn).
+      uint64_t up_bytes = 0;
+      double up_s = 0;
+      if (st.ok()) {
+        t = std::chrono::steady_clock::now();
+        auto update = aggregator.open_update(peer, info.sample_count);
+        if (!update.ok()) {
+          st = update.status();
+        } else {
+          CountingSink counted(**update);
+          auto up = stream_arena(layout_, arena, chunk_, counted);
+          st = up.ok() ? (*update)->commit()
+                       : up.status().with_context(fmt::format("round {}, upload from {}", round, peer));
+          up_bytes = counted.bytes();
+        }
+        up_s = seconds_since(t);
+      }
+      std::lock_guard lock(mu);
+      if (!st.ok()) {
+        if (first_error.ok()) first_error = st;
+        out->failed.push_back(c);
+        continue;
+      }
+      out->download_seconds += down_s;
+      out->bytes_down += *down;
+      out->upload_seconds += up_s;
+      out->bytes_up += up_bytes;
+      out->committed.push_back(info);
+    }
+  };
+  active_ = 0;
+  std::vector<std::thread> threads;
+  for (size_t k = 1; k < workers_.size(); ++k) threads.emplace_back([&, k] { work(static_cast<int>(k)); });
+  work(0);
+  for (auto& th : threads) th.join();
+  // A client of the simulator fails only through a bug or a bad config
+  // (its data, its model): that ends the run, as it always has.
+  return first_error;
+}
+
+}  // namespace memfl

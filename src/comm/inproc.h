@@ -1,0 +1,58 @@
+// In-process transport (the simulator, `memfl run`): K worker replicas serve
+// the round's virtual clients. A free worker takes the next client, receives
+// the global model as chunks into its arena (verified, as over the network),
+// runs the client's local update there, and streams its arena into the
+// aggregator at once — no worker waits for another's turn: the aggregator
+// parks an update that is early (aggregate/fedavg_aggregator.h), so the
+// model is the same bit for bit for any K.
+#pragma once
+
+#include <functional>
+#include <vector>
+
+#include "server/transport.h"
+#include "tensor/layout.h"
+
+namespace memfl {
+
+class InProcessTransport final : public ServerTransport {
+ public:
+  // A worker: the arena a client's model lives in while it trains.
+  struct Worker {
+    Arena* arena = nullptr;
+  };
+  // Runs client `client`'s local update of `round` on worker `w`'s arena
+  // (already holding the global model); fills what the update reports.
+  using LocalUpdate = std::function<Status(int worker, int client, int round, ClientUpdateInfo* info)>;
+  // Before a worker takes another client: false sheds the worker (memory
+  // governor), whose clients the others take.
+  using KeepWorker = std::function<bool(int worker)>;
+
+  InProcessTransport(const Layout& layout, size_t chunk, std::vector<Worker> workers, LocalUpdate local_update,
+                     KeepWorker keep_worker = {})
+      : layout_(layout),
+        chunk_(chunk),
+        workers_(std::move(workers)),
+        local_update_(std::move(local_update)),
+        keep_worker_(std::move(keep_worker)) {}
+
+  std::string_view name() const override { return "inproc"; }
+  // Workers copy the global model while others' updates fold.
+  bool broadcast_done_before_collect() const override { return false; }
+  Status broadcast(int, const std::vector<int>&, const Arena&, BroadcastResult*) override { return Status::Ok(); }
+  Status collect(int round, const std::vector<int>& selected, const Arena& global, Aggregator& aggregator,
+                 CollectResult* out) override;
+  void finish(int) override {}
+  // Workers still in use (the governor may shed some).
+  size_t active_workers() const { return active_; }
+
+ private:
+  const Layout& layout_;
+  size_t chunk_;
+  std::vector<Worker> workers_;
+  LocalUpdate local_update_;
+  KeepWorker keep_worker_;
+  size_t active_ = 0;
+};
+
+}  // namespace memfl

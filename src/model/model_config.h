@@ -1,0 +1,26 @@
+// ModelConfig: the model_configs section of an experiment. It lives with
+// the models (not in config/) so that model/ describes a model from its
+// config without depending on the config parser, which in turn checks llama
+// specs through model/: config → model, never back.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace memfl {
+
+struct ModelConfig {
+  std::string model_name = "CNN";  // a registry model, or "synthetic"
+  int64_t num_params = 1 << 20;    // synthetic
+  std::string dtype = "f32";       // synthetic: f32 | bf16 | f16
+  // 0 = take it from the data set; otherwise must agree with it.
+  int num_channel = 0, num_pixel = 0, num_classes = 0;
+  int hidden_size = 200;  // MLP; llama (custom spec)
+  // model_name "llama": a custom spec (the llama-* presets fix their own).
+  int num_layers = 2, num_heads = 4, num_kv_heads = 2;
+  int64_t intermediate_size = 172, vocab_size = 256;
+  bool tie_word_embeddings = false;
+  int seq_length = 64;  // llama training: tokens per sample
+};
+
+}  // namespace memfl

@@ -1,0 +1,218 @@
+#include "server/round_driver.h"
+
+#include <algorithm>
+#include <chrono>
+#include <filesystem>
+#include <limits>
+
+#include <spdlog/spdlog.h>
+
+#include "dp/rdp_accountant.h"
+#include "memory/budget.h"
+#include "server/server_state.h"
+
+namespace memfl {
+
+namespace fs = std::filesystem;
+using Clock = std::chrono::steady_clock;
+
+nlohmann::json round_metrics_to_json(const RoundMetrics& m) {
+  return {m.round,      m.clients,       m.train_loss,  m.train_accuracy, m.val_loss,         m.val_accuracy,
+          m.test_loss,  m.test_accuracy, m.bytes_moved, m.round_seconds,  m.download_seconds, m.upload_seconds,
+          m.bytes_down, m.bytes_up,      m.rss_bytes,   m.peak_rss_bytes};
+}
+
+RoundMetrics round_metrics_from_json(const nlohmann::json& j) {
+  RoundMetrics m;
+  m.round = j[0];
+  m.clients = j[1];
+  m.train_loss = j[2];
+  m.train_accuracy = j[3];
+  m.val_loss = j[4];
+  m.val_accuracy = j[5];
+  m.test_loss = j[6];
+  m.test_accuracy = j[7];
+  m.bytes_moved = j[8];
+  m.round_seconds = j[9];
+  m.download_seconds = j[10];
+  m.upload_seconds = j[11];
+  m.bytes_down = j[12];
+  m.bytes_up = j[13];
+  m.rss_bytes = j[14];
+  m.peak_rss_bytes = j[15];
+  return m;
+}
+
+RoundDriver::RoundDriver(const ExperimentConfig& cfg, GlobalModel& global, ServerTransport& transport,
+                         Scheduler& scheduler, MemorySampler& sampler, RoundDriverOptions opts)
+    : cfg_(cfg),
+      global_(global),
+      transport_(transport),
+      scheduler_(scheduler),
+      sampler_(sampler),
+      opts_(std::move(opts)) {}
+
+Status RoundDriver::resume() {
+  MEMFL_ASSIGN_OR_RETURN(CommittedState st, load_committed_state(opts_.run_dir, global_.layout(), global_.arena()));
+  MEMFL_RETURN_IF_ERROR(scheduler_.load(st.scheduler));
+  if (opts_.load_extra) MEMFL_RETURN_IF_ERROR(opts_.load_extra(st.extra));
+  dp_fedavg_epsilon_ = st.extra.value("dp_fedavg_epsilon", 0.0);
+  for (int c : st.extra.value("dropped", std::vector<int>{})) dropped_.push_back(c);
+  for (const auto& row : st.extra.value("metrics", nlohmann::json::array()))
+    rounds_.push_back(round_metrics_from_json(row));
+  // The undo checkpoint is the committed model again.
+  MEMFL_RETURN_IF_ERROR(global_.write_checkpoint(st.round));
+  first_round_ = st.round + 1;
+  return Status::Ok();
+}
+
+Status RoundDriver::commit(int round) {
+  sampler_.mark(round, "commit");
+  MEMFL_RETURN_IF_ERROR(global_.write_checkpoint(round));
+  CommittedState st;
+  st.round = round;
+  st.scheduler = scheduler_.save();
+  st.aggregator = nlohmann::json::object();  // FedAvg keeps nothing between rounds
+  nlohmann::json extra = opts_.save_extra ? opts_.save_extra() : nlohmann::json::object();
+  extra["dp_fedavg_epsilon"] = dp_fedavg_epsilon_;
+  extra["dropped"] = dropped_;
+  extra["metrics"] = nlohmann::json::array();
+  for (const auto& m : rounds_) extra["metrics"].push_back(round_metrics_to_json(m));
+  st.extra = std::move(extra);
+  return commit_state(opts_.run_dir, global_.checkpoint_path(), global_.layout(), global_.arena(), std::move(st));
+}
+
+Status RoundDriver::play_round(int round, RoundMetrics* m, bool* redo) {
+  *redo = false;
+  const auto t_round = Clock::now();
+  std::vector<int> selected;
+  for (int c : scheduler_.select(round)) {
+    if (std::find(dropped_.begin(), dropped_.end(), c) == dropped_.end()) selected.push_back(c);
+  }
+  if (selected.empty()) return failed_precondition("round {}: every selected client has failed", round);
+  m->round = round;
+
+  sampler_.mark(round, "broadcast");
+  crash_point(round, "broadcast");
+  BroadcastResult down;
+  MEMFL_RETURN_IF_ERROR(transport_.broadcast(round, selected, global_.arena(), &down));
+
+  // Updates fold in client order whatever order they arrive in (parked
+  // until their turn), so every transport gives the same model bit for bit.
+  std::vector<std::string> fold_order;
+  for (int c : selected) fold_order.push_back(client_id(c));
+  MEMFL_RETURN_IF_ERROR(global_.begin_round(round, std::move(fold_order)));
+  sampler_.mark(round, "upload");
+  crash_point(round, "upload");
+  CollectResult up;
+  MEMFL_RETURN_IF_ERROR(transport_.collect(round, selected, global_.arena(), global_.aggregator(), &up));
+  for (int c : up.failed) {
+    (void)global_.aggregator().withdraw(client_id(c));
+    if (std::find(dropped_.begin(), dropped_.end(), c) == dropped_.end()) dropped_.push_back(c);
+  }
+
+  sampler_.mark(round, "aggregate");
+  crash_point(round, "aggregate");
+  Status fin = global_.finish_round(round);
+  if (!fin.ok()) {
+    if (up.committed.empty() && fin.code() != StatusCode::kAborted) return fin.with_context(opts_.role);
+    spdlog::warn("round {}: {} — the pre-round model is back; redoing the round with the clients still in", round,
+                 fin.message());
+    *redo = true;
+    return Status::Ok();
+  }
+  const auto& sc = cfg_.server;
+  if (sc.dp_fedavg_clip_norm > 0) {
+    const bool all = sc.clients_per_round <= 0 || sc.clients_per_round >= sc.num_clients;
+    const double q = all ? 1.0 : static_cast<double>(sc.clients_per_round) / sc.num_clients;
+    auto eps = rdp_epsilon(sc.dp_fedavg_noise_multiplier, q, round, sc.dp_fedavg_delta);
+    dp_fedavg_epsilon_ = eps.ok() ? *eps : std::numeric_limits<double>::infinity();
+    spdlog::info("round {}: client-level DP-FedAvg ε = {:.3f} (δ = {}, σ = {}, q = {:.4f})", round, dp_fedavg_epsilon_,
+                 sc.dp_fedavg_delta, sc.dp_fedavg_noise_multiplier, q);
+  }
+
+  // Metrics: sample-weighted means of what clients reported, in client order.
+  std::sort(up.committed.begin(), up.committed.end(),
+            [](const ClientUpdateInfo& a, const ClientUpdateInfo& b) { return a.client < b.client; });
+  double wsum = 0, vsum = 0;
+  for (const auto& u : up.committed) {
+    scheduler_.record(round, u.client, u.train_loss, u.dp_steps, u.dp_sample_rate);
+    m->clients++;
+    wsum += u.sample_count;
+    m->train_loss += u.sample_count * u.train_loss;
+    m->train_accuracy += u.sample_count * u.train_accuracy;
+    if (u.has_validation) {
+      vsum += u.val_weight;
+      m->val_loss += u.val_weight * u.val_loss;
+      m->val_accuracy += u.val_weight * u.val_accuracy;
+    }
+  }
+  if (wsum > 0) {
+    m->train_loss /= wsum;
+    m->train_accuracy /= wsum;
+  }
+  if (vsum > 0) {
+    m->val_loss /= vsum;
+    m->val_accuracy /= vsum;
+  }
+  m->bytes_down = down.bytes + up.bytes_down;
+  m->bytes_up = up.bytes_up;
+  m->bytes_moved = m->bytes_down + m->bytes_up;
+  m->download_seconds = down.seconds + up.download_seconds;
+  m->upload_seconds = up.upload_seconds;
+
+  if (opts_.evaluate) {
+    sampler_.mark(round, "evaluate");
+    auto ev = opts_.evaluate(round, global_.arena());
+    if (!ev.ok()) return ev.status().with_context(fmt::format("round {}, server evaluation", round));
+    m->test_loss = ev->loss;
+    m->test_accuracy = ev->accuracy;
+  }
+  m->round_seconds = std::chrono::duration<double>(Clock::now() - t_round).count();
+  m->peak_rss_bytes = sampler_.peak_rss();
+  m->rss_bytes = read_rss_bytes();
+  return Status::Ok();
+}
+
+Status RoundDriver::check_memory_bound() const {
+  // The server's stated bound: the global model (anonymous unless
+  // file-backed) + what the aggregator keeps between rounds + what it may
+  // hold during one. Refused before any round, naming the key.
+  MEMFL_ASSIGN_OR_RETURN(const int64_t budget, parse_memory_budget(cfg_.server.memory_budget, total_ram_bytes()));
+  const Aggregator& agg = global_.aggregator();
+  const size_t model = global_.arena().file_backed() ? 0 : global_.layout().total_bytes();
+  const size_t need = model + agg.state_bytes() + agg.working_bytes();
+  if (static_cast<int64_t>(need) > budget) {
+    return resource_exhausted(
+        "server_configs.memory_budget ({}): the global model ({}) and {}'s state ({} between rounds, {} more during "
+        "one) need {}; raise the budget, or set memory_configs.arena_backing: file",
+        format_bytes(static_cast<double>(budget)), format_bytes(static_cast<double>(model)), cfg_.server.aggregator,
+        format_bytes(static_cast<double>(agg.state_bytes())), format_bytes(static_cast<double>(agg.working_bytes())),
+        format_bytes(static_cast<double>(need)));
+  }
+  return Status::Ok();
+}
+
+Status RoundDriver::run() {
+  MEMFL_RETURN_IF_ERROR(check_memory_bound());
+  if (opts_.resume) MEMFL_RETURN_IF_ERROR(resume());
+  MEMFL_ASSIGN_OR_RETURN(auto metrics, MetricsWriter::open((fs::path(opts_.run_dir) / "metrics.csv").string()));
+  for (const auto& m : rounds_) MEMFL_RETURN_IF_ERROR(metrics->append(m));  // the committed rounds, again
+  const int last = cfg_.server.num_global_epochs;
+  for (int round = first_round_; round <= last;) {
+    RoundMetrics m;
+    bool redo = false;
+    MEMFL_RETURN_IF_ERROR(play_round(round, &m, &redo));
+    if (redo) continue;
+    rounds_.push_back(m);
+    MEMFL_RETURN_IF_ERROR(metrics->append(m));
+    MEMFL_RETURN_IF_ERROR(commit(round));
+    if (opts_.on_round) opts_.on_round(m);
+    ++round;
+  }
+  sampler_.mark(last, "done");
+  transport_.finish(last);
+  return Status::Ok();
+}
+
+}  // namespace memfl

@@ -1,0 +1,75 @@
+// RoundDriver: the server's round loop, written once for every transport
+// (in-process simulation, gRPC, MPI):
+//
+//   select (Scheduler) → broadcast (transport) → collect: each update folds
+//   into the aggregator as it arrives → aggregate (finalize, DP-FedAvg noise)
+//   → evaluate (optional hook) → commit the server's state (resumable)
+//
+// A round whose aggregate cannot be trusted (an update broke after some of
+// its bytes were counted) is redone from the pre-round model with the clients
+// still in. `resume` continues after the newest committed round of run_dir.
+//
+//   RoundDriver driver(cfg, global, transport, *scheduler, sampler, opts);
+//   MEMFL_RETURN_IF_ERROR(driver.run());
+#pragma once
+
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "config/config.h"
+#include "memory/sampler.h"
+#include "io/run_dir.h"
+#include "schedule/scheduler.h"
+#include "server/global_model.h"
+#include "server/transport.h"
+#include "train/trainer_backend.h"
+
+namespace memfl {
+
+struct RoundDriverOptions {
+  std::string run_dir;
+  std::string role = "server";  // names log lines
+  bool resume = false;
+  // Server-side evaluation of the global model after a round; empty: none.
+  std::function<StatusOr<EvalResult>(int round, Arena& global)> evaluate;
+  // Called after each round's metrics are final (progress lines).
+  std::function<void(const RoundMetrics&)> on_round;
+  // What a transport keeps across rounds beyond the driver's state (e.g.
+  // the simulator's per-client DP), saved and restored with each commit.
+  std::function<nlohmann::json()> save_extra;
+  std::function<Status(const nlohmann::json&)> load_extra;
+};
+
+class RoundDriver {
+ public:
+  RoundDriver(const ExperimentConfig& cfg, GlobalModel& global, ServerTransport& transport, Scheduler& scheduler,
+              MemorySampler& sampler, RoundDriverOptions opts);
+  // Plays rounds up to server_configs.num_global_epochs.
+  Status run();
+  const std::vector<RoundMetrics>& rounds() const { return rounds_; }
+  // Client-level DP-FedAvg: ε after the last round (0 when off).
+  double dp_fedavg_epsilon() const { return dp_fedavg_epsilon_; }
+
+ private:
+  Status check_memory_bound() const;
+  Status resume();
+  Status play_round(int round, RoundMetrics* m, bool* redo);
+  Status commit(int round);
+
+  const ExperimentConfig& cfg_;
+  GlobalModel& global_;
+  ServerTransport& transport_;
+  Scheduler& scheduler_;
+  MemorySampler& sampler_;
+  RoundDriverOptions opts_;
+  int first_round_ = 1;
+  std::vector<RoundMetrics> rounds_;
+  std::vector<int> dropped_;  // clients out for the rest of the run
+  double dp_fedavg_epsilon_ = 0;
+};
+
+nlohmann::json round_metrics_to_json(const RoundMetrics& m);
+RoundMetrics round_metrics_from_json(const nlohmann::json& j);
+
+}  // namespace memfl

@@ -1,0 +1,183 @@
+#include "server/server_state.h"
+
+#include <fcntl.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+
+#include <spdlog/spdlog.h>
+
+#include "comm/chunk.h"
+#include "tensor/safetensors.h"
+
+namespace memfl {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+std::string stem(int round) { return fmt::format("round-{:06d}", round); }
+
+Status fsync_path(const std::string& path, bool directory) {
+  const int fd = ::open(path.c_str(), (directory ? O_RDONLY | O_DIRECTORY : O_RDONLY) | O_CLOEXEC);
+  if (fd < 0) return internal_error("{}: cannot open to fsync: {}", path, std::strerror(errno));
+  const int rc = ::fsync(fd);
+  ::close(fd);
+  if (rc != 0) return internal_error("{}: fsync failed: {}", path, std::strerror(errno));
+  return Status::Ok();
+}
+
+// Writes `text` to `path` as a whole or not at all: new file, fsync, rename.
+Status write_durably(const std::string& path, const std::string& text) {
+  const std::string tmp = path + ".tmp";
+  {
+    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+    if (!out) return not_found("{}: cannot write", tmp);
+    out << text;
+    out.flush();
+    if (!out) return internal_error("{}: write failed", tmp);
+  }
+  MEMFL_RETURN_IF_ERROR(fsync_path(tmp, false));
+  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
+    return internal_error("{}: rename from {} failed: {}", path, tmp, std::strerror(errno));
+  }
+  return Status::Ok();
+}
+
+uint64_t text_checksum(const std::string& text) {
+  return chunk_checksum(std::span(reinterpret_cast<const std::byte*>(text.data()), text.size()));
+}
+
+}  // namespace
+
+void crash_point(int round, const char* point) {
+  static const char* spec = std::getenv("MEMFL_CRASH_AT");
+  if (spec == nullptr) return;
+  if (fmt::format("{}:{}", round, point) == spec) {
+    spdlog::warn("MEMFL_CRASH_AT={}: killing this process (SIGKILL)", spec);
+    ::kill(::getpid(), SIGKILL);
+  }
+}
+
+Status commit_state(const std::string& run_dir, const std::string& checkpoint, const Layout& layout, const Arena& model,
+                    CommittedState state) {
+  const fs::path dir = fs::path(run_dir) / "state";
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (ec) return not_found("{}: cannot create: {}", dir.string(), ec.message());
+  const std::string model_file = stem(state.round) + ".safetensors";
+  const fs::path model_path = dir / model_file;
+  // A hard link: the checkpoint's inode stays this commit's model even when
+  // the next round renames a new checkpoint over its name.
+  fs::remove(model_path, ec);
+  fs::create_hard_link(checkpoint, model_path, ec);
+  if (ec) {
+    // A file system without hard links: copy (disk, not memory).
+    fs::copy_file(checkpoint, model_path, fs::copy_options::overwrite_existing, ec);
+    if (ec) return internal_error("{}: cannot link or copy {}: {}", model_path.string(), checkpoint, ec.message());
+    MEMFL_RETURN_IF_ERROR(fsync_path(model_path.string(), false));
+  }
+  nlohmann::ordered_json j;
+  j["format"] = "memfl-server-state";
+  j["version"] = 1;
+  j["round"] = state.round;
+  j["model_file"] = model_file;
+  j["model_bytes"] = layout.total_bytes();
+  j["layout_hash"] = fmt::format("{:016x}", layout.hash());
+  j["model_xxh3"] = fmt::format("{:016x}", chunk_checksum(model.bytes().subspan(0, layout.total_bytes())));
+  j["scheduler"] = state.scheduler;
+  j["aggregator"] = state.aggregator;
+  j["extra"] = state.extra;
+  const std::string body = j.dump(2);
+  nlohmann::ordered_json outer;
+  outer["body_xxh3"] = fmt::format("{:016x}", text_checksum(body));
+  outer["body"] = body;
+  crash_point(state.round, "commit");  // model linked, state not yet written: the previous commit must win
+  MEMFL_RETURN_IF_ERROR(write_durably((dir / (stem(state.round) + ".json")).string(), outer.dump(1) + "\n"));
+  MEMFL_RETURN_IF_ERROR(fsync_path(dir.string(), true));
+  // Keep this commit and the one before; older ones go.
+  for (const auto& entry : fs::directory_iterator(dir, ec)) {
+    const std::string name = entry.path().filename().string();
+    int r = 0;
+    if (std::sscanf(name.c_str(), "round-%d.", &r) == 1 && r < state.round - 1) fs::remove(entry.path(), ec);
+  }
+  return Status::Ok();
+}
+
+StatusOr<CommittedState> load_committed_state(const std::string& run_dir, const Layout& layout, Arena& model) {
+  const fs::path dir = fs::path(run_dir) / "state";
+  std::vector<std::pair<int, fs::path>> commits;
+  std::error_code ec;
+  for (const auto& entry : fs::directory_iterator(dir, ec)) {
+    const std::string name = entry.path().filename().string();
+    int r = 0;
+    char tail[8] = {};
+    if (std::sscanf(name.c_str(), "round-%d.%7s", &r, tail) == 2 && std::string(tail) == "json") {
+      commits.emplace_back(r, entry.path());
+    }
+  }
+  if (commits.empty()) {
+    return not_found("--resume {}: no committed server state in {} (a run commits one after every round)", run_dir,
+                     dir.string());
+  }
+  std::sort(commits.rbegin(), commits.rend());
+  for (const auto& [r, path] : commits) {
+    auto fail = [&](const std::string& why) {
+      spdlog::warn("--resume: {} is not usable ({}); trying the commit before it", path.string(), why);
+    };
+    std::ifstream in(path);
+    std::string text((std::istreambuf_iterator<char>(in)), {});
+    nlohmann::json outer = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+    if (outer.is_discarded() || !outer.contains("body") || !outer["body"].is_string() || !outer.contains("body_xxh3")) {
+      fail("torn or not a state file");
+      continue;
+    }
+    const std::string body = outer["body"].get<std::string>();
+    if (fmt::format("{:016x}", text_checksum(body)) != outer["body_xxh3"]) {
+      fail("checksum of its text does not match");
+      continue;
+    }
+    nlohmann::json j = nlohmann::json::parse(body, nullptr, false);
+    if (j.is_discarded() || j.value("round", -1) != r) {
+      fail("round does not match its name");
+      continue;
+    }
+    if (j.value("layout_hash", std::string()) != fmt::format("{:016x}", layout.hash())) {
+      return failed_precondition("--resume: {} is a model of layout {} but this config's model has layout {:016x}",
+                                 path.string(), j.value("layout_hash", std::string("?")), layout.hash());
+    }
+    const std::string model_path = (dir / j.value("model_file", std::string())).string();
+    auto file = SafetensorsFile::open(model_path);
+    if (!file.ok()) {
+      fail(file.status().message());
+      continue;
+    }
+    Status loaded = (*file)->load_into(layout, model);
+    if (!loaded.ok()) {
+      fail(loaded.message());
+      continue;
+    }
+    if (fmt::format("{:016x}", chunk_checksum(model.bytes().subspan(0, layout.total_bytes()))) !=
+        j.value("model_xxh3", std::string())) {
+      fail(fmt::format("the bytes of {} do not match its checksum", model_path));
+      continue;
+    }
+    CommittedState st;
+    st.round = r;
+    st.model_path = model_path;
+    st.scheduler = j.value("scheduler", nlohmann::json::object());
+    st.aggregator = j.value("aggregator", nlohmann::json::object());
+    st.extra = j.value("extra", nlohmann::json::object());
+    spdlog::info("--resume: continuing after round {} from {}", r, path.string());
+    return st;
+  }
+  return data_loss("--resume {}: no commit in {} checks out (each named above)", run_dir, dir.string());
+}
+
+}  // namespace memfl

@@ -1,0 +1,75 @@
+// ServerTransport: what the server core needs of a transport (in-process,
+// gRPC, MPI) — hand the global model's chunks to the round's clients, and
+// feed each client's update, chunk by chunk, into the aggregator as it
+// arrives. The round driver (server/round_driver.h) is written once against
+// this interface; a transport knows nothing of rounds beyond their number.
+//
+//   BroadcastResult down;
+//   MEMFL_RETURN_IF_ERROR(transport.broadcast(round, selected, global_arena, &down));
+//   MEMFL_RETURN_IF_ERROR(aggregator.begin_round(round, fold_order));
+//   CollectResult up;
+//   MEMFL_RETURN_IF_ERROR(transport.collect(round, selected, aggregator, &up));
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "aggregate/aggregator.h"
+#include "common/status.h"
+#include "tensor/arena.h"
+
+namespace memfl {
+
+// What a client reported with its update (its metadata), and what moving
+// its bytes took.
+struct ClientUpdateInfo {
+  int client = -1;
+  double sample_count = 0;  // FedAvg's weight under client_weights_mode: sample_size
+  double train_loss = 0, train_accuracy = 0;
+  bool has_validation = false;
+  double val_weight = 0, val_loss = 0, val_accuracy = 0;
+  // DP-SGD: the client's steps this round and their Poisson rate.
+  int64_t dp_steps = 0;
+  double dp_sample_rate = 0;
+};
+
+struct BroadcastResult {
+  uint64_t bytes = 0;
+  double seconds = 0;  // first byte to last, over all clients
+};
+
+struct CollectResult {
+  std::vector<ClientUpdateInfo> committed;  // updates the aggregator accepted whole
+  std::vector<int> failed;                  // selected clients that sent no whole update
+  uint64_t bytes_up = 0;
+  double upload_seconds = 0;
+  // Transports where a client downloads inside collect (the in-process
+  // simulation hands the model to a worker only when one is free).
+  uint64_t bytes_down = 0;
+  double download_seconds = 0;
+};
+
+class ServerTransport {
+ public:
+  virtual ~ServerTransport() = default;
+  virtual std::string_view name() const = 0;
+  // Whether broadcast() has finished reading the global arena when it
+  // returns, so the arena may become the running sum during collect().
+  virtual bool broadcast_done_before_collect() const = 0;
+  // Sends `global` to `selected` (client ids, sorted). A client that cannot
+  // be reached is dropped from the round (collect reports it as failed); an
+  // error return ends the run.
+  virtual Status broadcast(int round, const std::vector<int>& selected, const Arena& global, BroadcastResult* out) = 0;
+  // Receives the round's updates, in whatever order they come, each through
+  // aggregator.open_update(client_id(c), sample_count); returns when every
+  // selected client has committed or failed (or the round's deadline passed).
+  virtual Status collect(int round, const std::vector<int>& selected, const Arena& global, Aggregator& aggregator,
+                         CollectResult* out) = 0;
+  // The run is over (clients are told; the transport may stop).
+  virtual void finish(int last_round) = 0;
+};
+
+// How every transport names client `c` to the aggregator (and in messages).
+inline std::string client_id(int c) { return "client_" + std::to_string(c); }
+
+}  // namespace memfl

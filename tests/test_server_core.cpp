@@ -1,0 +1,417 @@
+// The server core without transports: the aggregator's fold order (parking
+// updates that arrive early), the committed state a server resumes from, and
+// the scheduler registry.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <numeric>
+#include <random>
+#include <thread>
+
+#include "aggregate/fedavg_aggregator.h"
+#include "comm/chunk.h"
+#include "schedule/scheduler.h"
+#include "server/server_state.h"
+#include "tensor/safetensors.h"
+#include "test_util.h"
+
+namespace memfl {
+namespace {
+
+namespace fs = std::filesystem;
+
+Layout f32_layout() {
+  LayoutBuilder b;
+  b.add("a.weight", DType::kF32, {17, 5}).add("a.bias", DType::kF32, {3}).add("b.weight", DType::kF32, {41});
+  return std::move(b).build().value();
+}
+
+struct Clients {
+  Layout layout = f32_layout();
+  std::vector<Arena> models;
+  std::vector<double> samples = {3, 11, 7, 29};  // unequal: a wrong weight shows
+  Clients() {
+    for (int c = 0; c < 4; ++c) {
+      models.emplace_back(layout.total_bytes(), MemoryCategory::kModel);
+      testing::fill_random(layout, models.back(), 100 + c);
+    }
+  }
+  std::vector<std::string> order() const { return {"client_0", "client_1", "client_2", "client_3"}; }
+  // The weighted mean as the aggregator must compute it: an f32 running sum
+  // in client order (acc += w·x), then × (1/W) — written here from the
+  // formula, not from the aggregator's code.
+  std::vector<float> expected() const {
+    std::vector<float> out;
+    double total = 0;
+    for (double w : samples) total += w;
+    const float inv = static_cast<float>(1.0 / total);
+    for (const auto& e : layout.entries()) {
+      for (size_t i = 0; i < e.numel(); ++i) {
+        float acc = 0;
+        for (size_t c = 0; c < models.size(); ++c) {
+          float x;
+          std::memcpy(&x, models[c].data() + e.offset + 4 * i, 4);
+          acc += static_cast<float>(samples[c]) * x;
+        }
+        out.push_back(acc * inv);
+      }
+    }
+    return out;
+  }
+  std::vector<float> values(const Arena& a) const {
+    std::vector<float> out;
+    for (const auto& e : layout.entries()) {
+      for (size_t i = 0; i < e.numel(); ++i) {
+        float x;
+        std::memcpy(&x, a.data() + e.offset + 4 * i, 4);
+        out.push_back(x);
+      }
+    }
+    return out;
+  }
+};
+
+// Streams the clients' updates in `arrival` order; with `interleave`, one
+// chunk of each open update in turn (as concurrent uploads would arrive).
+Arena aggregate(const Clients& cl, const std::vector<int>& arrival, size_t chunk, bool interleave,
+                const std::string& spool_dir) {
+  FedAvgAggregator agg(cl.layout, ClientWeightsMode::kSampleSize);
+  agg.set_spool_dir(spool_dir);
+  EXPECT_TRUE(agg.begin_round(1, cl.order()).ok());
+  std::vector<std::unique_ptr<UpdateStream>> streams;
+  for (int c : arrival) {
+    auto u = agg.open_update("client_" + std::to_string(c), cl.samples[static_cast<size_t>(c)]);
+    EXPECT_TRUE(u.ok());
+    streams.push_back(std::move(*u));
+  }
+  const size_t total = cl.layout.total_bytes();
+  auto send = [&](size_t k, size_t off) {
+    const int c = arrival[k];
+    const size_t len = std::min(chunk, total - off);
+    auto bytes = cl.models[static_cast<size_t>(c)].bytes(off, len);
+    EXPECT_TRUE(streams[k]->accept({cl.layout.hash(), off, len, chunk_checksum(bytes)}, bytes).ok());
+  };
+  if (interleave) {
+    for (size_t off = 0; off < total; off += chunk) {
+      for (size_t k = 0; k < arrival.size(); ++k) send(k, off);
+    }
+    for (auto& s : streams) EXPECT_TRUE(s->commit().ok());
+  } else {
+    for (size_t k = 0; k < arrival.size(); ++k) {
+      for (size_t off = 0; off < total; off += chunk) send(k, off);
+      EXPECT_TRUE(streams[k]->commit().ok());
+    }
+  }
+  Arena global(total, MemoryCategory::kModel);
+  EXPECT_TRUE(agg.finalize(global).ok());
+  return global;
+}
+
+TEST(FoldOrder, SameBytesForEveryArrivalOrderAndChunkSize) {
+  Clients cl;
+  testing::TempDir tmp;
+  const auto expected = cl.expected();
+  std::vector<int> arrival = {0, 1, 2, 3};
+  int permutations = 0;
+  do {
+    for (size_t chunk : {size_t{7}, size_t{64}, cl.layout.total_bytes()}) {
+      for (bool interleave : {false, true}) {
+        Arena g = aggregate(cl, arrival, chunk, interleave, tmp.path.string());
+        const auto got = cl.values(g);
+        ASSERT_EQ(got.size(), expected.size());
+        for (size_t i = 0; i < got.size(); ++i) {
+          // Bit for bit: the f32 mean in client order, whatever came first.
+          ASSERT_EQ(std::memcmp(&got[i], &expected[i], 4), 0)
+              << "element " << i << " arrival " << arrival[0] << arrival[1] << arrival[2] << arrival[3] << " chunk "
+              << chunk << (interleave ? " interleaved" : "") << ": " << got[i] << " vs " << expected[i];
+        }
+      }
+    }
+    ++permutations;
+  } while (std::next_permutation(arrival.begin(), arrival.end()));
+  EXPECT_EQ(permutations, 24);
+}
+
+TEST(FoldOrder, ArrivalOrderWouldChangeTheBitsWithoutIt) {
+  // The premise of the test above: summing these inputs in another order
+  // gives other f32 bits somewhere, so an aggregator that folded in arrival
+  // order would have failed it.
+  Clients cl;
+  const auto in_order = cl.expected();
+  std::swap(cl.models[0], cl.models[3]);
+  std::swap(cl.samples[0], cl.samples[3]);
+  const auto reversed_first = cl.expected();
+  EXPECT_NE(std::memcmp(in_order.data(), reversed_first.data(), 4 * in_order.size()), 0);
+}
+
+TEST(FoldOrder, ConcurrentUploadsWithDelaysGiveTheSameBytes) {
+  Clients cl;
+  testing::TempDir tmp;
+  const auto expected = cl.expected();
+  for (int trial = 0; trial < 6; ++trial) {
+    FedAvgAggregator agg(cl.layout, ClientWeightsMode::kSampleSize);
+    agg.set_spool_dir(tmp.path.string());
+    ASSERT_TRUE(agg.begin_round(1, cl.order()).ok());
+    std::vector<std::thread> threads;
+    std::vector<Status> results(4, Status::Ok());
+    for (int c = 0; c < 4; ++c) {
+      threads.emplace_back([&, c] {
+        // Client (trial mod 4) starts last: it holds up everyone's turn.
+        if (c == trial % 4) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+        std::mt19937 rng(static_cast<unsigned>(trial * 10 + c));
+        auto u = agg.open_update("client_" + std::to_string(c), cl.samples[static_cast<size_t>(c)]);
+        if (!u.ok()) {
+          results[static_cast<size_t>(c)] = u.status();
+          return;
+        }
+        const size_t total = cl.layout.total_bytes();
+        for (size_t off = 0; off < total; off += 13) {
+          const size_t len = std::min<size_t>(13, total - off);
+          auto bytes = cl.models[static_cast<size_t>(c)].bytes(off, len);
+          Status s = (*u)->accept({cl.layout.hash(), off, len, chunk_checksum(bytes)}, bytes);
+          if (!s.ok()) {
+            results[static_cast<size_t>(c)] = s;
+            return;
+          }
+          if (rng() % 8 == 0) std::this_thread::sleep_for(std::chrono::microseconds(rng() % 300));
+        }
+        results[static_cast<size_t>(c)] = (*u)->commit();
+      });
+    }
+    for (auto& t : threads) t.join();
+    for (const auto& r : results) ASSERT_TRUE(r.ok()) << r.to_string();
+    Arena g(cl.layout.total_bytes(), MemoryCategory::kModel);
+    ASSERT_TRUE(agg.finalize(g).ok());
+    const auto got = cl.values(g);
+    ASSERT_EQ(std::memcmp(got.data(), expected.data(), 4 * got.size()), 0) << "trial " << trial;
+  }
+}
+
+TEST(FoldOrder, AParkedUpdateThatBreaksLeavesNoTrace) {
+  Clients cl;
+  testing::TempDir tmp;
+  FedAvgAggregator agg(cl.layout, ClientWeightsMode::kSampleSize);
+  agg.set_spool_dir(tmp.path.string());
+  ASSERT_TRUE(agg.begin_round(1, {"client_0", "client_1", "client_2"}).ok());
+  const size_t total = cl.layout.total_bytes();
+  auto stream_all = [&](UpdateStream& u, int c, size_t upto) {
+    for (size_t off = 0; off < upto; off += 32) {
+      const size_t len = std::min<size_t>(32, upto - off);
+      auto bytes = cl.models[static_cast<size_t>(c)].bytes(off, len);
+      ASSERT_TRUE(u.accept({cl.layout.hash(), off, len, chunk_checksum(bytes)}, bytes).ok());
+    }
+  };
+  auto u0 = agg.open_update("client_0", cl.samples[0]);
+  auto u1 = agg.open_update("client_1", cl.samples[1]);
+  auto u2 = agg.open_update("client_2", cl.samples[2]);
+  // client_1 and client_2 arrive before client_0 has folded: both park.
+  stream_all(**u2, 2, total);
+  ASSERT_TRUE((*u2)->commit().ok());
+  stream_all(**u1, 1, total / 2);
+  EXPECT_FALSE((*u1)->commit().ok());  // broke half way, while parked
+  stream_all(**u0, 0, total);
+  ASSERT_TRUE((*u0)->commit().ok());
+  EXPECT_EQ(agg.num_committed(), 2);
+  Arena g(total, MemoryCategory::kModel);
+  ASSERT_TRUE(agg.finalize(g).ok()) << "a parked update never touched the sum: no redo";
+  // The mean of clients 0 and 2 only, in that order.
+  Clients two;
+  two.models.erase(two.models.begin() + 3);
+  two.models.erase(two.models.begin() + 1);
+  two.samples = {cl.samples[0], cl.samples[2]};
+  const auto expected = two.expected();
+  const auto got = cl.values(g);
+  EXPECT_EQ(std::memcmp(got.data(), expected.data(), 4 * got.size()), 0);
+}
+
+TEST(FoldOrder, AWithdrawnClientDoesNotHoldUpTheOthers) {
+  Clients cl;
+  testing::TempDir tmp;
+  FedAvgAggregator agg(cl.layout, ClientWeightsMode::kSampleSize);
+  agg.set_spool_dir(tmp.path.string());
+  ASSERT_TRUE(agg.begin_round(1, cl.order()).ok());
+  ASSERT_TRUE(agg.withdraw("client_0").ok());
+  ASSERT_TRUE(agg.withdraw("client_3").ok());
+  for (int c : {2, 1}) {
+    auto u = agg.open_update("client_" + std::to_string(c), cl.samples[static_cast<size_t>(c)]);
+    ASSERT_TRUE(u.ok());
+    ASSERT_TRUE(stream_arena(cl.layout, cl.models[static_cast<size_t>(c)], 50, **u).ok());
+    ASSERT_TRUE((*u)->commit().ok());
+  }
+  EXPECT_FALSE(agg.open_update("client_7", 1).ok()) << "not in the round's fold order";
+  Arena g(cl.layout.total_bytes(), MemoryCategory::kModel);
+  ASSERT_TRUE(agg.finalize(g).ok());
+  Clients two;
+  two.models.erase(two.models.begin() + 3);
+  two.models.erase(two.models.begin());
+  two.samples = {cl.samples[1], cl.samples[2]};
+  const auto expected = two.expected();
+  const auto got = cl.values(g);
+  EXPECT_EQ(std::memcmp(got.data(), expected.data(), 4 * got.size()), 0);
+}
+
+TEST(FoldOrder, RunningMeanIsTheSameForEveryArrivalOrder) {
+  LayoutBuilder b;
+  b.add("w", DType::kBF16, {257}).add("step", DType::kI64, {});
+  Layout layout = std::move(b).build().value();
+  std::vector<Arena> models;
+  const std::vector<double> w = {2, 5, 9};
+  for (int c = 0; c < 3; ++c) {
+    models.emplace_back(layout.total_bytes(), MemoryCategory::kModel);
+    testing::fill_random(layout, models.back(), 7 + c);
+  }
+  testing::TempDir tmp;
+  std::vector<std::vector<std::byte>> results;
+  std::vector<int> arrival = {0, 1, 2};
+  do {
+    Arena global(layout.total_bytes(), MemoryCategory::kModel);
+    FedAvgAggregator agg(layout, ClientWeightsMode::kSampleSize, global, Accumulation::kRunningMean);
+    agg.set_spool_dir(tmp.path.string());
+    ASSERT_TRUE(agg.begin_round(1, {"client_0", "client_1", "client_2"}).ok());
+    std::vector<std::unique_ptr<UpdateStream>> open;
+    for (int c : arrival)
+      open.push_back(std::move(*agg.open_update("client_" + std::to_string(c), w[static_cast<size_t>(c)])));
+    for (size_t k = 0; k < arrival.size(); ++k) {
+      ASSERT_TRUE(stream_arena(layout, models[static_cast<size_t>(arrival[k])], 9, *open[k]).ok());
+      ASSERT_TRUE(open[k]->commit().ok());
+    }
+    ASSERT_TRUE(agg.finalize(global).ok());
+    results.emplace_back(global.data(), global.data() + layout.total_bytes());
+    // Within (N − 1)/2 ulp of bf16 of the weighted mean (the documented bound).
+    const auto& e = layout.entries()[0];
+    for (size_t i = 0; i < e.numel(); ++i) {
+      double ref = 0, largest = 0;
+      for (int c = 0; c < 3; ++c) {
+        const double x = testing::element_as_double(models[static_cast<size_t>(c)], e, i);
+        ref += w[static_cast<size_t>(c)] * x;
+        largest = std::max(largest, std::abs(x));
+      }
+      ref /= 16;  // Σ w
+      const double got = testing::element_as_double(global, e, i);
+      EXPECT_NEAR(got, ref, largest / 128 + 1e-30) << i;  // (3 − 1)/2 ulp of bf16 (2⁻⁷ relative)
+    }
+  } while (std::next_permutation(arrival.begin(), arrival.end()));
+  for (const auto& r : results) EXPECT_EQ(r, results.front());
+}
+
+// The committed state: a round trip, then a torn and a corrupt newest commit.
+struct StateFixture {
+  testing::TempDir tmp;
+  Layout layout = f32_layout();
+  Arena model{layout.total_bytes(), MemoryCategory::kModel};
+  Status commit(int round, uint64_t seed) {
+    testing::fill_random(layout, model, seed);
+    const std::string ckpt = tmp.file("global_model.safetensors");
+    MEMFL_RETURN_IF_ERROR(write_safetensors(ckpt, layout, model, {{"round", std::to_string(round)}}));
+    CommittedState st;
+    st.round = round;
+    st.scheduler = {{"round", round}};
+    st.extra = {{"metrics", {round * 10}}};
+    return commit_state(tmp.path.string(), ckpt, layout, model, st);
+  }
+};
+
+TEST(ServerState, ResumesFromTheNewestCommitWithItsModel) {
+  StateFixture f;
+  ASSERT_TRUE(f.commit(1, 1).ok());
+  ASSERT_TRUE(f.commit(2, 2).ok());
+  ASSERT_TRUE(f.commit(3, 3).ok());
+  EXPECT_FALSE(fs::exists(f.tmp.file("state/round-000001.json"))) << "only the last two commits are kept";
+  Arena expect(f.layout.total_bytes(), MemoryCategory::kModel);
+  testing::fill_random(f.layout, expect, 3);
+  Arena loaded(f.layout.total_bytes(), MemoryCategory::kModel);
+  auto st = load_committed_state(f.tmp.path.string(), f.layout, loaded);
+  ASSERT_TRUE(st.ok()) << st.status().to_string();
+  EXPECT_EQ(st->round, 3);
+  EXPECT_EQ(st->scheduler["round"], 3);
+  EXPECT_EQ(st->extra["metrics"][0], 30);
+  EXPECT_EQ(std::memcmp(loaded.data(), expect.data(), f.layout.total_bytes()), 0);
+}
+
+TEST(ServerState, ATornOrCorruptNewestCommitFallsBackToThePreviousOne) {
+  StateFixture f;
+  ASSERT_TRUE(f.commit(4, 4).ok());
+  ASSERT_TRUE(f.commit(5, 5).ok());
+  Arena round4(f.layout.total_bytes(), MemoryCategory::kModel);
+  testing::fill_random(f.layout, round4, 4);
+  const std::string newest = f.tmp.file("state/round-000005.json");
+  std::string text;
+  {
+    std::ifstream in(newest);
+    text.assign(std::istreambuf_iterator<char>(in), {});
+  }
+  // Torn: half the file.
+  std::ofstream(newest, std::ios::trunc) << text.substr(0, text.size() / 2);
+  Arena loaded(f.layout.total_bytes(), MemoryCategory::kModel);
+  auto st = load_committed_state(f.tmp.path.string(), f.layout, loaded);
+  ASSERT_TRUE(st.ok()) << st.status().to_string();
+  EXPECT_EQ(st->round, 4);
+  EXPECT_EQ(std::memcmp(loaded.data(), round4.data(), f.layout.total_bytes()), 0);
+  // Whole text, one digit of the round changed: the text checksum catches it.
+  std::string flipped = text;
+  const size_t at = flipped.find("\\\"round\\\": 5");
+  ASSERT_NE(at, std::string::npos) << text;
+  flipped[at + 11] = '6';
+  std::ofstream(newest, std::ios::trunc) << flipped;
+  st = load_committed_state(f.tmp.path.string(), f.layout, loaded);
+  ASSERT_TRUE(st.ok());
+  EXPECT_EQ(st->round, 4);
+  // Intact text, but the model file's bytes changed: the model checksum catches it.
+  std::ofstream(newest, std::ios::trunc) << text;
+  {
+    auto file = SafetensorsFile::open(f.tmp.file("state/round-000005.safetensors"));
+    ASSERT_TRUE(file.ok());
+    const size_t data_at = fs::file_size(f.tmp.file("state/round-000005.safetensors")) - f.layout.payload_bytes();
+    std::fstream io(f.tmp.file("state/round-000005.safetensors"), std::ios::in | std::ios::out | std::ios::binary);
+    io.seekp(static_cast<std::streamoff>(data_at + 8));
+    io.put('\x7f');
+  }
+  st = load_committed_state(f.tmp.path.string(), f.layout, loaded);
+  ASSERT_TRUE(st.ok());
+  EXPECT_EQ(st->round, 4);
+  EXPECT_EQ(std::memcmp(loaded.data(), round4.data(), f.layout.total_bytes()), 0);
+}
+
+TEST(ServerState, NoCommitIsAClearError) {
+  StateFixture f;
+  Arena loaded(f.layout.total_bytes(), MemoryCategory::kModel);
+  auto st = load_committed_state(f.tmp.path.string(), f.layout, loaded);
+  ASSERT_FALSE(st.ok());
+  EXPECT_NE(st.status().message().find("no committed server state"), std::string::npos) << st.status().message();
+}
+
+TEST(Scheduler, UnknownNameIsRefusedListingTheKnownOnes) {
+  auto s = make_scheduler("AsyncScheduler", SchedulerOptions{});
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.status().message().find("server_configs.scheduler"), std::string::npos);
+  EXPECT_NE(s.status().message().find("SyncScheduler"), std::string::npos);
+}
+
+TEST(Scheduler, ARestoredSchedulerSelectsAsTheUninterruptedOne) {
+  SchedulerOptions o;
+  o.num_clients = 20;
+  o.clients_per_round = 4;
+  o.seed = 5;
+  o.client_selection = "topk_loss";  // learns from losses and draws from its RNG
+  for (int c = 0; c < 20; ++c) o.client_samples.push_back(10 + c);
+  auto a = std::move(*make_scheduler("SyncScheduler", o));
+  auto feed = [](Scheduler& s, int round, const std::vector<int>& chosen) {
+    for (int c : chosen) s.record(round, c, 1.0 / (1 + c + round), 3, 0.01);
+  };
+  for (int r = 1; r <= 3; ++r) feed(*a, r, a->select(r));
+  auto b = std::move(*make_scheduler("SyncScheduler", o));
+  ASSERT_TRUE(b->load(a->save()).ok());
+  for (int r = 4; r <= 8; ++r) {
+    const auto sa = a->select(r);
+    EXPECT_EQ(sa, b->select(r)) << "round " << r;
+    feed(*a, r, sa);
+    feed(*b, r, sa);
+  }
+}
+
+}  // namespace
+}  // namespace memfl

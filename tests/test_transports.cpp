@@ -1,0 +1,215 @@
+// One experiment through the server core on every transport — in-process,
+// gRPC processes, MPI ranks — with DummyTrainer clients whose updates differ
+// per client and round, unequal sample counts, and injected delays in several
+// permutations: the global model is the same bytes everywhere, and equals the
+// weighted mean the test computes on its own. Then kill -9 of the server at
+// each phase of a round, and --resume.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "cli_util.h"
+#include "model/synthetic.h"
+#include "tensor/safetensors.h"
+#include "test_util.h"
+
+namespace memfl {
+namespace {
+
+namespace fs = std::filesystem;
+
+constexpr int kClients = 4;
+constexpr int kRounds = 3;
+constexpr int64_t kParams = 3001;
+constexpr double kScale = 0.001;
+
+std::string write_config(const testing::TempDir& tmp, const std::string& name, const std::string& delays,
+                         int64_t chunk) {
+  const std::string path = tmp.file(name + ".yaml");
+  std::ofstream(path)
+      << "client_configs:\n  train_configs:\n    trainer: DummyTrainer\n    dummy_update_scale: " << kScale
+      << "\n    dummy_delay_s: \"" << delays
+      << "\"\n  model_configs:\n    model_name: synthetic\n    model_kwargs:\n      num_params: " << kParams
+      << "\nserver_configs:\n  num_clients: " << kClients << "\n  num_global_epochs: " << kRounds
+      << "\n  aggregator_kwargs:\n    client_weights_mode: sample_size\n  round_timeout_s: 60\n  comm_configs:\n"
+         "    grpc_configs:\n      server_uri: 127.0.0.1:0\n      connect_timeout_s: 60\n"
+         "      model_chunk_size: "
+      << chunk << "\n";
+  return path;
+}
+
+// FedAvg of DummyTrainer updates, computed here in double from the formula
+// of the config key: client c in round r sends g + s·(c+1)·(1 + (i + r) mod 5)
+// with weight 5·(c+1).
+std::vector<double> expected_model() {
+  Layout layout = synthetic_layout(kParams, DType::kF32).value();
+  Arena init(layout.total_bytes(), MemoryCategory::kModel);
+  fill_synthetic(layout, init, 42);  // server_configs.seed's default: the initial model is the input
+  std::vector<double> g;
+  for (const auto& e : layout.entries()) {
+    for (size_t i = 0; i < e.numel(); ++i) g.push_back(testing::element_as_double(init, e, i));
+  }
+  for (int r = 1; r <= kRounds; ++r) {
+    size_t k = 0;
+    for (const auto& e : layout.entries()) {
+      for (size_t i = 0; i < e.numel(); ++i, ++k) {
+        double sum = 0, w = 0;
+        for (int c = 0; c < kClients; ++c) {
+          const double wc = 5.0 * (c + 1);
+          sum += wc * (g[k] + kScale * (c + 1) * (1 + (i + static_cast<size_t>(r)) % 5));
+          w += wc;
+        }
+        g[k] = sum / w;
+      }
+    }
+  }
+  return g;
+}
+
+::testing::AssertionResult equals_expected(const std::string& path) {
+  auto f = SafetensorsFile::open(path);
+  if (!f.ok()) return ::testing::AssertionFailure() << f.status().to_string();
+  const auto want = expected_model();
+  size_t k = 0;
+  for (const auto& t : (*f)->tensors()) {
+    const size_t n = t.data.size() / 4;
+    for (size_t i = 0; i < n; ++i, ++k) {
+      float v;
+      std::memcpy(&v, t.data.data() + 4 * i, 4);
+      if (std::abs(v - want[k]) > 4e-6 * (1 + std::abs(want[k]))) {
+        return ::testing::AssertionFailure() << t.name << "[" << i << "] = " << v << ", expected " << want[k];
+      }
+    }
+  }
+  if (k != want.size()) return ::testing::AssertionFailure() << k << " elements, expected " << want.size();
+  return ::testing::AssertionSuccess();
+}
+
+TEST(ServerCore, DummyUpdatesAreWhatTheOracleAssumes) {
+  // The oracle's premise: different weights would move the model elsewhere.
+  testing::TempDir tmp;
+  Result r =
+      memfl_cli("run " + write_config(tmp, "equal", "", 64 << 10) +
+                " -q --set server_configs.aggregator_kwargs.client_weights_mode=equal --out " + tmp.file("equal"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_FALSE(equals_expected(tmp.file("equal/global_model.safetensors")));
+}
+
+TEST(ServerCore, SameModelOnEveryTransportWhateverTheArrivalOrder) {
+  testing::TempDir tmp;
+  // Which client is slow (and by how much) changes the order updates arrive in.
+  const std::vector<std::string> delays = {"", "0.6,0,0,0", "0,0,0.6,0.3", "0.2,0.6,0,0.4"};
+  std::string reference;
+  for (size_t p = 0; p < delays.size(); ++p) {
+    const std::string name = "p" + std::to_string(p);
+    const std::string cfg = write_config(tmp, name, delays[p], 1000 + 7 * static_cast<int64_t>(p));
+    std::vector<std::string> models;
+    Result in = memfl_cli("run " + cfg + " -q --out " + tmp.file(name + "_inproc"));
+    ASSERT_EQ(in.exit_code, 0) << in.output;
+    models.push_back(tmp.file(name + "_inproc/global_model.safetensors"));
+    // Two workers: uploads of the simulator overlap too.
+    Result in2 =
+        memfl_cli("run " + cfg + " -q --set server_configs.parallel_clients=2 --out " + tmp.file(name + "_inproc2"));
+    ASSERT_EQ(in2.exit_code, 0) << in2.output;
+    models.push_back(tmp.file(name + "_inproc2/global_model.safetensors"));
+#ifdef MEMFL_TEST_GRPC
+    Result g =
+        memfl_cli("launch " + cfg + " -q --clients " + std::to_string(kClients) + " --out " + tmp.file(name + "_grpc"));
+    ASSERT_EQ(g.exit_code, 0) << g.output;
+    models.push_back(tmp.file(name + "_grpc/server/global_model.safetensors"));
+#endif
+#ifdef MEMFL_TEST_MPI
+    Result m = mpirun(kClients + 1, cfg + " -q --out " + tmp.file(name + "_mpi"));
+    ASSERT_EQ(m.exit_code, 0) << m.output;
+    models.push_back(tmp.file(name + "_mpi/rank_0/global_model.safetensors"));
+#endif
+    if (reference.empty()) {
+      reference = models.front();
+      EXPECT_TRUE(equals_expected(reference));
+    }
+    for (const auto& m : models) EXPECT_TRUE(same_model(reference, m)) << m;
+  }
+}
+
+// kill -9 of a `memfl run` at a point of round 2, then --resume: the final
+// model is the uninterrupted run's, byte for byte.
+class KillAndResume : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(KillAndResume, InProcessFinishesWithTheSameModel) {
+  testing::TempDir tmp;
+  const std::string cfg = write_config(tmp, "c", "0,0.05", 1000);
+  Result whole = memfl_cli("run " + cfg + " -q --out " + tmp.file("whole"));
+  ASSERT_EQ(whole.exit_code, 0) << whole.output;
+  Result killed = run_shell(std::string("MEMFL_CRASH_AT=2:") + GetParam() + " " + MEMFL_BINARY + " run " + cfg +
+                            " -q --out " + tmp.file("killed"));
+  ASSERT_NE(killed.exit_code, 0) << "the process was to die at 2:" << GetParam() << "\n" << killed.output;
+  Result resumed = memfl_cli("run -q --resume " + tmp.file("killed"));
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+  // The commit of round 1 always exists; the torn commit of round 2 is skipped.
+  EXPECT_NE(resumed.output.find("continuing after round 1"), std::string::npos) << resumed.output;
+  EXPECT_TRUE(same_model(tmp.file("whole/global_model.safetensors"), tmp.file("killed/global_model.safetensors")));
+  EXPECT_EQ(read_csv(tmp.file("killed/metrics.csv")).size(), static_cast<size_t>(kRounds + 1));
+}
+
+INSTANTIATE_TEST_SUITE_P(Points, KillAndResume, ::testing::Values("broadcast", "upload", "aggregate", "commit"));
+
+#ifdef MEMFL_TEST_GRPC
+TEST(KillAndResumeGrpc, ServerKilledDuringUploadResumesAndClientsReconnect) {
+  testing::TempDir tmp;
+  const std::string cfg = write_config(tmp, "c", "0.2", 1000);
+  Result whole = memfl_cli("launch " + cfg + " -q --clients 4 --out " + tmp.file("whole"));
+  ASSERT_EQ(whole.exit_code, 0) << whole.output;
+  // Clients in the background; the server dies in round 2's upload, and is
+  // started again with --resume; the clients find it on the same port.
+  const std::string dir = tmp.file("killed");
+  fs::create_directories(dir);
+  const std::string port_cfg = dir + "/port.yaml";
+  {
+    std::ifstream in(cfg);
+    std::string text((std::istreambuf_iterator<char>(in)), {});
+    const int port = 20000 + static_cast<int>(getpid() % 20000);
+    text.replace(text.find("127.0.0.1:0"), 11, "127.0.0.1:" + std::to_string(port));
+    std::ofstream(port_cfg) << text;
+  }
+  std::string clients;
+  for (int c = 0; c < 4; ++c) {
+    clients += std::string(MEMFL_BINARY) + " client " + port_cfg + " --client-id " + std::to_string(c) + " -q --out " +
+               dir + "/client_" + std::to_string(c) + " > " + dir + "/client_" + std::to_string(c) + ".log 2>&1 & ";
+  }
+  Result first = run_shell(clients + "MEMFL_CRASH_AT=2:upload " + MEMFL_BINARY + " server " + port_cfg + " -q --out " +
+                           dir + "/server; echo server_exit=$?");
+  EXPECT_NE(first.output.find("server_exit=137"), std::string::npos) << first.output;
+  Result resumed =
+      run_shell(std::string(MEMFL_BINARY) + " server -q --resume " + dir + "/server; rc=$?; wait; exit $rc");
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+  EXPECT_TRUE(same_model(tmp.file("whole/server/global_model.safetensors"), dir + "/server/global_model.safetensors"));
+  std::ifstream log(dir + "/client_0.log");
+  const std::string text((std::istreambuf_iterator<char>(log)), {});
+  EXPECT_NE(text.find("reconnected"), std::string::npos) << text;
+}
+#endif
+
+#ifdef MEMFL_TEST_MPI
+TEST(KillAndResumeMpi, JobKilledDuringAggregationResumes) {
+  testing::TempDir tmp;
+  const std::string cfg = write_config(tmp, "c", "", 1000);
+  Result whole = mpirun(kClients + 1, cfg + " -q --out " + tmp.file("whole"));
+  ASSERT_EQ(whole.exit_code, 0) << whole.output;
+  setenv("MEMFL_CRASH_AT", "2:aggregate", 1);
+  Result killed = mpirun(kClients + 1, cfg + " -q --out " + tmp.file("killed"));
+  unsetenv("MEMFL_CRASH_AT");
+  ASSERT_NE(killed.exit_code, 0) << killed.output;
+  Result resumed = mpirun(kClients + 1, "-q --resume " + tmp.file("killed"));
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+  EXPECT_TRUE(same_model(tmp.file("whole/rank_0/global_model.safetensors"),
+                         tmp.file("killed/rank_0/global_model.safetensors")));
+}
+#endif
+
+}  // namespace
+}  // namespace memfl
