@@ -13,7 +13,8 @@
 // shares the server's node, the bytes pass through a shared-memory ring of
 // chunk slots (an MPI-3 window) instead and only the headers are messages
 // (`server_configs.mpi_shared_memory`). MPI counts are ints: chunking is what
-// lets models above 2 GiB pass.
+// lets models above 2 GiB pass. The transport (messages, chunk streams, the
+// ring) is comm/mpi/mpi_transport.h; this file wires the ranks on top.
 //
 // A dead rank ends the job: MPI's default error handler aborts every rank
 // (mpirun names the rank that failed). The server's checkpoint is written

@@ -1,0 +1,352 @@
+// The chunk streams of the MPI transport (comm/mpi/mpi_transport.h): the
+// server's (ServerStreams) and a client rank's (ClientStreams), each through
+// the shared-memory ring or point to point.
+#include <mpi.h>
+
+#include <algorithm>
+#include <cstring>
+#include <deque>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "client/client_work.h"
+#include "comm/chunk.h"
+#include "comm/mpi/mpi_detail.h"
+#include "comm/mpi/mpi_transport.h"
+
+namespace memfl {
+
+using mpi_detail::chunks_in_flight;
+using mpi_detail::kReceiver;
+using mpi_detail::kSender;
+using mpi_detail::OrderedWorker;
+using mpi_detail::quiet_waitall;
+using mpi_detail::WireHeader;
+using mpi_detail::WireSlotHeader;
+
+ServerStreams::ServerStreams(const Layout& layout, LocalModel& model, size_t chunk, const SharedRing& shm)
+    : layout_(layout),
+      model_(model),
+      chunk_(chunk),
+      nchunks_((layout.total_bytes() + chunk - 1) / chunk),
+      depth_(chunks_in_flight(chunk)),
+      shm_(shm),
+      ring_(depth_, shm.enabled() ? 0 : chunk) {}
+
+void ServerStreams::broadcast(const std::vector<int>& ranks) {
+  if (shm_.enabled()) {
+    broadcast_through_ring(ranks);
+  } else {
+    broadcast_point_to_point(ranks);
+  }
+}
+
+void ServerStreams::receive_update(int r, const std::string& peer, const std::shared_ptr<UpdateStream>& update) {
+  if (shm_.enabled()) {
+    receive_through_ring(r, peer, *update);
+    if (Status s = update->commit(); !s.ok()) abort_job(s.message());
+  } else {
+    receive_point_to_point(r, peer, update);
+    worker_.push([update] { return update->commit(); });
+  }
+}
+
+void ServerStreams::drain() {
+  if (Status e = worker_.drain(); !e.ok()) abort_job(e.message());
+}
+
+size_t ServerStreams::length(size_t i) const { return std::min(chunk_, layout_.total_bytes() - i * chunk_); }
+
+// Chunk i goes to slot i mod slots once every rank that read the slot's
+// last chunk said so; the header names the slot. One pass copies the
+// chunk and takes its xxh3.
+void ServerStreams::broadcast_through_ring(const std::vector<int>& ranks) {
+  const size_t slots = shm_.slots;
+  std::vector<WireSlotHeader> headers(slots);
+  std::vector<int32_t> done(slots * ranks.size());
+  std::vector<std::vector<MPI_Request>> in_use(slots);
+  auto settle = [](std::vector<MPI_Request>& reqs) {
+    if (!reqs.empty()) quiet_waitall(static_cast<int>(reqs.size()), reqs.data(), MPI_STATUSES_IGNORE, kReceiver);
+    reqs.clear();
+  };
+  for (size_t i = 0; i < nchunks_; ++i) {
+    const size_t sl = i % slots, off = i * chunk_, len = length(i);
+    auto& reqs = in_use[sl];
+    settle(reqs);
+    const uint64_t sum = copy_with_checksum(shm_.slot(sl), model_.arena().data() + off, len, ChecksumSide::kSource);
+    shm_.sync();
+    WireSlotHeader& h = headers[sl];
+    h = {layout_.hash(), off, len, sum, static_cast<int32_t>(sl), 0};
+    for (size_t j = 0; j < ranks.size(); ++j) {
+      reqs.emplace_back();
+      MPI_Isend(&h, sizeof h, MPI_BYTE, ranks[j], kTagSlotHeader, MPI_COMM_WORLD, &reqs.back());
+      reqs.emplace_back();
+      MPI_Irecv(&done[sl * ranks.size() + j], 1, MPI_INT32_T, ranks[j], kTagSlotDone, MPI_COMM_WORLD, &reqs.back());
+    }
+  }
+  for (auto& reqs : in_use) settle(reqs);
+}
+
+// Up to `depth` chunks in flight, each sent to every participating rank
+// at once; the next chunk's checksum is taken while they move.
+void ServerStreams::broadcast_point_to_point(const std::vector<int>& ranks) {
+  std::vector<WireHeader> headers(depth_);
+  std::vector<std::vector<MPI_Request>> in_flight(depth_);
+  auto settle = [](std::vector<MPI_Request>& reqs) {
+    if (!reqs.empty()) quiet_waitall(static_cast<int>(reqs.size()), reqs.data(), MPI_STATUSES_IGNORE, kSender);
+    reqs.clear();
+  };
+  for (size_t i = 0; i < nchunks_; ++i) {
+    auto& reqs = in_flight[i % depth_];
+    settle(reqs);  // the slot's header and bytes are free again
+    const size_t off = i * chunk_, len = length(i);
+    auto bytes = model_.arena().bytes(off, len);
+    WireHeader& h = headers[i % depth_];
+    h = {layout_.hash(), off, len, chunk_checksum(bytes)};
+    for (int r : ranks) {
+      reqs.emplace_back();
+      MPI_Isend(&h, sizeof h, MPI_BYTE, r, kTagChunkHeader, MPI_COMM_WORLD, &reqs.back());
+      reqs.emplace_back();
+      MPI_Isend(bytes.data(), static_cast<int>(len), MPI_BYTE, r, kTagChunkData, MPI_COMM_WORLD, &reqs.back());
+    }
+  }
+  for (auto& reqs : in_flight) settle(reqs);
+}
+
+// The server lends the client the slots, the client fills them in the
+// order lent and names each in a header; this thread checks the chunk in
+// the slot (offset, length, slot here; layout and xxh3 in accept) and
+// folds it from there, then lends the slot again: a client gets a slot
+// back only once its fold is done. (A client that wrote into a slot it no
+// longer holds could change bytes after their check — but such a peer
+// could as well have sent those bytes with their checksum: the checksum
+// guards the transfer, not the sender's intent. Downloads copy first.)
+// The fold runs here, not on the worker: the client copies while this
+// thread folds, one busy thread per process; a third shared a core with
+// one of them on this 2-core machine (measured: half the rounds at half
+// the speed).
+void ServerStreams::receive_through_ring(int r, const std::string& peer, UpdateStream& update) {
+  std::deque<int32_t> lent;
+  auto lend = [&](int32_t sl) {
+    MPI_Send(&sl, 1, MPI_INT32_T, r, kTagSlotGrant, MPI_COMM_WORLD);
+    lent.push_back(sl);
+  };
+  for (size_t sl = 0; sl < std::min(shm_.slots, nchunks_); ++sl) lend(static_cast<int32_t>(sl));
+  for (size_t i = 0; i < nchunks_; ++i) {
+    WireSlotHeader h{};
+    MPI_Request rq;
+    MPI_Irecv(&h, sizeof h, MPI_BYTE, r, kTagSlotHeader, MPI_COMM_WORLD, &rq);
+    quiet_waitall(1, &rq, MPI_STATUS_IGNORE, kReceiver);
+    const size_t off = i * chunk_, len = length(i);
+    if (h.slot != lent.front() || h.offset != off || h.length != len) {
+      abort_job(fmt::format("chunk from {}: slot {} [{}, +{}); expected slot {} [{}, +{})", peer, h.slot, h.offset,
+                            h.length, lent.front(), off, len));
+    }
+    lent.pop_front();
+    shm_.sync();
+    Status folded = update.accept({h.layout_hash, h.offset, h.length, h.checksum},
+                                  std::span<const std::byte>(shm_.slot(static_cast<size_t>(h.slot)), h.length));
+    if (!folded.ok()) abort_job(folded.message());
+    if (i + shm_.slots < nchunks_) lend(h.slot);
+  }
+}
+
+// Receives into the ring of buffers, up to `depth` chunks ahead; each
+// arrived chunk goes to the fold worker, which checks it (length, offset,
+// layout, xxh3) before a byte of it is folded and hands its buffer back.
+// Over MPI's shared memory this thread does the receive's copy (CMA), so
+// the copy and the fold each get a core.
+void ServerStreams::receive_point_to_point(int r, const std::string& peer,
+                                           const std::shared_ptr<UpdateStream>& update) {
+  struct Posted {
+    size_t buffer;
+    WireHeader header;
+    MPI_Request rq[2];
+  };
+  std::deque<Posted> posted;  // deque: posted requests keep their address
+  size_t next = 0;
+  auto post = [&](size_t buffer) {
+    Posted& p = posted.emplace_back();
+    p.buffer = buffer;
+    MPI_Irecv(&p.header, sizeof(WireHeader), MPI_BYTE, r, kTagChunkHeader, MPI_COMM_WORLD, &p.rq[0]);
+    MPI_Irecv(ring_.data(buffer), static_cast<int>(chunk_), MPI_BYTE, r, kTagChunkData, MPI_COMM_WORLD, &p.rq[1]);
+    ++next;
+  };
+  for (size_t i = 0; i < nchunks_; ++i) {
+    if (posted.empty()) post(ring_.acquire());
+    while (next < nchunks_ && posted.size() < depth_) {
+      auto b = ring_.try_acquire();
+      if (!b) break;
+      post(*b);
+    }
+    Posted& p = posted.front();
+    MPI_Status status[2];
+    quiet_waitall(2, p.rq, status, kReceiver);
+    int got = 0;
+    MPI_Get_count(&status[1], MPI_BYTE, &got);
+    const ChunkHeader h{p.header.layout_hash, p.header.offset, p.header.length, p.header.checksum};
+    const size_t buffer = p.buffer;
+    posted.pop_front();
+    if (static_cast<uint64_t>(got) != h.length) {
+      abort_job(fmt::format("chunk from {}: header says {} bytes but {} arrived", peer, h.length, got));
+    }
+    worker_.push([this, update, h, buffer]() {
+      Status s = update->accept(h, std::span<const std::byte>(ring_.data(buffer), h.length));
+      ring_.release(buffer);
+      return s;
+    });
+    if (Status e = worker_.error(); !e.ok()) abort_job(e.message());
+  }
+}
+
+ClientStreams::ClientStreams(const Layout& layout, size_t chunk, const SharedRing& shm, int rank)
+    : layout_(layout), chunk_(chunk), depth_(chunks_in_flight(chunk)), shm_(shm), rank_(rank) {}
+
+void ClientStreams::receive_model(Arena& into) {
+  if (shm_.enabled()) {
+    receive_through_ring(into);
+  } else {
+    receive_point_to_point(into);
+  }
+}
+
+void ClientStreams::send_update(Arena& model) {
+  if (shm_.enabled()) {
+    send_through_ring(model);
+  } else {
+    send_point_to_point(model);
+  }
+}
+
+uint64_t ClientStreams::length_at(uint64_t offset) const {
+  return std::min<uint64_t>(chunk_, layout_.total_bytes() - offset);
+}
+
+// Each header names the slot the chunk is in; the chunk is copied into
+// the arena at the offset this rank expects next, the slot handed back,
+// and the copy — memory only this rank writes — checked, in the same pass.
+void ClientStreams::receive_through_ring(Arena& into) {
+  const size_t slots = shm_.slots;
+  uint64_t next_offset = 0;
+  for (size_t i = 0; next_offset < layout_.total_bytes(); ++i) {
+    WireSlotHeader h{};
+    MPI_Request rq;
+    MPI_Irecv(&h, sizeof h, MPI_BYTE, 0, kTagSlotHeader, MPI_COMM_WORLD, &rq);
+    quiet_waitall(1, &rq, MPI_STATUS_IGNORE, kReceiver);
+    const uint64_t len = length_at(next_offset);
+    if (h.layout_hash != layout_.hash() || h.offset != next_offset || h.length != len ||
+        h.slot != static_cast<int32_t>(i % slots)) {
+      abort_job(
+          fmt::format("rank {}: bad chunk from the server (slot {}, offset {}, length {}; expected slot {}, offset "
+                      "{}, length {})",
+                      rank_, h.slot, h.offset, h.length, i % slots, next_offset, len));
+    }
+    shm_.sync();
+    const uint64_t sum = copy_with_checksum(into.data() + next_offset, shm_.slot(static_cast<size_t>(h.slot)), len,
+                                            ChecksumSide::kDestination);
+    int32_t sl = h.slot;
+    MPI_Send(&sl, 1, MPI_INT32_T, 0, kTagSlotDone, MPI_COMM_WORLD);
+    if (sum != h.checksum) {
+      abort_job(fmt::format("rank {}: chunk [{}, {}) from the server failed its checksum", rank_, next_offset,
+                            next_offset + len));
+    }
+    next_offset += len;
+  }
+}
+
+// Receives are posted `depth` chunks ahead, each straight into the arena
+// at the offset and length this rank expects next: a peer's header can
+// never steer bytes elsewhere (MPI refuses a longer message). This thread
+// does the receives' copy (CMA); a second one checks each chunk's xxh3,
+// so the two overlap.
+void ClientStreams::receive_point_to_point(Arena& into) {
+  OrderedWorker checker;
+  struct Incoming {
+    WireHeader header;
+    uint64_t offset, length;
+    MPI_Request rq[2];
+  };
+  std::deque<Incoming> incoming;
+  uint64_t next_offset = 0;
+  auto post = [&] {
+    Incoming& in = incoming.emplace_back();
+    in.offset = next_offset;
+    in.length = length_at(next_offset);
+    MPI_Irecv(&in.header, sizeof(WireHeader), MPI_BYTE, 0, kTagChunkHeader, MPI_COMM_WORLD, &in.rq[0]);
+    MPI_Irecv(into.data() + in.offset, static_cast<int>(in.length), MPI_BYTE, 0, kTagChunkData, MPI_COMM_WORLD,
+              &in.rq[1]);
+    next_offset += in.length;
+  };
+  while (next_offset < layout_.total_bytes() && incoming.size() < depth_) post();
+  while (!incoming.empty()) {
+    if (Status e = checker.error(); !e.ok()) abort_job(e.message());
+    Incoming& in = incoming.front();
+    MPI_Status status[2];
+    quiet_waitall(2, in.rq, status, kReceiver);
+    int got = 0;
+    MPI_Get_count(&status[1], MPI_BYTE, &got);
+    const WireHeader& h = in.header;
+    if (h.layout_hash != layout_.hash() || h.offset != in.offset || h.length != in.length ||
+        static_cast<uint64_t>(got) != in.length) {
+      abort_job(fmt::format(
+          "rank {}: bad chunk from the server (offset {}, length {}, {} bytes; expected offset {}, length {})", rank_,
+          h.offset, h.length, got, in.offset, in.length));
+    }
+    checker.push([&into, rank = rank_, off = in.offset, len = in.length, sum = h.checksum]() -> Status {
+      if (chunk_checksum(into.bytes(off, len)) == sum) return Status::Ok();
+      return data_loss("rank {}: chunk [{}, {}) from the server failed its checksum", rank, off, off + len);
+    });
+    incoming.pop_front();
+    while (next_offset < layout_.total_bytes() && incoming.size() < depth_) post();
+  }
+  if (Status e = checker.drain(); !e.ok()) abort_job(e.message());
+}
+
+// Fills each slot the server lends, in the order lent (copy and xxh3 of
+// the arena in one pass), and says which chunk is in it.
+void ClientStreams::send_through_ring(Arena& model) {
+  for (uint64_t off = 0; off < layout_.total_bytes(); off += chunk_) {
+    int32_t sl = -1;
+    MPI_Request rq;
+    MPI_Irecv(&sl, 1, MPI_INT32_T, 0, kTagSlotGrant, MPI_COMM_WORLD, &rq);
+    quiet_waitall(1, &rq, MPI_STATUS_IGNORE, kReceiver);
+    if (sl < 0 || static_cast<size_t>(sl) >= shm_.slots) {
+      abort_job(fmt::format("rank {}: the server lent slot {} of {}", rank_, sl, shm_.slots));
+    }
+    const uint64_t len = length_at(off);
+    const uint64_t sum =
+        copy_with_checksum(shm_.slot(static_cast<size_t>(sl)), model.data() + off, len, ChecksumSide::kSource);
+    shm_.sync();
+    WireSlotHeader h{layout_.hash(), off, len, sum, sl, 0};
+    MPI_Send(&h, sizeof h, MPI_BYTE, 0, kTagSlotHeader, MPI_COMM_WORLD);
+  }
+}
+
+// Up to `depth` chunks in flight, sent from the arena; the next chunk's
+// checksum is taken while the server pulls the previous ones.
+void ClientStreams::send_point_to_point(Arena& model) {
+  struct Outgoing {
+    WireHeader header;
+    MPI_Request rq[2];
+  };
+  std::deque<Outgoing> outgoing;
+  for (uint64_t off = 0; off < layout_.total_bytes(); off += chunk_) {
+    if (outgoing.size() == depth_) {
+      quiet_waitall(2, outgoing.front().rq, MPI_STATUSES_IGNORE, kSender);
+      outgoing.pop_front();
+    }
+    const uint64_t len = length_at(off);
+    auto bytes = model.bytes(off, len);
+    Outgoing& o = outgoing.emplace_back();
+    o.header = {layout_.hash(), off, len, chunk_checksum(bytes)};
+    MPI_Isend(&o.header, sizeof o.header, MPI_BYTE, 0, kTagChunkHeader, MPI_COMM_WORLD, &o.rq[0]);
+    MPI_Isend(bytes.data(), static_cast<int>(len), MPI_BYTE, 0, kTagChunkData, MPI_COMM_WORLD, &o.rq[1]);
+  }
+  for (Outgoing& o : outgoing) quiet_waitall(2, o.rq, MPI_STATUSES_IGNORE, kSender);
+}
+
+}  // namespace memfl

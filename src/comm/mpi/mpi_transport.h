@@ -1,0 +1,196 @@
+// The MPI transport: how memfl's ranks talk, whatever each one runs. Control
+// messages (register, ModelBegin, ModelReceived, UpdateMeta) are small
+// point-to-point messages with the tags below; a model's bytes go as chunk
+// streams (ServerStreams on rank 0, ClientStreams on the client ranks):
+// a header message (layout hash, offset, length, xxh3), then the bytes, sent
+// from the arena and received straight into the destination arena
+// (downloads) or a small ring folded into the running sum by a worker thread
+// (uploads), several chunks in flight each way — or, when every rank shares
+// the server's node, through a shared-memory ring of chunk slots
+// (SharedRing) with only the headers as messages. MpiServerTransport puts the
+// server's side behind memfl::ServerTransport, for the round driver.
+// roles/mpi_roles.cpp wires the ranks (who runs what, in which order) on top.
+//
+// Only the main thread of a rank calls MPI (MPI_THREAD_FUNNELED). A peer's
+// wrong bytes end the job (abort_job), as a dead rank does.
+//
+//   SharedRing shm = open_shared_ring(cfg, rank);  // collective
+//   ServerStreams streams(layout, model, chunk, shm);           // rank 0
+//   MpiServerTransport transport(cfg, layout, streams, world);  // for RoundDriver
+//   ...
+//   ClientStreams streams(layout, chunk, shm, rank);            // ranks 1..N
+//   streams.receive_model(arena);
+//   streams.send_update(arena);
+//   ...
+//   close_shared_ring(shm);
+#pragma once
+
+#include <mpi.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "aggregate/aggregator.h"
+#include "comm/mpi/mpi_detail.h"
+#include "config/config.h"
+#include "server/transport.h"
+#include "tensor/arena.h"
+#include "tensor/layout.h"
+
+namespace memfl {
+
+class LocalModel;
+
+// The tags of memfl's MPI messages (MPI_COMM_WORLD).
+enum MpiTag : int {
+  kTagRegister = 1,
+  kTagModelBegin,
+  kTagChunkHeader,
+  kTagChunkData,
+  kTagModelReceived,
+  kTagUpdateMeta,
+  kTagSlotHeader,  // shared-memory ring: a chunk is in slot s (WireSlotHeader)
+  kTagSlotDone,    // a client has copied slot s out (download)
+  kTagSlotGrant,   // the server lends slot s to a client (upload)
+};
+
+// The server's word to each client rank at a round's start (kTagModelBegin):
+// whether it takes part, or whether the run is over.
+struct WireModelBegin {
+  int32_t round, finished, participate, pad;
+  uint64_t layout_hash, total_bytes;
+};
+// A client's metadata ahead of its update's bytes (kTagUpdateMeta).
+struct WireUpdateMeta {
+  int32_t round, client;
+  double sample_count, train_loss, val_accuracy;
+};
+
+// A peer's wrong bytes are not survivable in an MPI job (no rank can leave
+// it alone): abort every rank with a message that names the culprit.
+[[noreturn]] void abort_job(const std::string& why);
+
+// Blocking receive of a small control message, waiting quietly.
+void quiet_recv(void* buf, int bytes, int source, int tag);
+
+// The rank that hosts virtual client `client` (APPFL's convention: rank r
+// hosts clients (r−1)·k … (r−1)·k + k − 1).
+int rank_of_client(int client, int per_rank);
+
+// The shared-memory ring: when every rank runs on the server's node, chunks
+// pass through `slots` slots of one MPI-3 shared window that the server
+// allocates, and only small control messages go point to point. Over
+// MPI's own shared-memory transport a chunk costs a single copy done by the
+// receiver, at 5.4 GB/s here (CMA); through the ring each side does a plain
+// memcpy (12 GB/s here) and the server folds from its own copy. Nothing in
+// a slot is trusted: the reader copies a slot into memory only it can
+// write (the client's arena; the server's receive ring) and checks the
+// header and the xxh3 on that copy, so a peer that scribbles on a slot
+// later changes nothing that was checked.
+struct SharedRing {
+  MPI_Win win = MPI_WIN_NULL;
+  std::byte* base = nullptr;
+  size_t slot_bytes = 0, slots = 0;
+  bool enabled() const { return base != nullptr; }
+  std::byte* slot(size_t i) const { return base + i * slot_bytes; }
+  // The unified memory model's fence between the slot's bytes and the
+  // message that announces them (writer before sending, reader after).
+  void sync() const { MPI_Win_sync(win); }
+};
+
+// Collective over all ranks. Off (p2p chunks) unless the config allows it,
+// every rank shares the server's node, and a chunk fits a slot.
+SharedRing open_shared_ring(const ExperimentConfig& cfg, int rank);
+
+// Frees the ring's window (a no-op when the ring is off).
+void close_shared_ring(SharedRing& ring);
+
+// The server's chunk streams of a round, through the shared-memory ring or
+// point to point. A peer's bad bytes end the job (abort_job names the peer
+// and the check that failed).
+class ServerStreams {
+ public:
+  // `model` is read at each broadcast: a file-backed global model is
+  // mapped afresh every round.
+  ServerStreams(const Layout& layout, LocalModel& model, size_t chunk, const SharedRing& shm);
+
+  // Sends the global model to every rank in `ranks` at once.
+  void broadcast(const std::vector<int>& ranks);
+
+  // Receives rank `r`'s update (the whole model's bytes) into `update` and
+  // commits it, in the order of the calls.
+  void receive_update(int r, const std::string& peer, const std::shared_ptr<UpdateStream>& update);
+
+  // Returns once every update received is folded and committed.
+  void drain();
+
+ private:
+  size_t length(size_t i) const;
+  void broadcast_through_ring(const std::vector<int>& ranks);
+  void broadcast_point_to_point(const std::vector<int>& ranks);
+  void receive_through_ring(int r, const std::string& peer, UpdateStream& update);
+  void receive_point_to_point(int r, const std::string& peer, const std::shared_ptr<UpdateStream>& update);
+
+  const Layout& layout_;
+  LocalModel& model_;
+  const size_t chunk_, nchunks_, depth_;
+  const SharedRing& shm_;
+  mpi_detail::BufferRing ring_;       // point to point: received chunks waiting for the fold worker
+  mpi_detail::OrderedWorker worker_;  // point to point: checks and folds while the MPI thread receives
+};
+
+// A client rank's chunk streams: the global model in, each update out.
+class ClientStreams {
+ public:
+  // Streams of `layout`'s bytes in chunks of `chunk` bytes; `rank` names this rank in errors.
+  ClientStreams(const Layout& layout, size_t chunk, const SharedRing& shm, int rank);
+
+  // Receives the global model into `into`; returns once every chunk passed
+  // its checks (the model is not used before).
+  void receive_model(Arena& into);
+
+  // Sends the update in `model` (after its WireUpdateMeta).
+  void send_update(Arena& model);
+
+ private:
+  uint64_t length_at(uint64_t offset) const;
+  void receive_through_ring(Arena& into);
+  void receive_point_to_point(Arena& into);
+  void send_through_ring(Arena& model);
+  void send_point_to_point(Arena& model);
+
+  const Layout& layout_;
+  const size_t chunk_, depth_;
+  const SharedRing& shm_;
+  const int rank_;
+};
+
+// The MPI transport of the server core (rank 0): ModelBegin to every rank,
+// the chunk streams to the participating ones; updates are taken in the
+// order ranks send them (whichever rank's metadata comes first), and fold or
+// park as they stream (aggregate/fedavg_aggregator.h).
+class MpiServerTransport final : public ServerTransport {
+ public:
+  // Over `world` ranks (rank 0 is this server), with `streams` for the bytes.
+  MpiServerTransport(const ExperimentConfig& cfg, const Layout& layout, ServerStreams& streams, int world)
+      : cfg_(cfg), layout_(layout), streams_(streams), world_(world) {}
+  std::string_view name() const override { return "mpi"; }
+  bool broadcast_done_before_collect() const override { return true; }
+
+  Status broadcast(int round, const std::vector<int>& selected, const Arena&, BroadcastResult* out) override;
+  Status collect(int round, const std::vector<int>& selected, const Arena&, Aggregator& agg,
+                 CollectResult* out) override;
+  void finish(int) override;
+
+ private:
+  const ExperimentConfig& cfg_;
+  const Layout& layout_;
+  ServerStreams& streams_;
+  int world_;
+};
+
+}  // namespace memfl
