@@ -261,6 +261,28 @@ Status run_grpc_client(const ExperimentConfig& local, int client_id, const RoleO
     // Only a server that went away is worth a new session; bad bytes,
     // refusals and injected faults end the client with their message.
     if (finished.status().code() != StatusCode::kUnavailable) return finished.status();
+    // The call is over: its status tells a server that went away (the
+    // connection broke: UNAVAILABLE) from one that ended our session (it
+    // dropped this client: CANCELLED, DATA_LOSS, …), which a new session
+    // would not change.
+    // (Finish waits for every message to be read: read what is left first;
+    // a rejection of our update says best why the session ended.)
+    for (Frame left; stream->Read(&left);) {
+      DecodedFrame ld;
+      wire::ServerMessage lm;
+      if (decode_frame(left, kServerChunkField, peer, &ld, &lm).ok() && !ld.is_chunk && lm.has_update_ack() &&
+          !lm.update_ack().accepted()) {
+        return Status(StatusCode::kAborted,
+                      fmt::format("server {} rejected the update of {}: {}", peer, role, lm.update_ack().message()));
+      }
+    }
+    const grpc::Status ended = stream->Finish();
+    if (ended.error_code() != grpc::StatusCode::UNAVAILABLE) {
+      return Status(StatusCode::kAborted,
+                    fmt::format("{}; the server ended this client's session ({}{}{})", finished.status().message(),
+                                static_cast<int>(ended.error_code()), ended.error_message().empty() ? "" : ": ",
+                                ended.error_message()));
+    }
     MEMFL_RETURN_IF_ERROR(reconnect(finished.status()));
   }
   out.Clear();

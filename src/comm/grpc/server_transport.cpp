@@ -1,0 +1,610 @@
+// The gRPC transport of the server core. One bidirectional stream per client
+// session, served by gRPC's synchronous server (a thread per session); the
+// round driver puts the transport in a phase (broadcast, then upload) and the
+// sessions move chunks between the wire and the global arena or the
+// aggregator. Updates are taken as they come: the aggregator parks one whose
+// turn to fold has not come, so no client waits for another.
+#include "comm/grpc/server_transport.h"
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <mutex>
+#include <optional>
+#include <thread>
+
+#include <grpcpp/grpcpp.h>
+#include <grpcpp/impl/codegen/method_handler.h>
+#include <spdlog/spdlog.h>
+
+#include "comm/chunk.h"
+#include "comm/grpc/wire.h"
+
+namespace memfl {
+
+namespace fs = std::filesystem;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+std::string read_file(const std::string& path) {
+  std::ifstream in(path);
+  return {std::istreambuf_iterator<char>(in), {}};
+}
+
+enum class Phase { kWaiting, kBroadcast, kUpload, kFinished };
+
+struct ClientSlot {
+  bool connected = false;
+  bool failed = false;  // disconnected, timed out or sent bad bytes: out for the run
+  bool selected = false;
+  int served_round = 0;  // last round whose model this client was sent
+  bool received = false;
+  bool committed = false;
+  bool uploading = false;  // a session is inside its update (holds an aggregator stream)
+  grpc::ServerContext* ctx = nullptr;
+  ClientUpdateInfo info;  // what its update's metadata said
+};
+
+// The gRPC transport of the server core: sessions (a thread each, gRPC's
+// synchronous server) wait on the phase the round driver puts the transport
+// in — broadcast, then upload — and move chunks between the wire and the
+// global arena or the aggregator.
+class ServerAgent final : public ServerTransport {
+ public:
+  ServerAgent(const ExperimentConfig& cfg, const Layout& layout, bool naive)
+      : cfg_(cfg),
+        layout_(layout),
+        chunk_(transfer_chunk_bytes(cfg.server.use_model_chunking, cfg.server.model_chunk_size, layout.total_bytes())),
+        naive_(naive),
+        slots_(static_cast<size_t>(cfg.server.num_clients)) {}
+  grpc::Status session(grpc::ServerContext* ctx, grpc::ServerReaderWriter<Frame, Frame>* stream);
+  // Waits (round_timeout_s at most) for every client to register.
+  void wait_for_clients();
+
+  std::string_view name() const override { return "grpc"; }
+  bool broadcast_done_before_collect() const override { return true; }
+  Status broadcast(int round, const std::vector<int>& selected, const Arena& global, BroadcastResult* out) override;
+  Status collect(int round, const std::vector<int>& selected, const Arena& global, Aggregator& aggregator,
+                 CollectResult* out) override;
+  void finish(int last_round) override;
+
+ private:
+  bool wait_for(std::unique_lock<std::mutex>& lock, Clock::time_point deadline, const std::function<bool()>& pred);
+  void fail_locked(int id, const std::string& why);
+  grpc::Status send_model(grpc::ServerReaderWriter<Frame, Frame>* stream, int round, const std::string& peer);
+  grpc::Status receive_update(grpc::ServerReaderWriter<Frame, Frame>* stream, int id, const wire::UpdateMetadata& md,
+                              const std::string& peer);
+  void naive_average_locked();
+
+  const ExperimentConfig& cfg_;
+  const Layout& layout_;
+  const Arena* global_ = nullptr;  // the round's global model, during the broadcast
+  size_t chunk_ = 0;
+  bool naive_ = false;
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  Phase phase_ = Phase::kWaiting;
+  int round_ = 0;
+  Clock::time_point deadline_;
+  Aggregator* aggregator_ = nullptr;  // the round's, during the upload phase
+  std::vector<ClientSlot> slots_;
+  std::vector<int> order_;  // selected clients
+  std::atomic<int64_t> inflight_{0};
+  // Transfer timing of the current round.
+  std::optional<Clock::time_point> down_start_, up_start_;
+  Clock::time_point down_end_, up_end_;
+  uint64_t bytes_down_ = 0, bytes_up_ = 0;
+  // Naive mode: every client's serialised model, held until the end of the upload phase.
+  std::vector<std::pair<int, std::pair<double, std::vector<std::byte>>>> naive_updates_;
+};
+
+bool ServerAgent::wait_for(std::unique_lock<std::mutex>& lock, Clock::time_point deadline,
+                           const std::function<bool()>& pred) {
+  return cv_.wait_until(lock, deadline, pred);
+}
+
+void ServerAgent::fail_locked(int id, const std::string& why) {
+  auto& s = slots_[static_cast<size_t>(id)];
+  if (s.failed) return;
+  s.failed = true;
+  spdlog::warn("client_{} is out: {}", id, why);
+  if (s.ctx != nullptr) s.ctx->TryCancel();
+  cv_.notify_all();
+}
+
+grpc::Status ServerAgent::send_model(grpc::ServerReaderWriter<Frame, Frame>* stream, int round,
+                                     const std::string& peer) {
+  const Layout& layout = layout_;
+  wire::ServerMessage begin;
+  begin.mutable_model_begin()->set_round(round);
+  begin.mutable_model_begin()->set_layout_hash(layout.hash());
+  begin.mutable_model_begin()->set_total_bytes(layout.total_bytes());
+  if (!stream->Write(encode_message(begin))) return {grpc::StatusCode::UNAVAILABLE, peer + " went away"};
+  {
+    std::lock_guard lock(mu_);
+    if (!down_start_) down_start_ = Clock::now();
+  }
+  // Naive mode serialises the whole model into one buffer first, as typical
+  // frameworks do (pickle/torch.save); streaming sends from the arena.
+  std::vector<std::byte> serialised;
+  std::atomic<int64_t> serialised_inflight{0};
+  const std::byte* base = global_->data();
+  if (naive_) {
+    serialised.assign(base, base + layout.total_bytes());
+    base = serialised.data();
+  }
+  // The serialised copy must outlive gRPC's references to it.
+  struct WaitForRelease {
+    std::atomic<int64_t>& n;
+    ~WaitForRelease() {
+      while (n.load() > 0) std::this_thread::sleep_for(std::chrono::microseconds(100));
+    }
+  } wait_for_release{serialised_inflight};
+  for (size_t off = 0; off < layout.total_bytes(); off += chunk_) {
+    const size_t len = std::min(chunk_, layout.total_bytes() - off);
+    std::span<const std::byte> bytes(base + off, len);
+    ChunkHeader h{layout.hash(), off, len, chunk_checksum(bytes)};
+    // One write in flight: Write returns when gRPC has taken the message.
+    if (!stream->Write(encode_chunk_frame(kServerChunkField, h, bytes, naive_ ? &serialised_inflight : &inflight_))) {
+      return {grpc::StatusCode::UNAVAILABLE, peer + " went away during the broadcast"};
+    }
+  }
+  wire::ServerMessage end;
+  end.mutable_model_end();
+  if (!stream->Write(encode_message(end))) return {grpc::StatusCode::UNAVAILABLE, peer + " went away"};
+  std::lock_guard lock(mu_);
+  bytes_down_ += layout.total_bytes();
+  return grpc::Status::OK;
+}
+
+grpc::Status ServerAgent::receive_update(grpc::ServerReaderWriter<Frame, Frame>* stream, int id,
+                                         const wire::UpdateMetadata& md, const std::string& peer) {
+  {
+    std::unique_lock lock(mu_);
+    const auto deadline = Clock::now() + std::chrono::seconds(cfg_.server.round_timeout_s);
+    // No turn to wait for: the aggregator parks an update that is early.
+    if (!wait_for(lock, deadline, [&] {
+          return phase_ == Phase::kFinished || slots_[static_cast<size_t>(id)].failed || phase_ == Phase::kUpload;
+        })) {
+      return {grpc::StatusCode::DEADLINE_EXCEEDED, peer + ": the upload phase did not reach it in time"};
+    }
+    if (slots_[static_cast<size_t>(id)].failed || phase_ != Phase::kUpload) {
+      return {grpc::StatusCode::ABORTED, peer + ": not part of this round's upload"};
+    }
+    if (!up_start_) up_start_ = Clock::now();
+    slots_[static_cast<size_t>(id)].uploading = true;
+  }
+  // However this update ends, the round may be aggregated once it has.
+  struct Done {
+    ServerAgent* a;
+    int id;
+    ~Done() {
+      std::lock_guard lock(a->mu_);
+      a->slots_[static_cast<size_t>(id)].uploading = false;
+      a->cv_.notify_all();
+    }
+  };
+  const Layout& layout = layout_;
+  std::unique_ptr<UpdateStream> update;
+  Done done{this, id};  // declared before `update`: the stream closes first
+  std::vector<std::byte> naive_copy;
+  if (!naive_) {
+    Aggregator* agg = nullptr;
+    {
+      std::lock_guard lock(mu_);
+      agg = aggregator_;
+    }
+    if (agg == nullptr) return {grpc::StatusCode::ABORTED, peer + ": not part of this round's upload"};
+    auto u = agg->open_update(client_id(id), md.sample_count());
+    if (!u.ok()) return {grpc::StatusCode::INVALID_ARGUMENT, u.status().message()};
+    update = std::move(*u);
+  } else {
+    if (!(md.sample_count() > 0)) return {grpc::StatusCode::INVALID_ARGUMENT, peer + ": bad sample count"};
+    naive_copy.resize(layout.total_bytes());
+  }
+  Frame frame;
+  DecodedFrame d;
+  wire::ClientMessage msg;
+  uint64_t received = 0;
+  Status bad;
+  while (true) {
+    if (!stream->Read(&frame)) {
+      bad = Status(StatusCode::kUnavailable, fmt::format("{} disconnected after {} of {} bytes of its update", peer,
+                                                         received, layout.total_bytes()));
+      break;
+    }
+    Status st = decode_frame(frame, kClientChunkField, peer, &d, &msg);
+    if (!st.ok()) {
+      bad = st;
+      break;
+    }
+    if (!d.is_chunk) {
+      if (msg.has_update_end()) break;
+      bad = data_loss("{}: unexpected message in the middle of an update", peer);
+      break;
+    }
+    if (!naive_) {
+      st = update->accept(d.header, d.payload());
+    } else {
+      st = verify_chunk(d.header, d.payload(), layout, received, peer);
+      if (st.ok()) {
+        size_t at = d.header.offset;
+        for (auto p : d.pieces) {
+          std::memcpy(naive_copy.data() + at, p.data(), p.size());
+          at += p.size();
+        }
+      }
+    }
+    if (!st.ok()) {
+      bad = st;
+      break;
+    }
+    received += d.header.length;
+  }
+  if (bad.ok() && !naive_) bad = update->commit();
+  if (bad.ok() && naive_ && received != layout.total_bytes()) {
+    bad = data_loss("update from {} ended after {} of {} bytes", peer, received, layout.total_bytes());
+  }
+  wire::ServerMessage ack;
+  ack.mutable_update_ack()->set_accepted(bad.ok());
+  ack.mutable_update_ack()->set_message(bad.ok() ? "" : bad.message());
+  stream->Write(encode_message(ack));
+  std::lock_guard lock(mu_);
+  if (!bad.ok()) {
+    update.reset();  // aborts: taints the sum if some bytes were folded
+    fail_locked(id, bad.message());
+    return {grpc::StatusCode::DATA_LOSS, bad.message()};
+  }
+  auto& s = slots_[static_cast<size_t>(id)];
+  s.committed = true;
+  s.info = ClientUpdateInfo{};
+  s.info.client = id;
+  s.info.sample_count = md.sample_count();
+  s.info.train_loss = md.metrics().count("train_loss") ? md.metrics().at("train_loss") : 0;
+  s.info.has_validation = md.metrics().count("val_accuracy") > 0;
+  s.info.val_weight = md.sample_count();
+  s.info.val_accuracy = s.info.has_validation ? md.metrics().at("val_accuracy") : 0;
+  if (naive_) naive_updates_.emplace_back(id, std::make_pair(md.sample_count(), std::move(naive_copy)));
+  bytes_up_ += received;
+  up_end_ = Clock::now();
+  cv_.notify_all();
+  return grpc::Status::OK;
+}
+
+grpc::Status ServerAgent::session(grpc::ServerContext* ctx, grpc::ServerReaderWriter<Frame, Frame>* stream) {
+  const std::string peer_addr = ctx->peer();
+  Frame frame;
+  DecodedFrame d;
+  wire::ClientMessage msg;
+  if (!stream->Read(&frame)) return grpc::Status::OK;
+  Status st = decode_frame(frame, kClientChunkField, peer_addr, &d, &msg);
+  if (!st.ok() || d.is_chunk || !msg.has_register_()) {
+    return {grpc::StatusCode::INVALID_ARGUMENT, "the first message must be Register"};
+  }
+  const auto& reg = msg.register_();
+  int id = -1;
+  std::string refusal;
+  try {
+    size_t pos = 0;
+    id = std::stoi(reg.client_id(), &pos);
+    if (pos != reg.client_id().size()) id = -1;
+  } catch (...) {
+    id = -1;
+  }
+  if (!cfg_.server.auth_token.empty() && reg.token() != cfg_.server.auth_token) {
+    refusal = fmt::format("client '{}' from {}: wrong token", reg.client_id(), peer_addr);
+  } else if (id < 0 || id >= cfg_.server.num_clients) {
+    refusal = fmt::format("client id '{}' from {} is unknown (expected 0..{})", reg.client_id(), peer_addr,
+                          cfg_.server.num_clients - 1);
+  } else {
+    std::lock_guard lock(mu_);
+    auto& s = slots_[static_cast<size_t>(id)];
+    if (s.connected) {
+      refusal = fmt::format("client id {} from {} is already connected", id, peer_addr);
+    } else {
+      s.connected = true;
+      s.ctx = ctx;
+      cv_.notify_all();
+    }
+  }
+  wire::ServerMessage reply;
+  reply.mutable_register_reply()->set_accepted(refusal.empty());
+  reply.mutable_register_reply()->set_message(refusal);
+  stream->Write(encode_message(reply));
+  if (!refusal.empty()) {
+    spdlog::warn("refused: {}", refusal);
+    return {grpc::StatusCode::UNAUTHENTICATED, refusal};
+  }
+  const std::string peer = fmt::format("client_{} ({})", id, peer_addr);
+  auto on_exit = [&](grpc::Status s) {
+    std::lock_guard lock(mu_);
+    auto& slot = slots_[static_cast<size_t>(id)];
+    slot.ctx = nullptr;
+    if (!s.ok() && phase_ != Phase::kFinished) fail_locked(id, s.error_message());
+    return s;
+  };
+  while (true) {
+    if (!stream->Read(&frame)) {
+      std::lock_guard lock(mu_);
+      if (phase_ != Phase::kFinished) fail_locked(id, peer + " disconnected");
+      slots_[static_cast<size_t>(id)].ctx = nullptr;
+      return grpc::Status::OK;
+    }
+    st = decode_frame(frame, kClientChunkField, peer, &d, &msg);
+    if (!st.ok() || d.is_chunk) {
+      return on_exit({grpc::StatusCode::INVALID_ARGUMENT, st.ok() ? peer + ": chunk outside an update" : st.message()});
+    }
+    if (msg.has_get_configuration()) {
+      wire::ServerMessage r;
+      r.mutable_configuration()->set_config_yaml(cfg_.resolved_yaml);
+      stream->Write(encode_message(r));
+    } else if (msg.has_get_global_model()) {
+      int round = 0;
+      {
+        std::unique_lock lock(mu_);
+        auto& s = slots_[static_cast<size_t>(id)];
+        cv_.wait(lock, [&] {
+          return phase_ == Phase::kFinished || s.failed ||
+                 (phase_ == Phase::kBroadcast && s.selected && s.served_round < round_);
+        });
+        if (s.failed) return on_exit({grpc::StatusCode::ABORTED, peer + " was dropped from the run"});
+        if (phase_ == Phase::kFinished) {
+          wire::ServerMessage r;
+          r.mutable_model_begin()->set_finished(true);
+          lock.unlock();
+          stream->Write(encode_message(r));
+          continue;
+        }
+        round = round_;
+        s.served_round = round;
+      }
+      grpc::Status gs = send_model(stream, round, peer);
+      if (!gs.ok()) return on_exit(gs);
+    } else if (msg.has_model_received()) {
+      std::lock_guard lock(mu_);
+      slots_[static_cast<size_t>(id)].received = true;
+      down_end_ = Clock::now();
+      cv_.notify_all();
+    } else if (msg.has_update_metadata()) {
+      grpc::Status gs = receive_update(stream, id, msg.update_metadata(), peer);
+      if (!gs.ok()) return on_exit(gs);
+    } else if (msg.has_custom_action()) {
+      // InvokeCustomAction: the actions a client may ask of the server.
+      wire::ServerMessage r;
+      if (msg.custom_action().action() == "get_round") {
+        std::lock_guard lock(mu_);
+        r.mutable_custom_action_reply()->set_payload(std::to_string(round_));
+      } else {
+        r.mutable_error()->set_message("unknown custom action '" + msg.custom_action().action() + "'");
+      }
+      stream->Write(encode_message(r));
+    } else if (msg.has_bye()) {
+      std::lock_guard lock(mu_);
+      slots_[static_cast<size_t>(id)].ctx = nullptr;
+      return grpc::Status::OK;
+    } else {
+      return on_exit({grpc::StatusCode::INVALID_ARGUMENT, peer + ": unexpected message"});
+    }
+  }
+}
+
+void ServerAgent::naive_average_locked() {
+  // Naive: every client's model was held whole; average them now.
+  for (auto& [id, update] : naive_updates_) {
+    auto& [w, bytes] = update;
+    auto u = aggregator_->open_update(client_id(id), w);
+    if (!u.ok()) continue;
+    std::span<const std::byte> all(bytes.data(), bytes.size());
+    ChunkHeader h{layout_.hash(), 0, bytes.size(), chunk_checksum(all)};
+    (void)(*u)->accept(h, all);
+    (void)(*u)->commit();
+  }
+  naive_updates_.clear();
+}
+
+Status ServerAgent::broadcast(int round, const std::vector<int>& selected, const Arena& global, BroadcastResult* out) {
+  std::unique_lock lock(mu_);
+  global_ = &global;
+  deadline_ = Clock::now() + std::chrono::seconds(cfg_.server.round_timeout_s);
+  order_.clear();
+  for (auto& s : slots_) s.selected = false;
+  for (int c : selected) {
+    auto& s = slots_[static_cast<size_t>(c)];
+    if (s.failed) continue;
+    s.selected = true;
+    s.received = s.committed = false;
+    s.served_round = 0;
+    order_.push_back(c);
+  }
+  if (order_.empty()) return failed_precondition("round {}: every selected client has failed", round);
+  down_start_.reset();
+  up_start_.reset();
+  bytes_down_ = bytes_up_ = 0;
+  naive_updates_.clear();
+  round_ = round;
+  phase_ = Phase::kBroadcast;
+  cv_.notify_all();
+  auto all_received = [&] {
+    for (int c : order_) {
+      const auto& s = slots_[static_cast<size_t>(c)];
+      if (!s.failed && !s.received) return false;
+    }
+    return true;
+  };
+  if (!wait_for(lock, deadline_, all_received)) {
+    for (int c : order_) {
+      if (!slots_[static_cast<size_t>(c)].received)
+        fail_locked(c, fmt::format("round {} timed out in broadcast", round));
+    }
+  }
+  // gRPC may still hold references to the arena's bytes; the sum must not
+  // overwrite them before it lets go.
+  lock.unlock();
+  while (inflight_.load() > 0) std::this_thread::sleep_for(std::chrono::microseconds(200));
+  lock.lock();
+  out->bytes = bytes_down_;
+  if (down_start_) out->seconds = std::chrono::duration<double>(down_end_ - *down_start_).count();
+  return Status::Ok();
+}
+
+Status ServerAgent::collect(int round, const std::vector<int>&, const Arena&, Aggregator& aggregator,
+                            CollectResult* out) {
+  std::unique_lock lock(mu_);
+  aggregator_ = &aggregator;
+  phase_ = Phase::kUpload;
+  cv_.notify_all();
+  auto all_done = [&] {
+    for (int c : order_) {
+      const auto& s = slots_[static_cast<size_t>(c)];
+      if (!s.failed && !s.committed) return false;
+    }
+    return true;
+  };
+  if (!wait_for(lock, deadline_, all_done)) {
+    for (int c : order_) {
+      if (!slots_[static_cast<size_t>(c)].committed) fail_locked(c, fmt::format("round {} timed out in upload", round));
+    }
+    // A session still inside its update holds a stream of the aggregator:
+    // it ends (cancelled above) before the round can be aggregated.
+    lock.unlock();
+    while (true) {
+      lock.lock();
+      const bool busy =
+          std::any_of(order_.begin(), order_.end(), [&](int c) { return slots_[static_cast<size_t>(c)].uploading; });
+      lock.unlock();
+      if (!busy) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    lock.lock();
+  }
+  phase_ = Phase::kWaiting;
+  if (naive_) naive_average_locked();
+  aggregator_ = nullptr;
+  for (int c : order_) {
+    const auto& s = slots_[static_cast<size_t>(c)];
+    if (s.committed) {
+      out->committed.push_back(s.info);
+    } else {
+      out->failed.push_back(c);
+    }
+  }
+  out->bytes_up = bytes_up_;
+  if (up_start_) out->upload_seconds = std::chrono::duration<double>(up_end_ - *up_start_).count();
+  return Status::Ok();
+}
+
+void ServerAgent::finish(int) {
+  std::lock_guard lock(mu_);
+  phase_ = Phase::kFinished;
+  cv_.notify_all();
+}
+
+void ServerAgent::wait_for_clients() {
+  std::unique_lock lock(mu_);
+  const auto deadline = Clock::now() + std::chrono::seconds(cfg_.server.round_timeout_s);
+  if (!wait_for(lock, deadline, [&] {
+        return std::all_of(slots_.begin(), slots_.end(), [](const ClientSlot& s) { return s.connected; });
+      })) {
+    int n = static_cast<int>(std::count_if(slots_.begin(), slots_.end(), [](auto& s) { return s.connected; }));
+    spdlog::warn("server: only {} of {} clients registered within {} s; going on with them", n, cfg_.server.num_clients,
+                 cfg_.server.round_timeout_s);
+    for (size_t i = 0; i < slots_.size(); ++i) {
+      if (!slots_[i].connected) slots_[i].failed = true;
+    }
+  }
+}
+
+class SessionService final : public grpc::Service {
+ public:
+  explicit SessionService(ServerAgent* agent) {
+    AddMethod(new grpc::internal::RpcServiceMethod(
+        kSessionMethod, grpc::internal::RpcMethod::BIDI_STREAMING,
+        new grpc::internal::BidiStreamingHandler<ServerAgent, Frame, Frame>(
+            [](ServerAgent* a, grpc::ServerContext* ctx, grpc::ServerReaderWriter<Frame, Frame>* s) {
+              return a->session(ctx, s);
+            },
+            agent)));
+  }
+};
+
+}  // namespace
+
+struct GrpcServerTransport::Impl {
+  Impl(const ExperimentConfig& cfg, const Layout& layout, bool naive) : agent(cfg, layout, naive), service(&agent) {}
+  ServerAgent agent;
+  SessionService service;
+  std::unique_ptr<grpc::Server> server;
+  bool finished = false;
+};
+
+StatusOr<std::unique_ptr<GrpcServerTransport>> GrpcServerTransport::listen(const ExperimentConfig& cfg,
+                                                                           const Layout& layout, bool naive,
+                                                                           const std::string& run_dir) {
+  const auto& sc = cfg.server;
+  std::unique_ptr<GrpcServerTransport> t(new GrpcServerTransport());
+  t->impl_ = std::make_unique<Impl>(cfg, layout, naive);
+  grpc::ServerBuilder builder;
+  std::shared_ptr<grpc::ServerCredentials> creds = grpc::InsecureServerCredentials();
+  if (sc.use_ssl) {
+    grpc::SslServerCredentialsOptions ssl;
+    ssl.pem_key_cert_pairs.push_back({read_file(sc.server_key), read_file(sc.server_cert)});
+    if (ssl.pem_key_cert_pairs[0].private_key.empty() || ssl.pem_key_cert_pairs[0].cert_chain.empty()) {
+      return not_found("server_configs.comm_configs.grpc_configs: cannot read server_key {} or server_cert {}",
+                       sc.server_key, sc.server_cert);
+    }
+    creds = grpc::SslServerCredentials(ssl);
+  }
+  int port = 0;
+  builder.AddListeningPort(sc.server_uri, creds, &port);
+  // A message is at most one transfer chunk (comm/chunk.h), whatever
+  // model_chunk_size says: the limits follow that bound.
+  const int limit = max_message_bytes(static_cast<int64_t>(kMaxTransferChunk), sc.max_message_size);
+  builder.SetMaxReceiveMessageSize(limit);
+  builder.SetMaxSendMessageSize(limit);
+  // Flow control is the backpressure: a session may have only a few chunks
+  // in the server's buffers. HTTP/2's BDP probing would grow the window far
+  // past that (≈150 MiB buffered at 1 GiB models).
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_BDP_PROBE, 0);
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES,
+                             stream_window_bytes(static_cast<int64_t>(transfer_chunk_bytes(
+                                 sc.use_model_chunking, sc.model_chunk_size, layout.total_bytes()))));
+  builder.RegisterService(&t->impl_->service);
+  t->impl_->server = builder.BuildAndStart();
+  if (!t->impl_->server || port == 0) {
+    return invalid_argument("server_configs.comm_configs.grpc_configs.server_uri: cannot listen on {}", sc.server_uri);
+  }
+  std::ofstream((fs::path(run_dir) / "port").string()) << port << "\n";
+  spdlog::info("server: listening on {} (port {}){}", sc.server_uri, port, sc.use_ssl ? " with TLS" : "");
+  return t;
+}
+
+GrpcServerTransport::~GrpcServerTransport() {
+  if (impl_) finish(0);
+}
+
+void GrpcServerTransport::wait_for_clients() { impl_->agent.wait_for_clients(); }
+bool GrpcServerTransport::broadcast_done_before_collect() const { return true; }
+Status GrpcServerTransport::broadcast(int round, const std::vector<int>& selected, const Arena& global,
+                                      BroadcastResult* out) {
+  return impl_->agent.broadcast(round, selected, global, out);
+}
+Status GrpcServerTransport::collect(int round, const std::vector<int>& selected, const Arena& global,
+                                    Aggregator& aggregator, CollectResult* out) {
+  return impl_->agent.collect(round, selected, global, aggregator, out);
+}
+void GrpcServerTransport::finish(int last_round) {
+  if (impl_->finished) return;
+  impl_->finished = true;
+  impl_->agent.finish(last_round);
+  // Let clients hear "finished" and say Bye, then stop.
+  impl_->server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(10));
+}
+
+}  // namespace memfl

@@ -1,0 +1,46 @@
+// GrpcServerTransport: the server core's transport over gRPC (TLS and
+// per-client tokens as configured). It listens, registers clients, and in
+// each round sends the global model's chunks to the selected clients and
+// feeds their updates, as they arrive, into the aggregator.
+//
+//   MEMFL_ASSIGN_OR_RETURN(auto transport, GrpcServerTransport::listen(cfg, layout, naive, run_dir));
+//   transport->wait_for_clients();
+//   RoundDriver driver(cfg, global, *transport, scheduler, sampler, opts);
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "config/config.h"
+#include "server/transport.h"
+#include "tensor/layout.h"
+
+namespace memfl {
+
+class GrpcServerTransport final : public ServerTransport {
+ public:
+  // Listens on server_configs.comm_configs.grpc_configs.server_uri and writes
+  // the port it got to run_dir/port. `naive` (memory_mode: naive) holds each
+  // client's update whole, as typical frameworks do, for comparison.
+  static StatusOr<std::unique_ptr<GrpcServerTransport>> listen(const ExperimentConfig& cfg, const Layout& layout,
+                                                               bool naive, const std::string& run_dir);
+  ~GrpcServerTransport() override;
+  // Waits round_timeout_s at most for every client to register; the ones
+  // that did not are out of the run.
+  void wait_for_clients();
+
+  std::string_view name() const override { return "grpc"; }
+  bool broadcast_done_before_collect() const override;
+  Status broadcast(int round, const std::vector<int>& selected, const Arena& global, BroadcastResult* out) override;
+  Status collect(int round, const std::vector<int>& selected, const Arena& global, Aggregator& aggregator,
+                 CollectResult* out) override;
+  // Tells clients the run is over and stops serving (once; also on destruction).
+  void finish(int last_round) override;
+
+ private:
+  GrpcServerTransport() = default;
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace memfl
