@@ -73,27 +73,126 @@ TEST(Wire, ControlMessagesAndLiesAreTold) {
   EXPECT_FALSE(decode_bytes({}, kClientChunkField, "client_7", &d, &msg).ok());
 }
 
-// Replays the fuzz corpus (seeds and any input that once crashed): every one
-// must decode to a status, and feeding decoded chunks on must not crash.
+// Replays the fuzz corpus (seeds and any input that once crashed) the way
+// fuzz/chunk_decoder_fuzzer.cpp runs it: every file must decode to a status;
+// a zero layout hash or checksum in a decoded chunk stands for the right one
+// (the corpus cannot know the layout's hash), and the chunk goes on to a
+// fresh ArenaWriter and a FedAvg update stream, which must take it exactly
+// when it is valid for them. Then a repaired copy of every chunk that fits
+// the model (the real hash and checksum), sent between the rest of a known
+// model, must be written where it says and folded into the mean.
 TEST(Wire, ReplaysTheFuzzCorpus) {
   const Layout layout = synthetic_layout(48, DType::kBF16).value();
-  int files = 0;
+  const size_t total = layout.total_bytes();
+  Arena base(total, MemoryCategory::kModel);
+  fill_synthetic(layout, base, 11);
+  // Sends the chunk (h, payload) to `sink` between the base model's
+  // bytes before and after it.
+  auto send_within_base = [&](ChunkSink& sink, const ChunkHeader& h, Payload payload) -> Status {
+    if (h.offset > 0) {
+      auto head = base.bytes(0, h.offset);
+      MEMFL_RETURN_IF_ERROR(sink.accept({layout.hash(), 0, h.offset, chunk_checksum(head)}, head));
+    }
+    MEMFL_RETURN_IF_ERROR(sink.accept(h, payload));
+    const uint64_t end = h.offset + h.length;
+    if (end < total) {
+      auto tail = base.bytes(end, total - end);
+      MEMFL_RETURN_IF_ERROR(sink.accept({layout.hash(), end, total - end, chunk_checksum(tail)}, tail));
+    }
+    return Status::Ok();
+  };
+  int files = 0, chunks = 0, accepted_as_is = 0, written = 0, folded = 0;
   for (const auto& entry :
        std::filesystem::directory_iterator(std::string(MEMFL_SOURCE_DIR_FOR_TESTS) + "/fuzz/corpus")) {
+    const std::string name = entry.path().filename().string();
     std::ifstream in(entry.path(), std::ios::binary);
     std::vector<uint8_t> bytes((std::istreambuf_iterator<char>(in)), {});
     for (int field : {kClientChunkField, kServerChunkField}) {
       DecodedFrame d;
-      wire::ClientMessage msg;
-      if (!decode_bytes(bytes, field, "corpus", &d, &msg).ok() || !d.is_chunk) continue;
-      Arena arena(layout.total_bytes(), MemoryCategory::kModel);
-      ArenaWriter w(layout, arena, "corpus");
-      Status s = w.accept(d.header, d.payload());
-      EXPECT_FALSE(s.ok()) << entry.path() << ": corpus chunks name no real layout";
+      wire::ClientMessage client_msg;
+      wire::ServerMessage server_msg;
+      google::protobuf::MessageLite* control =
+          field == kClientChunkField ? static_cast<google::protobuf::MessageLite*>(&client_msg) : &server_msg;
+      if (!decode_bytes(bytes, field, "corpus", &d, control).ok() || !d.is_chunk) continue;
+      ++chunks;
+      const std::string what = name + " (field " + std::to_string(field) + ")";
+      std::vector<std::byte> payload;
+      for (auto part : d.payload()) payload.insert(payload.end(), part.begin(), part.end());
+      ASSERT_EQ(payload.size(), payload_size(d.payload())) << what;
+
+      // 1. As the fuzzer sends it.
+      ChunkHeader h = d.header;
+      if (h.layout_hash == 0) h.layout_hash = layout.hash();
+      if (h.checksum == 0) h.checksum = chunk_checksum(d.payload());
+      const bool fits = h.length == payload.size() && h.length > 0 && h.offset <= total && h.length <= total - h.offset;
+      // A fresh receiver expects offset 0; the rest is verify_chunk's list.
+      const bool valid =
+          fits && h.layout_hash == layout.hash() && h.offset == 0 && h.checksum == chunk_checksum(payload);
+      {
+        Arena arena(total, MemoryCategory::kModel);
+        ArenaWriter w(layout, arena, "corpus");
+        Status s = w.accept(h, d.payload());
+        EXPECT_EQ(s.ok(), valid) << what << ": " << s.message();
+        if (s.ok()) {
+          ++accepted_as_is;
+          EXPECT_EQ(std::memcmp(arena.data() + h.offset, payload.data(), h.length), 0) << what;
+          EXPECT_EQ(w.received(), h.length) << what;
+        }
+        FedAvgAggregator agg(layout, ClientWeightsMode::kEqual);
+        ASSERT_TRUE(agg.begin_round(1).ok());
+        auto update = agg.open_update("corpus", 1);
+        ASSERT_TRUE(update.ok()) << update.status().message();
+        Status u = (*update)->accept(h, d.payload());
+        EXPECT_EQ(u.ok(), valid) << what << ": " << u.message();
+        // Whatever came before, these must end in a status, not a crash.
+        (void)(*update)->commit();
+        (void)agg.finalize(arena);
+      }
+      if (!fits) continue;
+
+      // 2. A repaired copy, in its place within the base model.
+      const ChunkHeader r{layout.hash(), h.offset, h.length, chunk_checksum(d.payload())};
+      std::vector<std::byte> expected(base.data(), base.data() + total);
+      std::memcpy(expected.data() + r.offset, payload.data(), r.length);
+      {
+        Arena arena(total, MemoryCategory::kModel);
+        ArenaWriter w(layout, arena, "corpus");
+        Status s = send_within_base(w, r, d.payload());
+        ASSERT_TRUE(s.ok()) << what << ": " << s.message();
+        ASSERT_TRUE(w.finish().ok()) << what;
+        EXPECT_EQ(std::memcmp(arena.data() + r.offset, payload.data(), r.length), 0)
+            << what << ": the chunk's bytes at [" << r.offset << ", " << r.offset + r.length << ")";
+        EXPECT_EQ(std::memcmp(arena.data(), expected.data(), total), 0) << what << ": the whole model";
+        ++written;
+      }
+      {
+        // One client of weight 1: the mean is its model, bf16 -> f32 -> bf16
+        // exactly (the corpus payloads hold no NaN).
+        FedAvgAggregator agg(layout, ClientWeightsMode::kEqual);
+        ASSERT_TRUE(agg.begin_round(1).ok());
+        auto update = agg.open_update("corpus", 1);
+        ASSERT_TRUE(update.ok()) << update.status().message();
+        Status s = send_within_base(**update, r, d.payload());
+        ASSERT_TRUE(s.ok()) << what << ": " << s.message();
+        ASSERT_TRUE((*update)->commit().ok()) << what;
+        EXPECT_EQ(agg.num_committed(), 1) << what;
+        Arena global(total, MemoryCategory::kModel);
+        Status f = agg.finalize(global);
+        ASSERT_TRUE(f.ok()) << what << ": " << f.message();
+        EXPECT_EQ(std::memcmp(global.data(), expected.data(), total), 0) << what << ": the folded mean";
+        if (std::memcmp(global.data(), expected.data(), total) == 0) ++folded;
+      }
     }
     ++files;
   }
   EXPECT_GE(files, 4);
+  // client_chunk and server_chunk name a layout that is not this one;
+  // fold_head, fold_tail and fold_unaligned stand for it; lying_length does
+  // not decode. Only fold_head starts where a fresh receiver expects.
+  EXPECT_GE(chunks, 5);
+  EXPECT_GE(accepted_as_is, 1) << "fold_head is accepted as the fuzzer sends it";
+  EXPECT_GE(written, 5);
+  EXPECT_GE(folded, 5) << "client_chunk, server_chunk, fold_head, fold_tail and fold_unaligned fold when repaired";
 }
 
 }  // namespace
