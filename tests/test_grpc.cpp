@@ -55,6 +55,12 @@ TEST(Grpc, CnnRunEqualsTheInProcessRunBitForBit) {
   EXPECT_EQ(rows(tmp.file("grpc/server/metrics.csv")), 2);
   auto acc = std::stod(read_csv(tmp.file("grpc/server/metrics.csv"))[2][7]);
   EXPECT_GT(acc, 0.3);
+  // Server-side evaluation ran in the model worker, on the same model bytes:
+  // the same test accuracy as in process; the server never mapped libtorch.
+  EXPECT_EQ(read_csv(tmp.file("grpc/server/metrics.csv"))[2][7], read_csv(tmp.file("inproc/metrics.csv"))[2][7]);
+  std::ifstream summary(tmp.file("grpc/server/summary.json"));
+  const std::string text((std::istreambuf_iterator<char>(summary)), {});
+  EXPECT_NE(text.find("\"maps_libtorch\": false"), std::string::npos) << text;
 }
 
 // DP-SGD over gRPC: each client process writes its own privacy.csv, and the

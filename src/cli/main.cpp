@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <nlohmann/json.hpp>
 #include <sstream>
+#include <spdlog/sinks/stdout_color_sinks.h>
 #include <spdlog/spdlog.h>
 
 #include "config/config.h"
@@ -16,6 +17,7 @@
 #include "default_config.h"
 #include "io/run_dir.h"
 #include "roles/simulation.h"
+#include "server/model_worker.h"
 #include "memory/alloc_tracker.h"
 #include "report/report.h"
 #include "experiments/compare_methods.h"
@@ -221,6 +223,12 @@ int main(int argc, char** argv) {
   bool profile = false;
   run->add_flag("--profile", profile, "record allocations with stacks (profile.bin; see memfl report)");
 
+  // The server's model worker (server/model_worker.h): started by a gRPC or
+  // MPI server for what needs the network, so the server never maps libtorch.
+  std::string write_initial;
+  auto* model_worker = app.add_subcommand("model-worker", "");  // internal: no help line
+  model_worker->add_option("CONFIG", config_path, "the run's config.yaml")->required();
+  model_worker->add_option("--write-initial", write_initial, "write the initial model here and exit");
   auto* validate = app.add_subcommand("validate", "Check a config and print it with every default resolved");
   validate->add_option("CONFIG", config_path, "YAML config (default: the embedded default)");
   validate->add_option("--set", sets, "override a config key (repeatable)");
@@ -395,6 +403,12 @@ int main(int argc, char** argv) {
       return inspect_model(st_path, inspect_dtype, inspect_chunk);
     }
     return inspect_checkpoint(st_path);
+  }
+  if (model_worker->parsed()) {
+    spdlog::set_default_logger(spdlog::stderr_color_mt("model-worker"));
+    memfl::Status st = memfl::run_model_worker(config_path, write_initial);
+    if (!st.ok()) return fail(st);
+    return kExitOk;
   }
   if (app.got_subcommand("validate")) {
     auto cfg = load(config_path, sets);

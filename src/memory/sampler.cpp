@@ -229,4 +229,12 @@ WriteMemoryOnExit::~WriteMemoryOnExit() {
   if (!st.ok()) std::fprintf(stderr, "memfl: %s\n", st.message().c_str());
 }
 
+bool maps_library(const std::string& name) {
+  std::ifstream maps("/proc/self/maps");
+  for (std::string line; std::getline(maps, line);) {
+    if (line.find(name) != std::string::npos) return true;
+  }
+  return false;
+}
+
 }  // namespace memfl

@@ -39,6 +39,9 @@ int64_t read_rss_bytes();
 void read_rss_split(int64_t* resident, int64_t* file_backed);
 // Peak RSS (VmHWM) of this process in bytes, from /proc/self/status.
 int64_t read_peak_rss_bytes();
+// Whether a shared library whose path contains `name` is mapped into this
+// process (/proc/self/maps): a server states it never loaded libtorch.
+bool maps_library(const std::string& name);
 
 class MemorySampler {
  public:

@@ -1,6 +1,7 @@
-// `memfl server`: the wiring of a server process over gRPC — data set (for
-// server-side evaluation), global model, the gRPC transport
-// (comm/grpc/server_transport.h), the scheduler and the round driver.
+// `memfl server`: the wiring of a server process over gRPC — global model,
+// the gRPC transport (comm/grpc/server_transport.h), the scheduler, the
+// round driver, and a model worker process for what needs the network
+// (server/model_worker.h), so this process never maps libtorch.
 #include <malloc.h>
 
 #include <filesystem>
@@ -17,6 +18,7 @@
 #include "memory/sampler.h"
 #include "roles/grpc_roles.h"
 #include "server/global_model.h"
+#include "server/model_worker.h"
 #include "server/round_driver.h"
 
 namespace memfl {
@@ -60,14 +62,10 @@ Status run_grpc_server(const ExperimentConfig& cfg, const RoleOptions& opts) {
   MEMFL_ASSIGN_OR_RETURN(auto scheduler, make_scheduler(sc.scheduler, so));
   // Measured before the model exists: the bound is stated on top of it.
   const int64_t baseline_rss = read_rss_bytes();
-  std::optional<DatasetSplits> data;
-  InputSpec input;
-  if (!is_spec_only(cfg)) {
-    MEMFL_ASSIGN_OR_RETURN(data, load_data(cfg));
-    MEMFL_ASSIGN_OR_RETURN(input, input_spec(cfg, data->train));
-  }
   const bool naive = sc.memory_mode == "naive";
-  MEMFL_ASSIGN_OR_RETURN(auto global, GlobalModel::create(cfg, input, opts.run_dir, naive));
+  // No data set and no network here: a network's initial weights and the
+  // server-side evaluation come from a model worker process.
+  MEMFL_ASSIGN_OR_RETURN(auto global, GlobalModel::create(cfg, InputSpec{}, opts.run_dir, naive));
   const Layout& layout = global->layout();
   MEMFL_ASSIGN_OR_RETURN(auto transport, GrpcServerTransport::listen(cfg, layout, naive, opts.run_dir));
   spdlog::info("server: model {} ({} parameters, {}), layout {:016x}, {} aggregation, chunk {}", cfg.model.model_name,
@@ -82,12 +80,13 @@ Status run_grpc_server(const ExperimentConfig& cfg, const RoleOptions& opts) {
   dopts.run_dir = opts.run_dir;
   dopts.role = "server";
   dopts.resume = opts.resume;
-  if (sc.do_server_eval && global->model().replica() != nullptr) {
-    dopts.evaluate = [&](int, Arena&) {
-      std::vector<uint32_t> idx(data->test.size());
-      std::iota(idx.begin(), idx.end(), 0u);
-      return global->model().replica()->evaluate(data->test, idx, sc.eval_batch_size);
-    };
+  std::unique_ptr<ModelWorker> evaluator;
+  if (sc.do_server_eval && !is_spec_only(cfg)) {
+    MEMFL_ASSIGN_OR_RETURN(evaluator,
+                           ModelWorker::start((fs::path(opts.run_dir) / "config.yaml").string(), layout,
+                                              transfer_chunk_bytes(true, sc.model_chunk_size, layout.total_bytes()),
+                                              (fs::path(opts.run_dir) / "model_worker.log").string()));
+    dopts.evaluate = [&](int round, Arena& g) { return evaluator->evaluate(round, g); };
   }
   dopts.on_round = [&](const RoundMetrics& m) {
     if (!opts.progress) return;
@@ -112,6 +111,7 @@ Status run_grpc_server(const ExperimentConfig& cfg, const RoleOptions& opts) {
   summary["baseline_rss_bytes"] = baseline_rss;
   summary["peak_rss_bytes"] = std::max(sampler.peak_rss(), read_peak_rss_bytes());
   summary["sum_in_place"] = global->aggregator().sums_in_place();
+  summary["maps_libtorch"] = maps_library("libtorch");
   summary["memory_mode"] = sc.memory_mode;
   summary["final_test_accuracy"] = rounds.empty() ? 0.0 : rounds.back().test_accuracy;
   summary["status"] = result.ok() ? "ok" : result.message();

@@ -20,6 +20,7 @@
 #include "memory/sampler.h"
 #include "client/client_work.h"
 #include "server/global_model.h"
+#include "server/model_worker.h"
 #include "io/run_dir.h"
 #include "schedule/scheduler.h"
 #include "server/round_driver.h"
@@ -55,13 +56,9 @@ Status run_server(const ExperimentConfig& cfg, int world, const std::string& dir
   so.seed = cfg.server.seed;
   MEMFL_ASSIGN_OR_RETURN(auto scheduler, make_scheduler(cfg.server.scheduler, so));
   const int64_t baseline = read_rss_bytes();
-  std::optional<DatasetSplits> data;
-  InputSpec input;
-  if (!is_spec_only(cfg)) {
-    MEMFL_ASSIGN_OR_RETURN(data, load_data(cfg));
-    MEMFL_ASSIGN_OR_RETURN(input, input_spec(cfg, data->train));
-  }
-  MEMFL_ASSIGN_OR_RETURN(auto global, GlobalModel::create(cfg, input, dir, /*naive=*/false));
+  // No data set and no network on rank 0: a network's initial weights and
+  // the server-side evaluation come from a model worker process.
+  MEMFL_ASSIGN_OR_RETURN(auto global, GlobalModel::create(cfg, InputSpec{}, dir, /*naive=*/false));
   LocalModel& model = global->model();
   const Layout& layout = model.layout();
   const size_t chunk =
@@ -83,12 +80,11 @@ Status run_server(const ExperimentConfig& cfg, int world, const std::string& dir
   dopts.run_dir = dir;
   dopts.role = "mpi server";
   dopts.resume = resume;
-  if (cfg.server.do_server_eval && model.replica() != nullptr) {
-    dopts.evaluate = [&](int, Arena&) {
-      std::vector<uint32_t> idx(data->test.size());
-      std::iota(idx.begin(), idx.end(), 0u);
-      return model.replica()->evaluate(data->test, idx, cfg.server.eval_batch_size);
-    };
+  std::unique_ptr<ModelWorker> evaluator;
+  if (cfg.server.do_server_eval && !is_spec_only(cfg)) {
+    MEMFL_ASSIGN_OR_RETURN(evaluator,
+                           ModelWorker::start(dir + "/config.yaml", layout, chunk, dir + "/model_worker.log"));
+    dopts.evaluate = [&](int round, Arena& g) { return evaluator->evaluate(round, g); };
   }
   dopts.on_round = [&](const RoundMetrics& m) {
     if (!progress) return;
@@ -107,6 +103,7 @@ Status run_server(const ExperimentConfig& cfg, int world, const std::string& dir
   summary["baseline_rss_bytes"] = baseline;
   summary["peak_rss_bytes"] = std::max(st.sampler.peak_rss(), read_peak_rss_bytes());
   summary["sum_in_place"] = global->aggregator().sums_in_place();
+  summary["maps_libtorch"] = maps_library("libtorch");
   summary["chunk_path"] = shm.enabled() ? "shared_ring" : "point_to_point";
   return write_text_file(dir + "/summary.json", summary.dump(2) + "\n");
 }

@@ -183,7 +183,8 @@ StatusOr<SimulationResult> run_simulation(const ExperimentConfig& cfg, const Sim
   // ServerAgent state: the global model and its aggregator. Workers read the
   // global model while updates fold, so the sum has an arena of its own.
   MEMFL_ASSIGN_OR_RETURN(auto global,
-                         GlobalModel::create(cfg, input, opts.run_dir, /*naive=*/false, /*sum_in_place=*/false));
+                         GlobalModel::create(cfg, input, opts.run_dir, /*naive=*/false, /*sum_in_place=*/false,
+                                             /*network_here=*/true));
   const size_t chunk = transfer_chunk_bytes(sc.use_model_chunking, sc.model_chunk_size, layout.total_bytes());
 
   std::vector<InProcessTransport::Worker> pool;

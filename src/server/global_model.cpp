@@ -7,6 +7,7 @@
 #include "aggregate/registry.h"
 #include "model/llama.h"
 #include "model/synthetic.h"
+#include "server/model_worker.h"
 #include "tensor/safetensors.h"
 #include "tensor/safetensors_arena.h"
 
@@ -25,7 +26,8 @@ Accumulation resolve_accumulation(const ExperimentConfig& cfg, const Layout& lay
 }
 
 StatusOr<std::unique_ptr<GlobalModel>> GlobalModel::create(const ExperimentConfig& cfg, const InputSpec& input,
-                                                           const std::string& run_dir, bool naive, bool sum_in_place) {
+                                                           const std::string& run_dir, bool naive, bool sum_in_place,
+                                                           bool network_here) {
   std::unique_ptr<GlobalModel> g(new GlobalModel());
   g->cfg_ = cfg;
   g->checkpoint_ = (fs::path(run_dir) / "global_model.safetensors").string();
@@ -47,7 +49,21 @@ StatusOr<std::unique_ptr<GlobalModel>> GlobalModel::create(const ExperimentConfi
       g->mapped_ = true;
     }
   }
-  if (!g->mapped_) {
+  if (!g->mapped_ && !is_spec_only(cfg) && !network_here) {
+    // The network's initial weights, from the model worker: the layout and
+    // the bytes come from the file it writes (run_dir/config.yaml is the
+    // experiment), so no libtorch here.
+    const std::string init = (fs::path(run_dir) / "initial_model.safetensors").string();
+    MEMFL_RETURN_IF_ERROR(write_initial_model((fs::path(run_dir) / "config.yaml").string(), init,
+                                              (fs::path(run_dir) / "model_worker.log").string()));
+    MEMFL_ASSIGN_OR_RETURN(auto initial, SafetensorsFile::open(init));
+    MEMFL_ASSIGN_OR_RETURN(Layout layout, initial->layout());
+    MEMFL_ASSIGN_OR_RETURN(Arena arena, make_model_arena(cfg, layout.total_bytes(), run_dir));
+    MEMFL_RETURN_IF_ERROR(initial->load_into(layout, arena));
+    initial.reset();
+    std::remove(init.c_str());
+    g->model_ = LocalModel::from_arena(std::move(layout), std::move(arena));
+  } else if (!g->mapped_) {
     MEMFL_ASSIGN_OR_RETURN(g->model_, make_local_model(cfg, input, /*fill=*/true, cfg.server.seed, run_dir));
   }
   const Layout& layout = g->model_.layout();

@@ -35,9 +35,13 @@ class GlobalModel {
   // `sum_in_place`: the running sum may overwrite the global arena once the
   // broadcast is done (false when clients read the global model while
   // updates fold: the in-process simulation).
+  // `network_here`: a network model (CNN, ResNet18, …) is built in this
+  // process (the simulator, which trains anyway); otherwise its initial
+  // weights come from a model worker process (server/model_worker.h) through
+  // a safetensors file, and this process never maps libtorch.
   static StatusOr<std::unique_ptr<GlobalModel>> create(const ExperimentConfig& cfg, const InputSpec& input,
-                                                       const std::string& run_dir, bool naive,
-                                                       bool sum_in_place = true);
+                                                       const std::string& run_dir, bool naive, bool sum_in_place = true,
+                                                       bool network_here = false);
   LocalModel& model() { return model_; }
   const Layout& layout() const { return model_.layout(); }
   Arena& arena() { return model_.arena(); }
