@@ -256,4 +256,27 @@ TEST(ChunkChecksum, CopyWithChecksumHashesTheNamedSide) {
     const uint64_t d = memfl::copy_with_checksum(dst.data(), src.data(), n, memfl::ChecksumSide::kDestination);
     EXPECT_EQ(d, s) << n;
   }
+  // A shared-memory peer changes the *other* side right after each block is
+  // copied: the checksum must be of the side named, i.e. of the bytes this
+  // process keeps (sender: its source; receiver: its private copy).
+  struct Scribble {
+    std::byte* target;
+    static void hit(void* ctx, size_t off, size_t len) {
+      auto* t = static_cast<Scribble*>(ctx)->target;
+      for (size_t i = off; i < off + len; i += 97) t[i] ^= std::byte{0x5A};
+    }
+  };
+  const size_t n = src.size();
+  const uint64_t original = XXH3_64bits(src.data(), n);
+  std::vector<std::byte> shared(n), kept(n), peer(src);
+  Scribble on_shared_dst{shared.data()};
+  EXPECT_EQ(memfl::chunk_detail::copy_with_checksum(shared.data(), src.data(), n, memfl::ChecksumSide::kSource,
+                                                    &Scribble::hit, &on_shared_dst),
+            original);
+  EXPECT_NE(XXH3_64bits(shared.data(), n), original) << "the peer did change the shared side";
+  Scribble on_shared_src{peer.data()};
+  EXPECT_EQ(memfl::chunk_detail::copy_with_checksum(kept.data(), peer.data(), n, memfl::ChecksumSide::kDestination,
+                                                    &Scribble::hit, &on_shared_src),
+            original);
+  EXPECT_NE(XXH3_64bits(peer.data(), n), original);
 }

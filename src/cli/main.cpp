@@ -309,6 +309,8 @@ int main(int argc, char** argv) {
       ->add_option("--mpi-path", tb.mpi_path,
                    "MPI on one node: shared_ring (chunks through a shared-memory ring) | point_to_point")
       ->capture_default_str();
+  transfer->add_option("--dummy-delays", tb.dummy_delays,
+                       "train_configs.dummy_delay_s: seconds each client spends in its local update (e.g. 1.5,0.5)");
   transfer->add_option("--json", tb.json_out, "write the JSON here too");
   transfer->add_option("--keep", tb.run_dir, "keep the run directory here");
 #endif

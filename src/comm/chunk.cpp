@@ -69,16 +69,24 @@ uint64_t chunk_checksum(Payload payload) {
   return hash.digest();
 }
 
-uint64_t copy_with_checksum(std::byte* dst, const std::byte* src, size_t n, ChecksumSide side) {
+namespace chunk_detail {
+uint64_t copy_with_checksum(std::byte* dst, const std::byte* src, size_t n, ChecksumSide side,
+                            void (*after_copy)(void*, size_t, size_t), void* ctx) {
   constexpr size_t kBlock = 32 * 1024;  // the hash reads what the copy just brought into L1
   const std::byte* hashed = side == ChecksumSide::kDestination ? dst : src;
   Xxh3Stream hash;
   for (size_t off = 0; off < n; off += kBlock) {
     const size_t len = std::min(kBlock, n - off);
     std::memcpy(dst + off, src + off, len);
+    if (after_copy != nullptr) after_copy(ctx, off, len);
     hash.update(hashed + off, len);
   }
   return hash.digest();
+}
+}  // namespace chunk_detail
+
+uint64_t copy_with_checksum(std::byte* dst, const std::byte* src, size_t n, ChecksumSide side) {
+  return chunk_detail::copy_with_checksum(dst, src, n, side, nullptr, nullptr);
 }
 
 size_t payload_size(Payload payload) {

@@ -53,6 +53,13 @@ size_t payload_size(Payload payload);
 // One pass: the hash reads each block right after the copy moved it.
 enum class ChecksumSide { kSource, kDestination };
 uint64_t copy_with_checksum(std::byte* dst, const std::byte* src, size_t n, ChecksumSide side);
+namespace chunk_detail {
+// The same, calling after_copy(ctx, offset, length) between a block's copy
+// and its hash: the moment a shared-memory peer could change the other side
+// (tests play that peer).
+uint64_t copy_with_checksum(std::byte* dst, const std::byte* src, size_t n, ChecksumSide side,
+                            void (*after_copy)(void*, size_t, size_t), void* ctx);
+}  // namespace chunk_detail
 
 // Checks a chunk from `peer` against the layout it must belong to and the
 // offset the stream is at (chunks of one stream arrive in order; a gap, an

@@ -47,10 +47,10 @@ StatusOr<std::string> run_bench_transfer(const TransferBenchOptions& o) {
   fs::remove_all(dir, ec);
   fs::create_directories(dir);
   const std::string config = (fs::path(dir) / "bench.yaml").string();
-  MEMFL_RETURN_IF_ERROR(write_text_file(
-      config, fmt::format(R"(client_configs:
+  MEMFL_RETURN_IF_ERROR(write_text_file(config, fmt::format(R"(client_configs:
   train_configs:
     trainer: DummyTrainer
+    dummy_delay_s: "{}"
   model_configs:
     model_name: synthetic
     model_kwargs:
@@ -68,7 +68,8 @@ server_configs:
       server_uri: 127.0.0.1:0
       model_chunk_size: {}
 )",
-                          num_params, o.dtype, o.clients, o.memory_mode, o.mpi_path == "shared_ring", chunk)));
+                                                            o.dummy_delays, num_params, o.dtype, o.clients,
+                                                            o.memory_mode, o.mpi_path == "shared_ring", chunk)));
   std::string server_dir = (fs::path(dir) / "server").string();
   std::string client_prefix = "client_";
   int client_base = 0;
@@ -103,6 +104,7 @@ server_configs:
   j["model_bytes"] = server["model_bytes"];
   j["clients"] = o.clients;
   j["chunk_bytes"] = chunk;
+  if (!o.dummy_delays.empty()) j["dummy_delay_s"] = o.dummy_delays;
   if (server.contains("chunk_path")) j["chunk_path"] = server["chunk_path"];  // MPI: shared_ring | point_to_point
   j["server_peak_rss_bytes"] = server["peak_rss_bytes"];
   j["server_baseline_rss_bytes"] = server["baseline_rss_bytes"];
