@@ -116,12 +116,24 @@ class FedAvgAggregator::Stream final : public UpdateStream {
       abort();  // a peer that sends bad bytes loses its update
       return s;
     }
+    // Not our turn yet, nothing parked, and the update whose turn it is is
+    // streaming right now: the machine is busy moving its bytes, so parking
+    // ours would only add a write and a read. Hold this chunk (the transport's
+    // flow control holds the sender) until our turn comes or that stream
+    // pauses (kLiveIdle) — a slow or stalled client never holds us up longer.
+    if (!live_ && next_offset_ == 0 && agg_.cursor_.load(std::memory_order_acquire) != slot_) {
+      std::unique_lock lock(agg_.mu_);
+      while (agg_.cursor_.load(std::memory_order_relaxed) != slot_ && agg_.live_streaming_locked()) {
+        agg_.turn_cv_.wait_for(lock, kLiveIdle);
+      }
+    }
     // Our turn (every update before ours in fold order has folded or is
     // out): fold straight into the state. Otherwise park the bytes in the
     // spool, without the lock, while the update whose turn it is folds.
     if (!live_ && agg_.cursor_.load(std::memory_order_acquire) == slot_) {
       std::lock_guard lock(agg_.mu_);
       MEMFL_RETURN_IF_ERROR(agg_.start_folding_locked(slot_, next_offset_, carry_));
+      agg_.slots_[slot_].state = SlotState::kLive;
       live_ = true;
     }
     if (live_) {
@@ -131,6 +143,7 @@ class FedAvgAggregator::Stream final : public UpdateStream {
         agg_.fold(at, part, agg_.slots_[slot_].fold_weight, carry_);
         at += part.size();
       }
+      agg_.last_live_fold_ = std::chrono::steady_clock::now();
     } else {
       MEMFL_RETURN_IF_ERROR(agg_.park(slot_, h.offset, payload, client_id_));
       std::lock_guard lock(agg_.mu_);
@@ -229,6 +242,12 @@ Status FedAvgAggregator::start_folding_locked(size_t slot, uint64_t parked_bytes
   return Status::Ok();
 }
 
+bool FedAvgAggregator::live_streaming_locked() const {
+  const size_t c = cursor_.load(std::memory_order_relaxed);
+  return c < slots_.size() && slots_[c].state == SlotState::kLive &&
+         std::chrono::steady_clock::now() - last_live_fold_ < kLiveIdle;
+}
+
 Status FedAvgAggregator::advance_locked() {
   size_t c = cursor_.load(std::memory_order_relaxed);
   Status result = Status::Ok();
@@ -246,6 +265,7 @@ Status FedAvgAggregator::advance_locked() {
     ++c;
   }
   cursor_.store(c, std::memory_order_release);
+  turn_cv_.notify_all();
   return result;
 }
 

@@ -44,6 +44,8 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
+#include <condition_variable>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -99,7 +101,13 @@ class FedAvgAggregator final : public Aggregator {
   class Stream;
   class Spool;
   friend class Stream;
-  enum class SlotState { kPending, kOpen, kParked, kCommittedParked, kFolded, kOut };
+  enum class SlotState { kPending, kOpen, kLive, kParked, kCommittedParked, kFolded, kOut };
+  // How long a live stream may go without a chunk and still count as
+  // streaming (an early update holds its first chunk meanwhile, see accept).
+  static constexpr std::chrono::milliseconds kLiveIdle{20};
+  // Called with mu_ held: the update whose turn it is received a chunk
+  // within kLiveIdle.
+  bool live_streaming_locked() const;
   // One place in the round's fold order.
   struct Slot {
     std::string client_id;
@@ -134,7 +142,9 @@ class FedAvgAggregator final : public Aggregator {
   mutable std::mutex mu_;
   std::vector<Slot> slots_;
   bool ordered_ = false;
-  std::atomic<size_t> cursor_{0};  // the slot whose turn it is to fold
+  std::atomic<size_t> cursor_{0};    // the slot whose turn it is to fold
+  std::condition_variable turn_cv_;  // the cursor moved
+  std::chrono::steady_clock::time_point last_live_fold_;
   std::unique_ptr<Spool> spool_;
   std::string spool_dir_;
   int round_ = -1;

@@ -133,6 +133,12 @@ StatusOr<TrainResult> local_update(LocalModel& model, const ExperimentConfig& cf
 StatusOr<double> record_client_privacy(const ExperimentConfig& cfg, const std::string& run_dir, int round, int client,
                                        int64_t total_steps, double sample_rate) {
   const auto& dp = cfg.train.dp;
+  // dp.accountant names the accountant; RDP of the subsampled Gaussian is
+  // the one there is (the config's schema refuses other names first).
+  if (dp.accountant != "rdp") {
+    return invalid_argument("client_configs.train_configs.dp.accountant: unknown accountant '{}'; known: rdp",
+                            dp.accountant);
+  }
   auto eps = rdp_epsilon(dp.noise_multiplier, sample_rate, total_steps, dp.delta);
   const double e = eps.ok() ? *eps : std::numeric_limits<double>::infinity();
   const std::string path = (std::filesystem::path(run_dir) / "privacy.csv").string();

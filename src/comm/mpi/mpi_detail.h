@@ -60,8 +60,9 @@ constexpr WaitStyle kSender{0, 200};       // a chunk stream's sending side: chu
 // MPI_Waitall of `n` requests, waiting as `style` says.
 void quiet_waitall(int n, MPI_Request* reqs, MPI_Status* statuses, WaitStyle style);
 
-// Waits quietly for a message with `tag` from any rank; returns its source.
-int quiet_probe_any(int tag);
+// Waits quietly for a message with `tag` from any of `sources`; returns the
+// first of them (in their order) that has one.
+int quiet_probe_first(const std::vector<int>& sources, int tag);
 
 // The same for the threads of the server: yield a while before blocking, so
 // a hand-over between the MPI thread and the fold worker (one per chunk)

@@ -57,12 +57,14 @@ void quiet_waitall(int n, MPI_Request* reqs, MPI_Status* statuses, WaitStyle sty
   }
 }
 
-int quiet_probe_any(int tag) {
+int quiet_probe_first(const std::vector<int>& sources, int tag) {
   MPI_Status status;
   int flag = 0;
   for (int sleep_us = 5;;) {
-    MPI_Iprobe(MPI_ANY_SOURCE, tag, MPI_COMM_WORLD, &flag, &status);
-    if (flag) return status.MPI_SOURCE;
+    for (int r : sources) {
+      MPI_Iprobe(r, tag, MPI_COMM_WORLD, &flag, &status);
+      if (flag) return r;
+    }
     std::this_thread::sleep_for(std::chrono::microseconds(sleep_us));
     sleep_us = std::min(2 * sleep_us, kIdle.max_sleep_us);
   }
@@ -75,7 +77,7 @@ size_t chunks_in_flight(size_t chunk) {
 }  // namespace mpi_detail
 
 using mpi_detail::Clock;
-using mpi_detail::quiet_probe_any;
+using mpi_detail::quiet_probe_first;
 using mpi_detail::since;
 
 Status MpiServerTransport::broadcast(int round, const std::vector<int>& selected, const Arena&, BroadcastResult* out) {
@@ -109,8 +111,21 @@ Status MpiServerTransport::collect(int round, const std::vector<int>& selected, 
   // byte folded, as for gRPC (the clients' training is not in it).
   std::optional<Clock::time_point> t_up;
   std::vector<bool> done(static_cast<size_t>(cfg_.server.num_clients), false);
+  // A rank's clients send in client order, so its next update is the first
+  // of its clients not yet received.
+  auto waiting_ranks = [&] {
+    std::vector<int> ranks;  // in fold order of their next update
+    for (int c : selected) {
+      const int r = rank_of_client(c, k);
+      if (!done[static_cast<size_t>(c)] && std::find(ranks.begin(), ranks.end(), r) == ranks.end()) ranks.push_back(r);
+    }
+    return ranks;
+  };
   for (size_t n = 0; n < selected.size(); ++n) {
-    const int r = quiet_probe_any(kTagUpdateMeta);
+    // Whichever rank is ready, earliest in fold order first: no update waits
+    // for one that has not come, and of those ready, the one whose turn is
+    // nearest goes first (fewer updates park).
+    const int r = quiet_probe_first(waiting_ranks(), kTagUpdateMeta);
     WireUpdateMeta md{};
     quiet_recv(&md, sizeof md, r, kTagUpdateMeta);
     if (!t_up) t_up = Clock::now();
