@@ -132,8 +132,22 @@ TEST(ServerCore, SameModelOnEveryTransportWhateverTheArrivalOrder) {
       reference = models.front();
       EXPECT_TRUE(equals_expected(reference));
     }
-    for (const auto& m : models) EXPECT_TRUE(same_model(reference, m)) << m;
+    for (const auto& path : models) EXPECT_TRUE(same_model(reference, path)) << path;
   }
+}
+
+TEST(ServerCore, AModelAboveTheMemoryBudgetIsRefusedBeforeAnyRound) {
+  testing::TempDir tmp;
+  // 3001 f32 parameters ≈ 12 KiB of model + 12 KiB of FedAvg sum + a 4 MiB
+  // fold block: above a 1 MiB budget, below a 64 MiB one.
+  const std::string cfg = write_config(tmp, "c", "", 1000);
+  Result small = memfl_cli("run " + cfg + " -q --set server_configs.memory_budget=1MiB --out " + tmp.file("small"));
+  EXPECT_NE(small.exit_code, 0);
+  EXPECT_NE(small.output.find("server_configs.memory_budget"), std::string::npos) << small.output;
+  EXPECT_NE(small.output.find("FedAvgAggregator"), std::string::npos) << small.output;
+  EXPECT_EQ(read_csv(tmp.file("small/metrics.csv")).size(), 0u) << "no round was played";
+  Result enough = memfl_cli("run " + cfg + " -q --set server_configs.memory_budget=64MiB --out " + tmp.file("enough"));
+  EXPECT_EQ(enough.exit_code, 0) << enough.output;
 }
 
 // kill -9 of a `memfl run` at a point of round 2, then --resume: the final

@@ -29,6 +29,9 @@ struct RoundMetrics {
   uint64_t bytes_down = 0, bytes_up = 0;
   int64_t rss_bytes = 0;  // RSS when the round ended (flat memory is checked on this)
   int64_t peak_rss_bytes = 0;
+  // Committing the server's state after the round (checkpoint written and
+  // fsynced, state file): not part of round_seconds.
+  double commit_seconds = 0;
 };
 
 class MetricsWriter {

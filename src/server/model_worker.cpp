@@ -17,6 +17,7 @@
 
 #include "client/client_work.h"
 #include "comm/chunk.h"
+#include "memory/sampler.h"
 #include "tensor/safetensors.h"
 
 extern char** environ;
@@ -209,7 +210,11 @@ Status run_model_worker(const std::string& config_path, const std::string& write
   while (true) {
     EvalBegin b;
     MEMFL_ASSIGN_OR_RETURN(bool more, read_all(0, &b, sizeof b, "a model header"));
-    if (!more) return Status::Ok();  // the server closed the pipe: done
+    if (!more) {  // the server closed the pipe: done
+      spdlog::info("model worker: done, peak RSS {} (the kernel's VmHWM)",
+                   format_bytes(static_cast<double>(read_peak_rss_bytes())));
+      return Status::Ok();
+    }
     if (b.magic != kBeginMagic || b.layout_hash != layout.hash() || b.total_bytes != layout.total_bytes()) {
       return data_loss(
           "model worker: the server's model (layout {:016x}, {} bytes) is not this network's ({:016x}, {})",

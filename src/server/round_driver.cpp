@@ -19,7 +19,7 @@ using Clock = std::chrono::steady_clock;
 nlohmann::json round_metrics_to_json(const RoundMetrics& m) {
   return {m.round,      m.clients,       m.train_loss,  m.train_accuracy, m.val_loss,         m.val_accuracy,
           m.test_loss,  m.test_accuracy, m.bytes_moved, m.round_seconds,  m.download_seconds, m.upload_seconds,
-          m.bytes_down, m.bytes_up,      m.rss_bytes,   m.peak_rss_bytes};
+          m.bytes_down, m.bytes_up,      m.rss_bytes,   m.peak_rss_bytes, m.commit_seconds};
 }
 
 RoundMetrics round_metrics_from_json(const nlohmann::json& j) {
@@ -40,6 +40,7 @@ RoundMetrics round_metrics_from_json(const nlohmann::json& j) {
   m.bytes_up = j[13];
   m.rss_bytes = j[14];
   m.peak_rss_bytes = j[15];
+  if (j.size() > 16) m.commit_seconds = j[16];
   return m;
 }
 
@@ -174,7 +175,7 @@ Status RoundDriver::play_round(int round, RoundMetrics* m, bool* redo) {
   return Status::Ok();
 }
 
-Status RoundDriver::check_memory_bound() const {
+Status check_server_memory_bound(const ExperimentConfig& cfg_, GlobalModel& global_) {
   // The server's stated bound: the global model (anonymous unless
   // file-backed) + what the aggregator keeps between rounds + what it may
   // hold during one. Refused before any round, naming the key.
@@ -194,7 +195,7 @@ Status RoundDriver::check_memory_bound() const {
 }
 
 Status RoundDriver::run() {
-  MEMFL_RETURN_IF_ERROR(check_memory_bound());
+  MEMFL_RETURN_IF_ERROR(check_server_memory_bound(cfg_, global_));
   if (opts_.resume) MEMFL_RETURN_IF_ERROR(resume());
   MEMFL_ASSIGN_OR_RETURN(auto metrics, MetricsWriter::open((fs::path(opts_.run_dir) / "metrics.csv").string()));
   for (const auto& m : rounds_) MEMFL_RETURN_IF_ERROR(metrics->append(m));  // the committed rounds, again
@@ -204,9 +205,13 @@ Status RoundDriver::run() {
     bool redo = false;
     MEMFL_RETURN_IF_ERROR(play_round(round, &m, &redo));
     if (redo) continue;
+    // Committed first (with this round's metrics), then the metrics row: a
+    // kill in between loses nothing, --resume rewrites metrics.csv from the commit.
     rounds_.push_back(m);
-    MEMFL_RETURN_IF_ERROR(metrics->append(m));
+    const auto t_commit = Clock::now();
     MEMFL_RETURN_IF_ERROR(commit(round));
+    rounds_.back().commit_seconds = m.commit_seconds = std::chrono::duration<double>(Clock::now() - t_commit).count();
+    MEMFL_RETURN_IF_ERROR(metrics->append(m));
     if (opts_.on_round) opts_.on_round(m);
     ++round;
   }

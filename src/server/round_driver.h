@@ -52,7 +52,6 @@ class RoundDriver {
   double dp_fedavg_epsilon() const { return dp_fedavg_epsilon_; }
 
  private:
-  Status check_memory_bound() const;
   Status resume();
   Status play_round(int round, RoundMetrics* m, bool* redo);
   Status commit(int round);
@@ -68,6 +67,12 @@ class RoundDriver {
   std::vector<int> dropped_;  // clients out for the rest of the run
   double dp_fedavg_epsilon_ = 0;
 };
+
+// The server's stated bound — the global model (anonymous unless
+// file-backed) + the aggregator's state between rounds + what it may hold
+// during one — against server_configs.memory_budget; an error names the key.
+// RoundDriver::run checks it; a role may check it sooner (before clients wait).
+Status check_server_memory_bound(const ExperimentConfig& cfg, GlobalModel& global);
 
 nlohmann::json round_metrics_to_json(const RoundMetrics& m);
 RoundMetrics round_metrics_from_json(const nlohmann::json& j);

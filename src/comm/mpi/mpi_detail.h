@@ -61,8 +61,9 @@ constexpr WaitStyle kSender{0, 200};       // a chunk stream's sending side: chu
 void quiet_waitall(int n, MPI_Request* reqs, MPI_Status* statuses, WaitStyle style);
 
 // Waits quietly for a message with `tag` from any of `sources`; returns the
-// first of them (in their order) that has one.
-int quiet_probe_first(const std::vector<int>& sources, int tag);
+// first of them (in their order) that has one — the first source itself if it
+// has one within `grace` of a later one being ready.
+int quiet_probe_first(const std::vector<int>& sources, int tag, std::chrono::microseconds grace);
 
 // The same for the threads of the server: yield a while before blocking, so
 // a hand-over between the MPI thread and the fold worker (one per chunk)

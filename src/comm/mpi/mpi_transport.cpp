@@ -57,16 +57,23 @@ void quiet_waitall(int n, MPI_Request* reqs, MPI_Status* statuses, WaitStyle sty
   }
 }
 
-int quiet_probe_first(const std::vector<int>& sources, int tag) {
+int quiet_probe_first(const std::vector<int>& sources, int tag, std::chrono::microseconds grace) {
   MPI_Status status;
   int flag = 0;
+  std::optional<Clock::time_point> others_ready;
   for (int sleep_us = 5;;) {
-    for (int r : sources) {
-      MPI_Iprobe(r, tag, MPI_COMM_WORLD, &flag, &status);
-      if (flag) return r;
+    for (size_t i = 0; i < sources.size(); ++i) {
+      MPI_Iprobe(sources[i], tag, MPI_COMM_WORLD, &flag, &status);
+      if (!flag) continue;
+      if (i == 0) return sources[0];
+      // A later source is ready: the first gets `grace` to follow (ranks
+      // that finish together arrive a few µs apart), then the ready one goes.
+      if (!others_ready) others_ready = Clock::now();
+      if (Clock::now() - *others_ready >= grace) return sources[i];
+      break;
     }
     std::this_thread::sleep_for(std::chrono::microseconds(sleep_us));
-    sleep_us = std::min(2 * sleep_us, kIdle.max_sleep_us);
+    sleep_us = std::min(2 * sleep_us, others_ready ? 200 : kIdle.max_sleep_us);
   }
 }
 
@@ -125,7 +132,7 @@ Status MpiServerTransport::collect(int round, const std::vector<int>& selected, 
     // Whichever rank is ready, earliest in fold order first: no update waits
     // for one that has not come, and of those ready, the one whose turn is
     // nearest goes first (fewer updates park).
-    const int r = quiet_probe_first(waiting_ranks(), kTagUpdateMeta);
+    const int r = quiet_probe_first(waiting_ranks(), kTagUpdateMeta, std::chrono::milliseconds(20));
     WireUpdateMeta md{};
     quiet_recv(&md, sizeof md, r, kTagUpdateMeta);
     if (!t_up) t_up = Clock::now();
