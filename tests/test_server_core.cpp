@@ -10,9 +10,12 @@
 #include <fstream>
 #include <numeric>
 #include <random>
+#include <sstream>
 #include <thread>
 
 #include "aggregate/fedavg_aggregator.h"
+#include "aggregate/registry.h"
+#include "config/config.h"
 #include "comm/chunk.h"
 #include "schedule/scheduler.h"
 #include "server/server_state.h"
@@ -382,6 +385,44 @@ TEST(ServerState, NoCommitIsAClearError) {
   auto st = load_committed_state(f.tmp.path.string(), f.layout, loaded);
   ASSERT_FALSE(st.ok());
   EXPECT_NE(st.status().message().find("no committed server state"), std::string::npos) << st.status().message();
+}
+
+// The config's schema lists the names a config may give; the registries
+// build them. The two lists are written apart (config/ depends on nothing
+// above model/), so this keeps them equal.
+std::vector<std::string> schema_choices(const std::string& key) {
+  std::istringstream keys(describe_config_keys());
+  for (std::string line; std::getline(keys, line);) {
+    if (line.rfind(key + " ", 0) != 0) continue;
+    const size_t a = line.find("one of [");
+    const size_t b = line.find(']', a);
+    std::vector<std::string> out;
+    std::istringstream items(line.substr(a + 8, b - a - 8));
+    for (std::string item; std::getline(items, item, ',');) {
+      item.erase(0, item.find_first_not_of(' '));
+      out.push_back(item);
+    }
+    return out;
+  }
+  return {};
+}
+
+TEST(Registries, TheConfigAcceptsExactlyTheRegisteredNames) {
+  EXPECT_EQ(schema_choices("server_configs.aggregator"), aggregator_names());
+  EXPECT_EQ(schema_choices("server_configs.scheduler"), scheduler_names());
+  EXPECT_FALSE(aggregator_names().empty());
+  auto unknown = load_config_text("server_configs:\n  aggregator: FedAdamAggregator\n", "t.yaml");
+  ASSERT_FALSE(unknown.ok());
+  EXPECT_NE(unknown.status().message().find("FedAvgAggregator"), std::string::npos) << unknown.status().message();
+  Layout layout = f32_layout();
+  AggregatorContext ctx;
+  ctx.layout = &layout;
+  ctx.make_state_arena = [](size_t n) { return StatusOr<Arena>(Arena(n, MemoryCategory::kAggregation)); };
+  auto made = make_aggregator("FedYogiAggregator", ctx);
+  ASSERT_FALSE(made.ok());
+  EXPECT_NE(made.status().message().find("server_configs.aggregator"), std::string::npos);
+  EXPECT_NE(made.status().message().find("FedAvgAggregator"), std::string::npos);
+  EXPECT_TRUE(make_aggregator("FedAvgAggregator", ctx).ok());
 }
 
 TEST(Scheduler, UnknownNameIsRefusedListingTheKnownOnes) {

@@ -15,19 +15,13 @@
 #include <vector>
 
 #include "comm/chunk.h"
+#include "comm/transport.h"
 #include "tensor/arena.h"
 #include "tensor/layout.h"
 
 namespace memfl {
 
-// One client's upload. Destroying it without commit() aborts it.
-class UpdateStream : public ChunkSink {
- public:
-  // Succeeds only when every byte of the model arrived; then the update counts.
-  virtual Status commit() = 0;
-};
-
-class Aggregator {
+class Aggregator : public UpdateOpener {
  public:
   virtual ~Aggregator() = default;
   virtual std::string_view name() const = 0;
@@ -39,8 +33,6 @@ class Aggregator {
   // `client_id` will send nothing this round (dropped, timed out): updates
   // after it in fold order need not wait for it.
   virtual Status withdraw(const std::string& client_id) = 0;
-  // Opens the upload of `client_id`, whose metadata said `sample_count`.
-  virtual StatusOr<std::unique_ptr<UpdateStream>> open_update(const std::string& client_id, double sample_count) = 0;
   // Writes the aggregate of the committed updates into `global`. Fails,
   // leaving `global` untouched, when no update committed or when a stream
   // broke after some of its bytes were counted (the round must be redone).

@@ -77,6 +77,14 @@ class ChunkSink {
   }
 };
 
+// One client's upload into whatever combines it (an aggregator). Destroying
+// it without commit() aborts it.
+class UpdateStream : public ChunkSink {
+ public:
+  // Succeeds only when every byte of the model arrived; then the update counts.
+  virtual Status commit() = 0;
+};
+
 // Sends `arena` (the whole of `layout.total_bytes()`) to `sink` in chunks of
 // at most `chunk_size` bytes, straight from the arena: no staging copy.
 // Returns the number of bytes sent.

@@ -37,7 +37,7 @@ double seconds_since(std::chrono::steady_clock::time_point t) {
 }  // namespace
 
 Status InProcessTransport::collect(int round, const std::vector<int>& selected, const Arena& global,
-                                   Aggregator& aggregator, CollectResult* out) {
+                                   UpdateOpener& aggregator, CollectResult* out) {
   std::mutex mu;
   std::atomic<size_t> next{0};
   Status first_error = Status::Ok();

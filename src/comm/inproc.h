@@ -10,7 +10,7 @@
 #include <functional>
 #include <vector>
 
-#include "server/transport.h"
+#include "comm/transport.h"
 #include "tensor/layout.h"
 
 namespace memfl {
@@ -40,7 +40,7 @@ class InProcessTransport final : public ServerTransport {
   // Workers copy the global model while others' updates fold.
   bool broadcast_done_before_collect() const override { return false; }
   Status broadcast(int, const std::vector<int>&, const Arena&, BroadcastResult*) override { return Status::Ok(); }
-  Status collect(int round, const std::vector<int>& selected, const Arena& global, Aggregator& aggregator,
+  Status collect(int round, const std::vector<int>& selected, const Arena& global, UpdateOpener& aggregator,
                  CollectResult* out) override;
   void finish(int) override {}
   // Workers still in use (the governor may shed some).

@@ -120,7 +120,7 @@ server_configs:
   std::ifstream csv(fs::path(server_dir) / "metrics.csv");
   std::string line;
   std::getline(csv, line);
-  double round_s = 0, down_gbps = 0, up_gbps = 0;
+  double round_s = 0, down_gbps = 0, up_gbps = 0, commit_s = 0;
   int n = 0;
   nlohmann::json rounds = nlohmann::json::array();
   while (std::getline(csv, line)) {
@@ -132,14 +132,17 @@ server_configs:
     const double rs = std::stod(f[9]), ds = std::stod(f[11]), us = std::stod(f[12]);
     const double bd = std::stod(f[13]), bu = std::stod(f[14]);
     const double dg = ds > 0 ? bd / ds / 1e9 : 0, ug = us > 0 ? bu / us / 1e9 : 0;
-    rounds.push_back({{"round_seconds", rs}, {"download_gbps", dg}, {"upload_gbps", ug}});
+    const double cs = f.size() > 16 ? std::stod(f[16]) : 0.0;  // the state commit, outside round_seconds
+    rounds.push_back({{"round_seconds", rs}, {"download_gbps", dg}, {"upload_gbps", ug}, {"commit_seconds", cs}});
     round_s += rs;
+    commit_s += cs;
     down_gbps += dg;
     up_gbps += ug;
     ++n;
   }
   if (n == 0) return internal_error("{}: the server recorded no round", dir);
   j["round_seconds"] = round_s / n;
+  j["commit_seconds"] = commit_s / n;
   j["download_gbps"] = down_gbps / n;
   j["upload_gbps"] = up_gbps / n;
   j["rounds"] = rounds;

@@ -74,7 +74,7 @@ Status run_server(const ExperimentConfig& cfg, int world, const std::string& dir
                             cfg.server.clients_per_rank));
     }
   }
-  ServerStreams streams(layout, model, chunk, shm);
+  ServerStreams streams(layout, chunk, shm);
   MpiServerTransport transport(cfg, layout, streams, world);
   RoundDriverOptions dopts;
   dopts.run_dir = dir;

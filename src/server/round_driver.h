@@ -22,7 +22,7 @@
 #include "io/run_dir.h"
 #include "schedule/scheduler.h"
 #include "server/global_model.h"
-#include "server/transport.h"
+#include "comm/transport.h"
 #include "train/trainer_backend.h"
 
 namespace memfl {

@@ -70,7 +70,7 @@ class ServerAgent final : public ServerTransport {
   std::string_view name() const override { return "grpc"; }
   bool broadcast_done_before_collect() const override { return true; }
   Status broadcast(int round, const std::vector<int>& selected, const Arena& global, BroadcastResult* out) override;
-  Status collect(int round, const std::vector<int>& selected, const Arena& global, Aggregator& aggregator,
+  Status collect(int round, const std::vector<int>& selected, const Arena& global, UpdateOpener& aggregator,
                  CollectResult* out) override;
   void finish(int last_round) override;
 
@@ -93,7 +93,7 @@ class ServerAgent final : public ServerTransport {
   Phase phase_ = Phase::kWaiting;
   int round_ = 0;
   Clock::time_point deadline_;
-  Aggregator* aggregator_ = nullptr;  // the round's, during the upload phase
+  UpdateOpener* aggregator_ = nullptr;  // the round's, during the upload phase
   std::vector<ClientSlot> slots_;
   std::vector<int> order_;  // selected clients
   std::atomic<int64_t> inflight_{0};
@@ -196,7 +196,7 @@ grpc::Status ServerAgent::receive_update(grpc::ServerReaderWriter<Frame, Frame>*
   Done done{this, id};  // declared before `update`: the stream closes first
   std::vector<std::byte> naive_copy;
   if (!naive_) {
-    Aggregator* agg = nullptr;
+    UpdateOpener* agg = nullptr;
     {
       std::lock_guard lock(mu_);
       agg = aggregator_;
@@ -454,7 +454,7 @@ Status ServerAgent::broadcast(int round, const std::vector<int>& selected, const
   return Status::Ok();
 }
 
-Status ServerAgent::collect(int round, const std::vector<int>&, const Arena&, Aggregator& aggregator,
+Status ServerAgent::collect(int round, const std::vector<int>&, const Arena&, UpdateOpener& aggregator,
                             CollectResult* out) {
   std::unique_lock lock(mu_);
   aggregator_ = &aggregator;
@@ -596,7 +596,7 @@ Status GrpcServerTransport::broadcast(int round, const std::vector<int>& selecte
   return impl_->agent.broadcast(round, selected, global, out);
 }
 Status GrpcServerTransport::collect(int round, const std::vector<int>& selected, const Arena& global,
-                                    Aggregator& aggregator, CollectResult* out) {
+                                    UpdateOpener& aggregator, CollectResult* out) {
   return impl_->agent.collect(round, selected, global, aggregator, out);
 }
 void GrpcServerTransport::finish(int last_round) {

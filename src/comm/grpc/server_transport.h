@@ -12,7 +12,7 @@
 #include <string>
 
 #include "config/config.h"
-#include "server/transport.h"
+#include "comm/transport.h"
 #include "tensor/layout.h"
 
 namespace memfl {
@@ -32,7 +32,7 @@ class GrpcServerTransport final : public ServerTransport {
   std::string_view name() const override { return "grpc"; }
   bool broadcast_done_before_collect() const override;
   Status broadcast(int round, const std::vector<int>& selected, const Arena& global, BroadcastResult* out) override;
-  Status collect(int round, const std::vector<int>& selected, const Arena& global, Aggregator& aggregator,
+  Status collect(int round, const std::vector<int>& selected, const Arena& global, UpdateOpener& aggregator,
                  CollectResult* out) override;
   // Tells clients the run is over and stops serving (once; also on destruction).
   void finish(int last_round) override;

@@ -13,7 +13,6 @@
 
 #include <fmt/format.h>
 
-#include "client/client_work.h"
 #include "comm/chunk.h"
 #include "comm/mpi/mpi_detail.h"
 #include "comm/mpi/mpi_transport.h"
@@ -28,20 +27,19 @@ using mpi_detail::quiet_waitall;
 using mpi_detail::WireHeader;
 using mpi_detail::WireSlotHeader;
 
-ServerStreams::ServerStreams(const Layout& layout, LocalModel& model, size_t chunk, const SharedRing& shm)
+ServerStreams::ServerStreams(const Layout& layout, size_t chunk, const SharedRing& shm)
     : layout_(layout),
-      model_(model),
       chunk_(chunk),
       nchunks_((layout.total_bytes() + chunk - 1) / chunk),
       depth_(chunks_in_flight(chunk)),
       shm_(shm),
       ring_(depth_, shm.enabled() ? 0 : chunk) {}
 
-void ServerStreams::broadcast(const std::vector<int>& ranks) {
+void ServerStreams::broadcast(const std::vector<int>& ranks, const Arena& global) {
   if (shm_.enabled()) {
-    broadcast_through_ring(ranks);
+    broadcast_through_ring(ranks, global);
   } else {
-    broadcast_point_to_point(ranks);
+    broadcast_point_to_point(ranks, global);
   }
 }
 
@@ -64,7 +62,7 @@ size_t ServerStreams::length(size_t i) const { return std::min(chunk_, layout_.t
 // Chunk i goes to slot i mod slots once every rank that read the slot's
 // last chunk said so; the header names the slot. One pass copies the
 // chunk and takes its xxh3.
-void ServerStreams::broadcast_through_ring(const std::vector<int>& ranks) {
+void ServerStreams::broadcast_through_ring(const std::vector<int>& ranks, const Arena& global) {
   const size_t slots = shm_.slots;
   std::vector<WireSlotHeader> headers(slots);
   std::vector<int32_t> done(slots * ranks.size());
@@ -77,7 +75,7 @@ void ServerStreams::broadcast_through_ring(const std::vector<int>& ranks) {
     const size_t sl = i % slots, off = i * chunk_, len = length(i);
     auto& reqs = in_use[sl];
     settle(reqs);
-    const uint64_t sum = copy_with_checksum(shm_.slot(sl), model_.arena().data() + off, len, ChecksumSide::kSource);
+    const uint64_t sum = copy_with_checksum(shm_.slot(sl), global.data() + off, len, ChecksumSide::kSource);
     shm_.sync();
     WireSlotHeader& h = headers[sl];
     h = {layout_.hash(), off, len, sum, static_cast<int32_t>(sl), 0};
@@ -93,7 +91,7 @@ void ServerStreams::broadcast_through_ring(const std::vector<int>& ranks) {
 
 // Up to `depth` chunks in flight, each sent to every participating rank
 // at once; the next chunk's checksum is taken while they move.
-void ServerStreams::broadcast_point_to_point(const std::vector<int>& ranks) {
+void ServerStreams::broadcast_point_to_point(const std::vector<int>& ranks, const Arena& global) {
   std::vector<WireHeader> headers(depth_);
   std::vector<std::vector<MPI_Request>> in_flight(depth_);
   auto settle = [](std::vector<MPI_Request>& reqs) {
@@ -104,7 +102,7 @@ void ServerStreams::broadcast_point_to_point(const std::vector<int>& ranks) {
     auto& reqs = in_flight[i % depth_];
     settle(reqs);  // the slot's header and bytes are free again
     const size_t off = i * chunk_, len = length(i);
-    auto bytes = model_.arena().bytes(off, len);
+    auto bytes = global.bytes(off, len);
     WireHeader& h = headers[i % depth_];
     h = {layout_.hash(), off, len, chunk_checksum(bytes)};
     for (int r : ranks) {

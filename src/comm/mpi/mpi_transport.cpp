@@ -87,7 +87,8 @@ using mpi_detail::Clock;
 using mpi_detail::quiet_probe_first;
 using mpi_detail::since;
 
-Status MpiServerTransport::broadcast(int round, const std::vector<int>& selected, const Arena&, BroadcastResult* out) {
+Status MpiServerTransport::broadcast(int round, const std::vector<int>& selected, const Arena& global,
+                                     BroadcastResult* out) {
   const int k = cfg_.server.clients_per_rank;
   std::vector<int> ranks;
   for (int c : selected) {
@@ -99,7 +100,7 @@ Status MpiServerTransport::broadcast(int round, const std::vector<int>& selected
         round, 0, std::find(ranks.begin(), ranks.end(), r) != ranks.end(), 0, layout_.hash(), layout_.total_bytes()};
     MPI_Send(&b, sizeof b, MPI_BYTE, r, kTagModelBegin, MPI_COMM_WORLD);
   }
-  streams_.broadcast(ranks);
+  streams_.broadcast(ranks, global);
   for (int r : ranks) {
     int32_t ok = 0;
     quiet_recv(&ok, sizeof ok, r, kTagModelReceived);
@@ -111,7 +112,7 @@ Status MpiServerTransport::broadcast(int round, const std::vector<int>& selected
   return Status::Ok();
 }
 
-Status MpiServerTransport::collect(int round, const std::vector<int>& selected, const Arena&, Aggregator& agg,
+Status MpiServerTransport::collect(int round, const std::vector<int>& selected, const Arena&, UpdateOpener& agg,
                                    CollectResult* out) {
   const int k = cfg_.server.clients_per_rank;
   // Upload time runs from the first update's first message to the last

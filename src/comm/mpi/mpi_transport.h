@@ -34,16 +34,13 @@
 #include <string_view>
 #include <vector>
 
-#include "aggregate/aggregator.h"
 #include "comm/mpi/mpi_detail.h"
 #include "config/config.h"
-#include "server/transport.h"
+#include "comm/transport.h"
 #include "tensor/arena.h"
 #include "tensor/layout.h"
 
 namespace memfl {
-
-class LocalModel;
 
 // The tags of memfl's MPI messages (MPI_COMM_WORLD).
 enum MpiTag : int {
@@ -114,12 +111,11 @@ void close_shared_ring(SharedRing& ring);
 // and the check that failed).
 class ServerStreams {
  public:
-  // `model` is read at each broadcast: a file-backed global model is
-  // mapped afresh every round.
-  ServerStreams(const Layout& layout, LocalModel& model, size_t chunk, const SharedRing& shm);
+  ServerStreams(const Layout& layout, size_t chunk, const SharedRing& shm);
 
-  // Sends the global model to every rank in `ranks` at once.
-  void broadcast(const std::vector<int>& ranks);
+  // Sends `global` (the round's global model: a file-backed one is mapped
+  // afresh every round) to every rank in `ranks` at once.
+  void broadcast(const std::vector<int>& ranks, const Arena& global);
 
   // Receives rank `r`'s update (the whole model's bytes) into `update` and
   // commits it, in the order of the calls.
@@ -130,13 +126,12 @@ class ServerStreams {
 
  private:
   size_t length(size_t i) const;
-  void broadcast_through_ring(const std::vector<int>& ranks);
-  void broadcast_point_to_point(const std::vector<int>& ranks);
+  void broadcast_through_ring(const std::vector<int>& ranks, const Arena& global);
+  void broadcast_point_to_point(const std::vector<int>& ranks, const Arena& global);
   void receive_through_ring(int r, const std::string& peer, UpdateStream& update);
   void receive_point_to_point(int r, const std::string& peer, const std::shared_ptr<UpdateStream>& update);
 
   const Layout& layout_;
-  LocalModel& model_;
   const size_t chunk_, nchunks_, depth_;
   const SharedRing& shm_;
   mpi_detail::BufferRing ring_;       // point to point: received chunks waiting for the fold worker
@@ -182,7 +177,7 @@ class MpiServerTransport final : public ServerTransport {
   bool broadcast_done_before_collect() const override { return true; }
 
   Status broadcast(int round, const std::vector<int>& selected, const Arena&, BroadcastResult* out) override;
-  Status collect(int round, const std::vector<int>& selected, const Arena&, Aggregator& agg,
+  Status collect(int round, const std::vector<int>& selected, const Arena&, UpdateOpener& agg,
                  CollectResult* out) override;
   void finish(int) override;
 

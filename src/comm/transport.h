@@ -2,11 +2,13 @@
 // gRPC, MPI) — hand the global model's chunks to the round's clients, and
 // feed each client's update, chunk by chunk, into the aggregator as it
 // arrives. The round driver (server/round_driver.h) is written once against
-// this interface; a transport knows nothing of rounds beyond their number.
+// this interface; a transport knows nothing of rounds beyond their number,
+// nor of how updates combine (it sees an UpdateOpener). The transports live
+// beside it in comm/; the server core includes them, never the reverse.
 //
 //   BroadcastResult down;
 //   MEMFL_RETURN_IF_ERROR(transport.broadcast(round, selected, global_arena, &down));
-//   MEMFL_RETURN_IF_ERROR(aggregator.begin_round(round, fold_order));
+//   MEMFL_RETURN_IF_ERROR(aggregator.begin_round(round, fold_order));   // an UpdateOpener
 //   CollectResult up;
 //   MEMFL_RETURN_IF_ERROR(transport.collect(round, selected, aggregator, &up));
 #pragma once
@@ -14,7 +16,9 @@
 #include <string>
 #include <vector>
 
-#include "aggregate/aggregator.h"
+#include <memory>
+
+#include "comm/chunk.h"
 #include "common/status.h"
 #include "tensor/arena.h"
 
@@ -49,6 +53,14 @@ struct CollectResult {
   double download_seconds = 0;
 };
 
+// Where a transport takes each update it receives (the aggregator).
+class UpdateOpener {
+ public:
+  virtual ~UpdateOpener() = default;
+  // Opens the upload of `client_id`, whose metadata said `sample_count`.
+  virtual StatusOr<std::unique_ptr<UpdateStream>> open_update(const std::string& client_id, double sample_count) = 0;
+};
+
 class ServerTransport {
  public:
   virtual ~ServerTransport() = default;
@@ -61,9 +73,9 @@ class ServerTransport {
   // error return ends the run.
   virtual Status broadcast(int round, const std::vector<int>& selected, const Arena& global, BroadcastResult* out) = 0;
   // Receives the round's updates, in whatever order they come, each through
-  // aggregator.open_update(client_id(c), sample_count); returns when every
+  // updates.open_update(client_id(c), sample_count); returns when every
   // selected client has committed or failed (or the round's deadline passed).
-  virtual Status collect(int round, const std::vector<int>& selected, const Arena& global, Aggregator& aggregator,
+  virtual Status collect(int round, const std::vector<int>& selected, const Arena& global, UpdateOpener& updates,
                          CollectResult* out) = 0;
   // The run is over (clients are told; the transport may stop).
   virtual void finish(int last_round) = 0;
