@@ -103,3 +103,43 @@ TEST(Config, EveryKeyIsDescribed) {
 
 }  // namespace
 }  // namespace memfl
+
+namespace memfl {
+namespace {
+
+TEST(Config, NotANumberIsRefusedWhereverAFloatIs) {
+  // `.nan` is a YAML float; each of these once passed and silently broke a
+  // run (every weight NaN, DP off, one sample per client).
+  for (const char* key : {"dp_fedavg_noise_multiplier", "dp_fedavg_clip_norm"}) {
+    const std::string e = error_of(std::string("server_configs:\n  aggregator_kwargs:\n    ") + key + ": .nan\n");
+    EXPECT_HAS(e, std::string("server_configs.aggregator_kwargs.") + key);
+    EXPECT_HAS(e, "not a number");
+  }
+  EXPECT_HAS(error_of("client_configs:\n  data_configs:\n    dataset_kwargs:\n      val_ratio: .NaN\n"), "val_ratio");
+  EXPECT_HAS(error_of("", {"client_configs.train_configs.optim_args.lr=.nan"}), "optim_args.lr");
+  // Finite values inside the range still pass.
+  EXPECT_TRUE(load_config_text("server_configs:\n  aggregator_kwargs:\n    dp_fedavg_clip_norm: 0.5\n", "ok.yaml").ok());
+}
+
+TEST(Config, ARepeatedKeyIsRefusedNamingBothLines) {
+  const std::string e = error_of("server_configs:\n  num_clients: 3\n  num_global_epochs: 2\n  num_clients: 7\n");
+  EXPECT_HAS(e, "exp.yaml:4");
+  EXPECT_HAS(e, "'server_configs.num_clients' appears twice (first at line 2)");
+}
+
+TEST(Config, AComplexKeyIsAnErrorNotAnAbort) {
+  const std::string e = error_of("server_configs:\n  ? [a, b]\n  : 3\n");
+  EXPECT_HAS(e, "must be a plain name, not a list");
+  EXPECT_HAS(e, "server_configs");
+}
+
+TEST(Config, DummyDelaysMustBeSeconds) {
+  EXPECT_HAS(error_of("client_configs:\n  train_configs:\n    dummy_delay_s: \"1.5,x\"\n"), "dummy_delay_s");
+  EXPECT_HAS(error_of("client_configs:\n  train_configs:\n    dummy_delay_s: \"1,-2\"\n"), "dummy_delay_s");
+  auto ok = load_config_text("client_configs:\n  train_configs:\n    dummy_delay_s: \"1.5,0.25\"\n", "ok.yaml");
+  ASSERT_TRUE(ok.ok()) << ok.status().to_string();
+  EXPECT_EQ(*parse_delays(ok->train.dummy_delay_s), (std::vector<double>{1.5, 0.25}));
+}
+
+}  // namespace
+}  // namespace memfl

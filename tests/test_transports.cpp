@@ -208,6 +208,37 @@ TEST(KillAndResumeGrpc, ServerKilledDuringUploadResumesAndClientsReconnect) {
 }
 #endif
 
+TEST(RunDirectories, BenchTransferKeepNeverDeletesWhatTheDirectoryHeld) {
+  testing::TempDir tmp;
+  const std::string keep = tmp.file("keep");
+  fs::create_directories(keep);
+  std::ofstream(keep + "/precious.txt") << "results of another day\n";
+  Result r = memfl_cli("bench transfer --transport grpc --model-mb 1 --clients 1 --keep " + keep);
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("not empty"), std::string::npos) << r.output;
+  EXPECT_TRUE(fs::exists(keep + "/precious.txt"));
+}
+
+#ifdef MEMFL_TEST_GRPC
+TEST(RunDirectories, AServerOrLaunchOnAUsedRunDirectoryIsRefusedAndLosesNothing) {
+  testing::TempDir tmp;
+  const std::string cfg = write_config(tmp, "c", "", 1000);
+  Result first = memfl_cli("launch " + cfg + " -q --clients 4 --out " + tmp.file("run"));
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  const std::string model = tmp.file("run/server/global_model.safetensors");
+  fs::copy_file(model, tmp.file("before.safetensors"));
+  const auto metrics_before = read_csv(tmp.file("run/server/metrics.csv"));
+  Result again = memfl_cli("server " + cfg + " -q --out " + tmp.file("run/server"));
+  EXPECT_EQ(again.exit_code, 2) << again.output;
+  EXPECT_NE(again.output.find("--resume"), std::string::npos) << again.output;
+  Result relaunch = memfl_cli("launch " + cfg + " -q --clients 4 --out " + tmp.file("run"));
+  EXPECT_EQ(relaunch.exit_code, 2) << relaunch.output;
+  EXPECT_NE(relaunch.output.find("already holds a launched run"), std::string::npos) << relaunch.output;
+  EXPECT_TRUE(same_model(tmp.file("before.safetensors"), model)) << "the checkpoint is untouched";
+  EXPECT_EQ(read_csv(tmp.file("run/server/metrics.csv")), metrics_before);
+}
+#endif
+
 #ifdef MEMFL_TEST_MPI
 TEST(KillAndResumeMpi, JobKilledDuringAggregationResumes) {
   testing::TempDir tmp;

@@ -473,8 +473,18 @@ int main(int argc, char** argv) {
   if (app.got_subcommand("launch")) {
     std::string path = config_path;
     std::string dir = out_dir.empty() ? fmt::format("runs/launch-{}", getpid()) : out_dir;
+    // A second launch into one --out would find the first run's port file and
+    // state: refuse it rather than mix two runs.
+    if (std::filesystem::exists(dir + "/server/metrics.csv") || std::filesystem::exists(dir + "/server/state")) {
+      return fail(memfl::invalid_argument(
+          "run directory {} already holds a launched run; choose another --out (or resume its server with "
+          "`memfl server --resume {}/server`)",
+          dir, dir));
+    }
     if (path.empty()) {  // the clients and server read the embedded default from a file
-      std::filesystem::create_directories(dir);
+      std::error_code dir_ec;
+      std::filesystem::create_directories(dir, dir_ec);
+      if (dir_ec) return fail(memfl::invalid_argument("--out {}: cannot create it: {}", dir, dir_ec.message()));
       path = dir + "/config.yaml";
       memfl::Status w = memfl::write_text_file(path, memfl::kDefaultConfigYaml);
       if (!w.ok()) return fail(w);
@@ -495,7 +505,18 @@ int main(int argc, char** argv) {
     std::string dir = out_dir;
     if (dir.empty())
       dir = fmt::format("runs/{}-{}", is_server ? "server" : "client_" + std::to_string(client_id), getpid());
-    std::filesystem::create_directories(dir);
+    // A used run directory holds a run's committed state: starting afresh
+    // there would overwrite its checkpoint and metrics. --resume continues it.
+    if (is_server && resume_dir.empty() &&
+        (std::filesystem::exists(dir + "/metrics.csv") || std::filesystem::exists(dir + "/state"))) {
+      return fail(memfl::invalid_argument(
+          "run directory {} already holds a server run (metrics.csv, state/); continue it with --resume {}, or "
+          "choose another --out",
+          dir, dir));
+    }
+    std::error_code dir_ec;
+    std::filesystem::create_directories(dir, dir_ec);
+    if (dir_ec) return fail(memfl::invalid_argument("--out {}: cannot create it: {}", dir, dir_ec.message()));
     spdlog::set_pattern(
         fmt::format("[%H:%M:%S.%e] [{}] [%l] %v", is_server ? "server" : "client_" + std::to_string(client_id)));
     memfl::Status st = memfl::write_text_file(dir + "/config.yaml", cfg->resolved_yaml);

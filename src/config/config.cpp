@@ -7,6 +7,8 @@
 #include <yaml-cpp/yaml.h>
 
 #include <algorithm>
+#include <cmath>
+#include <map>
 #include <fstream>
 #include <functional>
 #include <limits>
@@ -730,9 +732,23 @@ Status check_unknown_keys(const YAML::Node& node, const std::string& prefix, con
     return invalid_argument("{}{}: '{}' must be a mapping of keys", source, line_of(node),
                             prefix.empty() ? "top level" : prefix);
   }
+  std::map<std::string, std::string> seen;  // key → where it first appeared
   for (const auto& kv : node) {
-    const std::string key = kv.first.as<std::string>();
+    // A complex key (`? [a, b]`) or an alias is not a name: say so instead of
+    // letting yaml-cpp throw past us.
+    if (!kv.first.IsScalar()) {
+      return invalid_argument("{}{}: a key{} must be a plain name, not {}", source, line_of(kv.first),
+                              prefix.empty() ? "" : " under '" + prefix + "'",
+                              kv.first.IsSequence() ? "a list" : kv.first.IsMap() ? "a mapping" : "empty");
+    }
+    const std::string key = kv.first.Scalar();
     const std::string path = prefix.empty() ? key : prefix + "." + key;
+    // yaml-cpp keeps both entries of a repeated key and reads the first:
+    // the second would be silently ignored.
+    if (auto [it, fresh] = seen.emplace(key, line_of(kv.first)); !fresh) {
+      return invalid_argument("{}{}: key '{}' appears twice (first at line{}); which one is meant?", source,
+                              line_of(kv.first), path, it->second.empty() ? " ?" : " " + it->second.substr(1));
+    }
     if (find_key(path) != nullptr) continue;
     if (is_section(path)) {
       if (kv.second.IsNull()) continue;  // an empty section is harmless
@@ -757,7 +773,7 @@ StatusOr<Value> convert(const KeySpec& k, const YAML::Node& n, const std::string
       } catch (const YAML::Exception&) {
         return bad_type(YAML::Dump(n));
       }
-      if (v.pair[i] < k.min || v.pair[i] >= k.max) {
+      if (!(v.pair[i] >= k.min && v.pair[i] < k.max)) {  // NaN fails too
         return invalid_argument("{}: key '{}' values must lie in [{}, {}), got {}", where, k.path, k.min, k.max,
                                 v.pair[i]);
       }
@@ -789,8 +805,11 @@ StatusOr<Value> convert(const KeySpec& k, const YAML::Node& n, const std::string
   } catch (const YAML::Exception&) {
     return bad_type(text);
   }
-  if ((k.type == Type::kInt || k.type == Type::kFloat) && (v.f < k.min || v.f > k.max)) {
-    return invalid_argument("{}: key '{}' must lie in [{}, {}], got {}", where, k.path, k.min, k.max, text);
+  // Written so that NaN fails: `.nan` is a float to YAML, and every
+  // comparison with it is false (it would turn DP off, or every weight NaN).
+  if ((k.type == Type::kInt || k.type == Type::kFloat) && !(v.f >= k.min && v.f <= k.max)) {
+    return invalid_argument("{}: key '{}' must lie in [{}, {}], got {}{}", where, k.path, k.min, k.max, text,
+                            std::isnan(v.f) ? " (not a number)" : "");
   }
   if (!k.choices.empty() && std::find(k.choices.begin(), k.choices.end(), v.s) == k.choices.end()) {
     return invalid_argument("{}: key '{}' must be one of [{}], got '{}'", where, k.path, fmt::join(k.choices, ", "),

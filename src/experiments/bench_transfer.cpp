@@ -44,8 +44,13 @@ StatusOr<std::string> run_bench_transfer(const TransferBenchOptions& o) {
   const int64_t chunk = static_cast<int64_t>(o.chunk_mb * (1 << 20));
   const std::string dir = o.run_dir.empty() ? fmt::format("/tmp/memfl_bench_transfer_{}", getpid()) : o.run_dir;
   std::error_code ec;
+  if (!o.run_dir.empty() && fs::exists(dir) && !fs::is_empty(dir, ec)) {
+    // --keep names where to keep this run, not what to delete.
+    return invalid_argument("--keep {}: the directory is not empty; name a new or empty one", dir);
+  }
   fs::remove_all(dir, ec);
-  fs::create_directories(dir);
+  fs::create_directories(dir, ec);
+  if (ec) return invalid_argument("--keep {}: cannot create it: {}", dir, ec.message());
   const std::string config = (fs::path(dir) / "bench.yaml").string();
   MEMFL_RETURN_IF_ERROR(write_text_file(config, fmt::format(R"(client_configs:
   train_configs:

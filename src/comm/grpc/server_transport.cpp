@@ -578,7 +578,12 @@ StatusOr<std::unique_ptr<GrpcServerTransport>> GrpcServerTransport::listen(const
   builder.RegisterService(&t->impl_->service);
   t->impl_->server = builder.BuildAndStart();
   if (!t->impl_->server || port == 0) {
-    return invalid_argument("server_configs.comm_configs.grpc_configs.server_uri: cannot listen on {}", sc.server_uri);
+    return invalid_argument(
+        "server_configs.comm_configs.grpc_configs.server_uri: cannot listen on {}{}", sc.server_uri,
+        sc.use_ssl ? fmt::format(" — or TLS could not start: is server_key ({}) a PEM private key that matches "
+                                 "server_cert ({})?",
+                                 sc.server_key, sc.server_cert)
+                   : "");
   }
   std::ofstream((fs::path(run_dir) / "port").string()) << port << "\n";
   spdlog::info("server: listening on {} (port {}){}", sc.server_uri, port, sc.use_ssl ? " with TLS" : "");
