@@ -118,7 +118,8 @@ TEST(Config, NotANumberIsRefusedWhereverAFloatIs) {
   EXPECT_HAS(error_of("client_configs:\n  data_configs:\n    dataset_kwargs:\n      val_ratio: .NaN\n"), "val_ratio");
   EXPECT_HAS(error_of("", {"client_configs.train_configs.optim_args.lr=.nan"}), "optim_args.lr");
   // Finite values inside the range still pass.
-  EXPECT_TRUE(load_config_text("server_configs:\n  aggregator_kwargs:\n    dp_fedavg_clip_norm: 0.5\n", "ok.yaml").ok());
+  EXPECT_TRUE(
+      load_config_text("server_configs:\n  aggregator_kwargs:\n    dp_fedavg_clip_norm: 0.5\n", "ok.yaml").ok());
 }
 
 TEST(Config, ARepeatedKeyIsRefusedNamingBothLines) {

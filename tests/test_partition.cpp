@@ -2,10 +2,15 @@
 
 #include <algorithm>
 #include <random>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
 #include <set>
 
 #include "data/dataset.h"
 #include "data/partition.h"
+#include "memory/sampler.h"
+#include "test_util.h"
 
 namespace memfl {
 namespace {
@@ -140,6 +145,40 @@ TEST(Dataset, ReadsTheDebianPackagesGzippedFiles) {
   EXPECT_EQ(d->train.height, 28);
   std::set<int> cls(d->train.labels.begin(), d->train.labels.end());
   EXPECT_EQ(cls.size(), 10u);
+}
+
+}  // namespace
+}  // namespace memfl
+
+namespace memfl {
+namespace {
+
+// A header that claims 16 GiB (1048576 × 128 × 128 bytes) over 38 bytes of
+// data: the reader must fail on what the file holds, without allocating
+// what the header claims.
+void write_lying_idx(const std::string& path) {
+  const unsigned char header[] = {0, 0, 0x08, 3, 0x00, 0x10, 0x00, 0x00, 0, 0, 0, 128, 0, 0, 0, 128};
+  std::ofstream out(path, std::ios::binary);
+  out.write(reinterpret_cast<const char*>(header), sizeof header);
+  for (int i = 0; i < 38; ++i) out.put(static_cast<char>(i));
+}
+
+TEST(IdxReader, AHeaderClaimingGigabytesCostsNoMemory) {
+  testing::TempDir tmp;
+  const std::string plain = tmp.file("lying-idx3-ubyte");
+  write_lying_idx(plain);
+  ASSERT_EQ(std::filesystem::file_size(plain), 54u);
+  ASSERT_EQ(std::system(("gzip -c " + plain + " > " + plain + ".gz").c_str()), 0);
+  const int64_t before = read_peak_rss_bytes();
+  for (const std::string& path : {plain, plain + ".gz"}) {
+    std::vector<int64_t> dims;
+    auto r = read_idx_file(path, 3, &dims);
+    ASSERT_FALSE(r.ok()) << path;
+    EXPECT_NE(r.status().message().find(path), std::string::npos) << r.status().message();
+    EXPECT_NE(r.status().message().find("17179869184"), std::string::npos) << r.status().message();
+  }
+  // The kernel's high-water mark: 16 GiB zeroed would show; 16 MiB may.
+  EXPECT_LT(read_peak_rss_bytes() - before, int64_t{64} << 20);
 }
 
 }  // namespace

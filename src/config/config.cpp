@@ -739,7 +739,9 @@ Status check_unknown_keys(const YAML::Node& node, const std::string& prefix, con
     if (!kv.first.IsScalar()) {
       return invalid_argument("{}{}: a key{} must be a plain name, not {}", source, line_of(kv.first),
                               prefix.empty() ? "" : " under '" + prefix + "'",
-                              kv.first.IsSequence() ? "a list" : kv.first.IsMap() ? "a mapping" : "empty");
+                              kv.first.IsSequence() ? "a list"
+                              : kv.first.IsMap()    ? "a mapping"
+                                                    : "empty");
     }
     const std::string key = kv.first.Scalar();
     const std::string path = prefix.empty() ? key : prefix + "." + key;
