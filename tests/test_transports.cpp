@@ -237,6 +237,42 @@ TEST(RunDirectories, AServerOrLaunchOnAUsedRunDirectoryIsRefusedAndLosesNothing)
   EXPECT_TRUE(same_model(tmp.file("before.safetensors"), model)) << "the checkpoint is untouched";
   EXPECT_EQ(read_csv(tmp.file("run/server/metrics.csv")), metrics_before);
 }
+
+TEST(GrpcRejoin, AClientThatDiedComesBackAndTakesPartAgain) {
+  testing::TempDir tmp;
+  std::string cfg = write_config(tmp, "c", "0.3", 1000);
+  {  // a fixed port: the restarted client must find the server again
+    std::ifstream in(cfg);
+    std::string text((std::istreambuf_iterator<char>(in)), {});
+    const int port = 20000 + static_cast<int>((getpid() + 7919) % 20000);
+    text.replace(text.find("127.0.0.1:0"), 11, "127.0.0.1:" + std::to_string(port));
+    text.replace(text.find("num_global_epochs: 3"), 20, "num_global_epochs: 4");
+    std::ofstream(cfg, std::ios::trunc) << text;
+  }
+  const std::string dir = tmp.file("run");
+  fs::create_directories(dir);
+  const std::string bin = MEMFL_BINARY;
+  std::string clients;
+  for (int c = 1; c < 4; ++c) {
+    clients += bin + " client " + cfg + " --client-id " + std::to_string(c) + " -q --out " + dir + "/client_" +
+               std::to_string(c) + " > /dev/null 2>&1 & ";
+  }
+  // Client 0 breaks off in its first upload (its process exits), then is
+  // started again, as a supervisor would.
+  clients += "( MEMFL_FAULT=disconnect_mid_upload MEMFL_FAULT_CLIENT=0 " + bin + " client " + cfg +
+             " --client-id 0 -q --out " + dir + "/client_0a > " + dir + "/client_0a.log 2>&1; " + bin + " client " +
+             cfg + " --client-id 0 -q --out " + dir + "/client_0b > " + dir + "/client_0b.log 2>&1 ) & ";
+  Result r = run_shell(clients + bin + " server " + cfg + " --out " + dir + "/server > " + dir +
+                       "/server.log 2>&1; rc=$?; wait; exit $rc");
+  std::ifstream log(dir + "/server.log");
+  const std::string text((std::istreambuf_iterator<char>(log)), {});
+  ASSERT_EQ(r.exit_code, 0) << text;
+  EXPECT_NE(text.find("client_0 rejoined"), std::string::npos) << text;
+  const auto rows = read_csv(dir + "/server/metrics.csv");
+  ASSERT_EQ(rows.size(), 5u) << text;
+  EXPECT_EQ(rows[1][1], "3") << "round 1: client 0 broke off";
+  EXPECT_EQ(rows[4][1], "4") << "round 4: client 0 is back";
+}
 #endif
 
 #ifdef MEMFL_TEST_MPI

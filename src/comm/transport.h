@@ -79,6 +79,9 @@ class ServerTransport {
                          CollectResult* out) = 0;
   // The run is over (clients are told; the transport may stop).
   virtual void finish(int last_round) = 0;
+  // Clients that were out and have come back since the last call (a client
+  // process restarted after it died): the driver selects them again.
+  virtual std::vector<int> take_rejoined() { return {}; }
 };
 
 // How every transport names client `c` to the aggregator (and in messages).

@@ -86,6 +86,7 @@ Status RoundDriver::commit(int round) {
 Status RoundDriver::play_round(int round, RoundMetrics* m, bool* redo) {
   *redo = false;
   const auto t_round = Clock::now();
+  for (int c : transport_.take_rejoined()) std::erase(dropped_, c);
   std::vector<int> selected;
   for (int c : scheduler_.select(round)) {
     if (std::find(dropped_.begin(), dropped_.end(), c) == dropped_.end()) selected.push_back(c);

@@ -17,6 +17,7 @@
 #include <mutex>
 #include <optional>
 #include <thread>
+#include <utility>
 
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/impl/codegen/method_handler.h>
@@ -73,6 +74,10 @@ class ServerAgent final : public ServerTransport {
   Status collect(int round, const std::vector<int>& selected, const Arena& global, UpdateOpener& aggregator,
                  CollectResult* out) override;
   void finish(int last_round) override;
+  std::vector<int> take_rejoined() override {
+    std::lock_guard lock(mu_);
+    return std::exchange(rejoined_, {});
+  }
 
  private:
   bool wait_for(std::unique_lock<std::mutex>& lock, Clock::time_point deadline, const std::function<bool()>& pred);
@@ -95,7 +100,8 @@ class ServerAgent final : public ServerTransport {
   Clock::time_point deadline_;
   UpdateOpener* aggregator_ = nullptr;  // the round's, during the upload phase
   std::vector<ClientSlot> slots_;
-  std::vector<int> order_;  // selected clients
+  std::vector<int> order_;     // selected clients
+  std::vector<int> rejoined_;  // clients back since the driver last asked
   std::atomic<int64_t> inflight_{0};
   // Transfer timing of the current round.
   std::optional<Clock::time_point> down_start_, up_start_;
@@ -306,9 +312,17 @@ grpc::Status ServerAgent::session(grpc::ServerContext* ctx, grpc::ServerReaderWr
   } else {
     std::lock_guard lock(mu_);
     auto& s = slots_[static_cast<size_t>(id)];
-    if (s.connected) {
-      refusal = fmt::format("client id {} from {} is already connected", id, peer_addr);
+    if (s.connected && s.ctx != nullptr) {
+      refusal = fmt::format("client id {} from {} is already connected (its session is open)", id, peer_addr);
     } else {
+      // A client whose earlier session ended (killed, restarted) may come
+      // back: it takes part again from the next round.
+      if (s.connected && s.failed) {
+        s.failed = false;
+        s.selected = false;
+        rejoined_.push_back(id);
+        spdlog::info("client_{} rejoined from {}; it takes part from the next round", id, peer_addr);
+      }
       s.connected = true;
       s.ctx = ctx;
       cv_.notify_all();
@@ -604,6 +618,8 @@ Status GrpcServerTransport::collect(int round, const std::vector<int>& selected,
                                     UpdateOpener& aggregator, CollectResult* out) {
   return impl_->agent.collect(round, selected, global, aggregator, out);
 }
+std::vector<int> GrpcServerTransport::take_rejoined() { return impl_->agent.take_rejoined(); }
+
 void GrpcServerTransport::finish(int last_round) {
   if (impl_->finished) return;
   impl_->finished = true;

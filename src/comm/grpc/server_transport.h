@@ -36,6 +36,7 @@ class GrpcServerTransport final : public ServerTransport {
                  CollectResult* out) override;
   // Tells clients the run is over and stops serving (once; also on destruction).
   void finish(int last_round) override;
+  std::vector<int> take_rejoined() override;
 
  private:
   GrpcServerTransport() = default;
