@@ -1,6 +1,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -495,6 +496,41 @@ TEST(ShardedSafetensors, LoadChecksTheModelBeforeCopying) {
   s = ckpt->load_into(lm, d);
   ASSERT_FALSE(s.ok());
   EXPECT_NE(s.message().find("'extra.bias' is missing"), std::string::npos) << s.message();
+}
+
+}  // namespace
+}  // namespace memfl
+
+namespace memfl {
+namespace {
+
+// A full disk under file-backed arenas: an 8 MiB tmpfs (the tests run as
+// root, as CI does), arenas of 64 MiB. Sparse files would map and then die
+// of SIGBUS at the first page the disk cannot hold; reserved blocks fail at
+// once with the file named.
+TEST(FileBackedArena, AFullDiskIsAnErrorNamingTheFileNotASigbus) {
+  testing::TempDir tmp;
+  const std::string small = tmp.file("small");
+  std::filesystem::create_directories(small);
+  ASSERT_EQ(std::system(("mount -t tmpfs -o size=8m tmpfs " + small).c_str()), 0)
+      << "this test mounts an 8 MiB tmpfs: it needs root, as CI has";
+  struct Unmount {
+    std::string dir;
+    ~Unmount() { (void)std::system(("umount " + dir).c_str()); }
+  } unmount{small};
+  auto scratch = Arena::scratch_file(small, 64 << 20, MemoryCategory::kModel);
+  ASSERT_FALSE(scratch.ok());
+  EXPECT_NE(scratch.status().message().find(small), std::string::npos) << scratch.status().message();
+  EXPECT_NE(scratch.status().message().find("cannot reserve"), std::string::npos) << scratch.status().message();
+  const std::string file = small + "/model.bin";
+  auto mapped = Arena::map_file(file, 0, 64 << 20, /*writable=*/true, MemoryCategory::kModel);
+  ASSERT_FALSE(mapped.ok());
+  EXPECT_NE(mapped.status().message().find(file), std::string::npos) << mapped.status().message();
+  // What fits is reserved whole and can be written to its last byte.
+  auto fits = Arena::scratch_file(small, 4 << 20, MemoryCategory::kModel);
+  ASSERT_TRUE(fits.ok()) << fits.status().to_string();
+  std::memset(fits->data(), 0x5a, fits->size());
+  EXPECT_EQ(fits->data()[fits->size() - 1], std::byte{0x5a});
 }
 
 }  // namespace

@@ -61,6 +61,15 @@ StatusOr<Arena> Arena::scratch_file(const std::string& dir, size_t size, MemoryC
     ::close(fd);
     return resource_exhausted("{}: cannot size to {} bytes: {}", shown, size, std::strerror(err));
   }
+  // Reserve the blocks now: a sparse file on a full disk maps fine and then
+  // kills the process with SIGBUS at the first page it cannot back.
+  if (size > 0) {
+    if (const int err = ::posix_fallocate(fd, 0, static_cast<off_t>(size)); err != 0) {
+      ::close(fd);
+      return resource_exhausted("{}: cannot reserve {} bytes on disk: {} (memory_configs.scratch_dir)", shown, size,
+                                std::strerror(err));
+    }
+  }
   Arena a;
   a.category_ = category;
   a.size_ = size;
@@ -104,6 +113,14 @@ StatusOr<Arena> Arena::map_file(const std::string& path, size_t offset, size_t s
       const int err = errno;
       ::close(fd);
       return resource_exhausted("{}: cannot grow to {} bytes: {}", path, need, std::strerror(err));
+    }
+  }
+  // A writable mapping's blocks are reserved now (see scratch_file): ENOSPC
+  // here is an error naming the file, not a SIGBUS later.
+  if (writable && size > 0) {
+    if (const int err = ::posix_fallocate(fd, static_cast<off_t>(offset), static_cast<off_t>(size)); err != 0) {
+      ::close(fd);
+      return resource_exhausted("{}: cannot reserve {} bytes on disk: {}", path, size, std::strerror(err));
     }
   }
   Arena a;
