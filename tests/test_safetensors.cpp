@@ -9,6 +9,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "memory/sampler.h"
 #include "tensor/safetensors.h"
 #include "tensor/sharded_safetensors.h"
 #include "test_util.h"
@@ -118,6 +119,28 @@ TEST(Safetensors, RejectsLyingHeaders) {
   auto f = SafetensorsFile::open(tmp.file("len.safetensors"));
   ASSERT_FALSE(f.ok());
   EXPECT_NE(f.status().message().find("runs past the end"), std::string::npos) << f.status().message();
+}
+
+TEST(Safetensors, ADeeplyNestedHeaderIsRefusedBeforeParsing) {
+  TempDir tmp;
+  const std::string data(16, '\1');
+  // 8 MiB of '[': before, the parser kept a frame per level (gigabytes for
+  // the 98 MB file of the report) before failing.
+  write_all(tmp.file("deep.safetensors"), with_header(std::string(8 << 20, '['), data));
+  const int64_t before = read_peak_rss_bytes();
+  auto f = SafetensorsFile::open(tmp.file("deep.safetensors"));
+  ASSERT_FALSE(f.ok());
+  EXPECT_NE(f.status().message().find("nests more than 16 levels"), std::string::npos) << f.status().message();
+  EXPECT_NE(f.status().message().find("deep.safetensors"), std::string::npos);
+  EXPECT_LT(read_peak_rss_bytes() - before, int64_t{32} << 20) << "the file is mapped, nothing is parsed";
+  // Brackets inside strings are text, not nesting: a valid file whose tensor
+  // name is full of them still opens.
+  const std::string name = std::string(40, '[') + "w" + std::string(40, '{');
+  write_all(tmp.file("names.safetensors"),
+            with_header("{\"" + name + "\":{\"dtype\":\"F32\",\"shape\":[4],\"data_offsets\":[0,16]}}", data));
+  auto ok = SafetensorsFile::open(tmp.file("names.safetensors"));
+  ASSERT_TRUE(ok.ok()) << ok.status().to_string();
+  EXPECT_NE((*ok)->find(name), nullptr);
 }
 
 TEST(Safetensors, LoadIntoChecksNamesShapesAndDtypes) {

@@ -17,6 +17,11 @@
 namespace memfl {
 
 namespace {
+// Deeper than any safetensors header (3: the header, a tensor, its shape).
+constexpr int kMaxHeaderDepth = 16;
+}  // namespace
+
+namespace {
 // The reference implementation refuses headers above 100 MB; so do we, so a
 // lying length cannot make us allocate gigabytes for JSON.
 constexpr uint64_t kMaxHeaderBytes = 100'000'000;
@@ -68,6 +73,30 @@ StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::open(const std::stri
   }
   const size_t data_start = 8 + header_len;
   const size_t data_size = file_size - data_start;
+  // A safetensors header is two levels deep (tensors → their fields, and
+  // __metadata__). A peer's file of nested brackets would make the parser
+  // keep a frame per level — gigabytes for a large header — before failing:
+  // count the nesting first (outside strings) and refuse deep headers.
+  {
+    int depth = 0;
+    bool in_string = false;
+    for (size_t i = 8; i < data_start; ++i) {
+      const char c = static_cast<char>(base[i]);
+      if (in_string) {
+        if (c == '\\')
+          ++i;
+        else if (c == '"')
+          in_string = false;
+      } else if (c == '"') {
+        in_string = true;
+      } else if ((c == '{' || c == '[') && ++depth > kMaxHeaderDepth) {
+        return data_loss("{}: header nests more than {} levels deep (at byte {}); not a safetensors header", path,
+                         kMaxHeaderDepth, i - 8);
+      } else if (c == '}' || c == ']') {
+        --depth;
+      }
+    }
+  }
   nlohmann::json header;
   try {
     header = nlohmann::json::parse(reinterpret_cast<const char*>(base + 8),
