@@ -71,6 +71,22 @@ std::vector<double> expected_model() {
   return g;
 }
 
+// `cfg` with a fixed loopback port (from the pid, `salt` apart for tests
+// that run together) and, when given, another round count: processes that
+// restart must find the server where it was.
+std::string with_fixed_port(const std::string& cfg, const std::string& out, int salt, int rounds = 0) {
+  std::ifstream in(cfg);
+  std::string text((std::istreambuf_iterator<char>(in)), {});
+  const int port = 20000 + static_cast<int>((getpid() + salt) % 20000);
+  text.replace(text.find("127.0.0.1:0"), 11, "127.0.0.1:" + std::to_string(port));
+  if (rounds > 0) {
+    const std::string key = "num_global_epochs: " + std::to_string(kRounds);
+    text.replace(text.find(key), key.size(), "num_global_epochs: " + std::to_string(rounds));
+  }
+  std::ofstream(out) << text;
+  return out;
+}
+
 ::testing::AssertionResult equals_expected(const std::string& path) {
   auto f = SafetensorsFile::open(path);
   if (!f.ok()) return ::testing::AssertionFailure() << f.status().to_string();
@@ -182,14 +198,7 @@ TEST(KillAndResumeGrpc, ServerKilledDuringUploadResumesAndClientsReconnect) {
   // started again with --resume; the clients find it on the same port.
   const std::string dir = tmp.file("killed");
   fs::create_directories(dir);
-  const std::string port_cfg = dir + "/port.yaml";
-  {
-    std::ifstream in(cfg);
-    std::string text((std::istreambuf_iterator<char>(in)), {});
-    const int port = 20000 + static_cast<int>(getpid() % 20000);
-    text.replace(text.find("127.0.0.1:0"), 11, "127.0.0.1:" + std::to_string(port));
-    std::ofstream(port_cfg) << text;
-  }
+  const std::string port_cfg = with_fixed_port(cfg, dir + "/port.yaml", 0);
   std::string clients;
   for (int c = 0; c < 4; ++c) {
     clients += std::string(MEMFL_BINARY) + " client " + port_cfg + " --client-id " + std::to_string(c) + " -q --out " +
@@ -240,15 +249,8 @@ TEST(RunDirectories, AServerOrLaunchOnAUsedRunDirectoryIsRefusedAndLosesNothing)
 
 TEST(GrpcRejoin, AClientThatDiedComesBackAndTakesPartAgain) {
   testing::TempDir tmp;
-  std::string cfg = write_config(tmp, "c", "0.3", 1000);
-  {  // a fixed port: the restarted client must find the server again
-    std::ifstream in(cfg);
-    std::string text((std::istreambuf_iterator<char>(in)), {});
-    const int port = 20000 + static_cast<int>((getpid() + 7919) % 20000);
-    text.replace(text.find("127.0.0.1:0"), 11, "127.0.0.1:" + std::to_string(port));
-    text.replace(text.find("num_global_epochs: 3"), 20, "num_global_epochs: 4");
-    std::ofstream(cfg, std::ios::trunc) << text;
-  }
+  // A fixed port (the restarted client must find the server again), 4 rounds.
+  const std::string cfg = with_fixed_port(write_config(tmp, "c", "0.3", 1000), tmp.file("port.yaml"), 7919, 4);
   const std::string dir = tmp.file("run");
   fs::create_directories(dir);
   const std::string bin = MEMFL_BINARY;
