@@ -4,6 +4,8 @@
 // in the way.
 #include "experiments/bench_transfer.h"
 
+#include "io/process.h"
+
 #include <filesystem>
 #include <fstream>
 #include <cstdlib>
@@ -87,7 +89,7 @@ server_configs:
     // mpirun as root and with more ranks than cores needs saying so. Ranks
     // are not bound to cores: with as many ranks as cores OpenMPI binds each
     // to one, and the server's fold worker would share its MPI thread's core.
-    const std::string exe = fs::read_symlink("/proc/self/exe").string();
+    const std::string exe = self_executable();
     const std::string cmd = fmt::format(
         "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 mpirun -np {} --oversubscribe --bind-to none {} mpi "
         "{} -q --out {} "

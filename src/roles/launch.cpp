@@ -2,7 +2,6 @@
 // APPFL's run_*_experiment.sh scripts start them, gathered into one run dir.
 #include <fcntl.h>
 #include <signal.h>
-#include <spawn.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -16,9 +15,8 @@
 #include <spdlog/spdlog.h>
 
 #include "roles/grpc_roles.h"
+#include "io/process.h"
 #include "io/run_dir.h"
-
-extern char** environ;
 
 namespace memfl {
 
@@ -26,28 +24,7 @@ namespace fs = std::filesystem;
 
 namespace {
 
-StatusOr<pid_t> spawn(const std::vector<std::string>& argv, const std::string& log_path) {
-  posix_spawn_file_actions_t fa;
-  posix_spawn_file_actions_init(&fa);
-  posix_spawn_file_actions_addopen(&fa, 1, log_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  posix_spawn_file_actions_adddup2(&fa, 1, 2);
-  std::vector<char*> cargv;
-  for (const auto& a : argv) cargv.push_back(const_cast<char*>(a.c_str()));
-  cargv.push_back(nullptr);
-  pid_t pid = 0;
-  int rc = posix_spawn(&pid, cargv[0], &fa, nullptr, cargv.data(), environ);
-  posix_spawn_file_actions_destroy(&fa);
-  if (rc != 0) return internal_error("cannot start {}: {}", argv[0], std::strerror(rc));
-  return pid;
-}
-
 int exit_code(int status) { return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status); }
-
-std::string tail_of(const std::string& path) {
-  std::ifstream in(path);
-  std::string all((std::istreambuf_iterator<char>(in)), {});
-  return all.size() > 2000 ? all.substr(all.size() - 2000) : all;
-}
 
 nlohmann::json read_json(const fs::path& p) {
   std::ifstream in(p);
@@ -67,7 +44,7 @@ Status run_launch(const std::string& config_path, const std::vector<std::string>
   std::error_code ec;
   fs::create_directories(run_dir, ec);
   if (ec) return invalid_argument("cannot create run directory {}: {}", run_dir, ec.message());
-  const std::string exe = fs::read_symlink("/proc/self/exe").string();
+  const std::string exe = self_executable();
   std::vector<std::string> common = {config_path};
   bool uri_set = false;
   for (const auto& s : sets) {
@@ -89,7 +66,8 @@ Status run_launch(const std::string& config_path, const std::vector<std::string>
   }
   const fs::path server_dir = fs::path(run_dir) / "server";
   server_argv.insert(server_argv.end(), {"--out", server_dir.string()});
-  MEMFL_ASSIGN_OR_RETURN(pid_t server, spawn(server_argv, (fs::path(run_dir) / "server.log").string()));
+  MEMFL_ASSIGN_OR_RETURN(pid_t server,
+                         spawn_process(server_argv, {.log_path = (fs::path(run_dir) / "server.log").string()}));
 
   // The server writes the port it bound once it listens.
   std::string port;
@@ -101,7 +79,7 @@ Status run_launch(const std::string& config_path, const std::vector<std::string>
     if (port.empty() && waitpid(server, &status, WNOHANG) == server) {
       return internal_error("the server exited with code {} before listening; its log ({}):\n{}", exit_code(status),
                             (fs::path(run_dir) / "server.log").string(),
-                            tail_of((fs::path(run_dir) / "server.log").string()));
+                            tail_of_file((fs::path(run_dir) / "server.log").string()));
     }
     if (std::chrono::steady_clock::now() > deadline) {
       kill(server, SIGTERM);
@@ -118,7 +96,7 @@ Status run_launch(const std::string& config_path, const std::vector<std::string>
     }
     argv.insert(argv.end(), {"--client-id", std::to_string(i), "--out",
                              (fs::path(run_dir) / fmt::format("client_{}", i)).string()});
-    auto pid = spawn(argv, (fs::path(run_dir) / fmt::format("client_{}.log", i)).string());
+    auto pid = spawn_process(argv, {.log_path = (fs::path(run_dir) / fmt::format("client_{}.log", i)).string()});
     if (!pid.ok()) {
       kill(server, SIGTERM);
       for (pid_t c : clients) kill(c, SIGTERM);
@@ -140,7 +118,7 @@ Status run_launch(const std::string& config_path, const std::vector<std::string>
     if (!s.is_null()) summary["roles"][name]["peak_rss_bytes"] = s["peak_rss_bytes"];
     if (code != 0) {
       failures += fmt::format("\n{} exited with code {}: {}", name, code,
-                              tail_of((fs::path(run_dir) / (name + ".log")).string()));
+                              tail_of_file((fs::path(run_dir) / (name + ".log")).string()));
     }
   }
   int status = 0;
@@ -156,7 +134,7 @@ Status run_launch(const std::string& config_path, const std::vector<std::string>
   MEMFL_RETURN_IF_ERROR(write_text_file((fs::path(run_dir) / "summary.json").string(), summary.dump(2) + "\n"));
   if (server_code != 0) {
     return internal_error("the server exited with code {}: {}{}", server_code,
-                          tail_of((fs::path(run_dir) / "server.log").string()), failures);
+                          tail_of_file((fs::path(run_dir) / "server.log").string()), failures);
   }
   if (!failures.empty()) return internal_error("some clients failed (the server finished):{}", failures);
   return Status::Ok();

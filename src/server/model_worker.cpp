@@ -2,7 +2,6 @@
 
 #include <fcntl.h>
 #include <signal.h>
-#include <spawn.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -17,10 +16,9 @@
 
 #include "client/client_work.h"
 #include "comm/chunk.h"
+#include "io/process.h"
 #include "memory/sampler.h"
 #include "tensor/safetensors.h"
-
-extern char** environ;
 
 namespace memfl {
 
@@ -72,37 +70,6 @@ StatusOr<bool> read_all(int fd, void* data, size_t n, const char* what) {
   return true;
 }
 
-std::string self_exe() {
-  std::error_code ec;
-  auto p = std::filesystem::read_symlink("/proc/self/exe", ec);
-  return ec ? std::string("memfl") : p.string();
-}
-
-StatusOr<pid_t> spawn_worker(const std::vector<std::string>& args, int stdin_fd, int stdout_fd,
-                             const std::string& log_path) {
-  posix_spawn_file_actions_t fa;
-  posix_spawn_file_actions_init(&fa);
-  if (stdin_fd >= 0) posix_spawn_file_actions_adddup2(&fa, stdin_fd, 0);
-  if (stdout_fd >= 0) posix_spawn_file_actions_adddup2(&fa, stdout_fd, 1);
-  posix_spawn_file_actions_addopen(&fa, 2, log_path.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
-  std::vector<char*> argv;
-  const std::string exe = self_exe();
-  argv.push_back(const_cast<char*>(exe.c_str()));
-  for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
-  argv.push_back(nullptr);
-  pid_t pid = -1;
-  const int rc = posix_spawn(&pid, exe.c_str(), &fa, nullptr, argv.data(), environ);
-  posix_spawn_file_actions_destroy(&fa);
-  if (rc != 0) return internal_error("cannot start the model worker {}: {}", exe, std::strerror(rc));
-  return pid;
-}
-
-std::string tail_of(const std::string& path) {
-  std::ifstream in(path);
-  std::string all((std::istreambuf_iterator<char>(in)), {});
-  return all.size() > 1500 ? all.substr(all.size() - 1500) : all;
-}
-
 // A chunk sink that writes to the pipe: header, then the bytes straight
 // from the arena (the kernel's pipe buffer is the only copy).
 class PipeSink final : public ChunkSink {
@@ -123,13 +90,14 @@ class PipeSink final : public ChunkSink {
 
 Status write_initial_model(const std::string& config_path, const std::string& out_path, const std::string& log_path) {
   MEMFL_ASSIGN_OR_RETURN(pid_t pid,
-                         spawn_worker({"model-worker", config_path, "--write-initial", out_path}, -1, -1, log_path));
+                         spawn_process({self_executable(), "model-worker", config_path, "--write-initial", out_path},
+                                       {.log_path = log_path, .append = true}));
   int status = 0;
   while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
   }
   if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
     return internal_error("the model worker could not write the initial model ({}); its log {}:\n{}", out_path,
-                          log_path, tail_of(log_path));
+                          log_path, tail_of_file(log_path, 1500));
   }
   return Status::Ok();
 }
@@ -142,7 +110,8 @@ StatusOr<std::unique_ptr<ModelWorker>> ModelWorker::start(const std::string& con
   }
   std::unique_ptr<ModelWorker> w(new ModelWorker(layout, chunk));
   w->log_path_ = log_path;
-  auto pid = spawn_worker({"model-worker", config_path}, down[0], up[1], log_path);
+  auto pid = spawn_process({self_executable(), "model-worker", config_path},
+                           {.log_path = log_path, .append = true, .stdin_fd = down[0], .stdout_fd = up[1]});
   ::close(down[0]);
   ::close(up[1]);
   w->to_worker_ = down[1];
@@ -166,7 +135,7 @@ ModelWorker::~ModelWorker() {
 
 StatusOr<EvalResult> ModelWorker::evaluate(int round, const Arena& global) {
   auto failed = [&](const Status& s) {
-    return Status(s.code(), fmt::format("{} (its log {}:\n{})", s.message(), log_path_, tail_of(log_path_)));
+    return Status(s.code(), fmt::format("{} (its log {}:\n{})", s.message(), log_path_, tail_of_file(log_path_, 1500)));
   };
   EvalBegin b;
   b.round = round;
