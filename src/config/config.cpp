@@ -704,9 +704,14 @@ size_t edit_distance(std::string_view a, std::string_view b) {
 }
 
 std::string suggestion(std::string_view path) {
+  // Only a key within `limit` edits is suggested, and a key whose length
+  // differs by more cannot be: skip it before the O(m·n) distance, so a
+  // hostile key name of megabytes is not compared with every key (seconds).
+  const size_t limit = std::max<size_t>(3, path.size() / 5);
   std::string best;
   size_t best_d = std::numeric_limits<size_t>::max();
   for (const auto& k : schema()) {
+    if (std::max(path.size(), k.path.size()) - std::min(path.size(), k.path.size()) > limit) continue;
     size_t d = edit_distance(path, k.path);
     if (d < best_d) {
       best_d = d;
@@ -718,7 +723,7 @@ std::string suggestion(std::string_view path) {
   for (const auto& k : schema()) {
     if (k.path.substr(k.path.rfind('.') + 1) == leaf) return fmt::format(" (did you mean '{}'?)", k.path);
   }
-  if (best_d <= std::max<size_t>(3, path.size() / 5)) return fmt::format(" (did you mean '{}'?)", best);
+  if (best_d <= limit) return fmt::format(" (did you mean '{}'?)", best);
   return "";
 }
 
