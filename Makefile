@@ -69,19 +69,27 @@ profile-demo: build
 	@cat $(PROFILE_DEMO)/compare/comparison.txt
 	@echo "open $(PROFILE_DEMO)/compare/index.html"
 
-# Fuzz the wire decoder for FUZZ_SECONDS (clang + libFuzzer, ASan+UBSan).
-# Crashing inputs land in fuzz/corpus (commit them: the tests replay it).
+# Fuzz the wire decoder, the config loader and the safetensors reader for
+# FUZZ_SECONDS each (clang + libFuzzer, ASan+UBSan), each on its own corpus:
+# fuzz/corpus, fuzz/corpus_config, fuzz/corpus_safetensors. Crashing inputs
+# land in that corpus as crash-* (rename them bad_*, fix, commit: the tests
+# replay all three). What the fuzzers add lies in build-fuzz/corpus*.
 FUZZ_SECONDS ?= 60
+FUZZERS = chunk_decoder_fuzzer:corpus config_loader_fuzzer:corpus_config safetensors_header_fuzzer:corpus_safetensors
 fuzz: deps
 	CC=clang CXX=clang++ cmake -S . -B build-fuzz -G Ninja -DCMAKE_BUILD_TYPE=Debug -DMEMFL_SANITIZE=ON \
 	  -DMEMFL_FUZZ=ON -DMEMFL_WITH_TORCH=OFF -DMEMFL_WITH_TESTS=OFF -DMEMFL_WITH_BENCH=OFF
-	cmake --build build-fuzz -j $(JOBS) --target chunk_decoder_fuzzer
-	mkdir -p build-fuzz/corpus
-	./build-fuzz/chunk_decoder_fuzzer -max_total_time=$(FUZZ_SECONDS) -artifact_prefix=fuzz/corpus/crash- \
-	  build-fuzz/corpus fuzz/corpus
+	cmake --build build-fuzz -j $(JOBS) --target $(foreach f,$(FUZZERS),$(word 1,$(subst :, ,$(f))))
+	set -e; for f in $(FUZZERS); do \
+	  name=$${f%%:*}; corpus=$${f#*:}; \
+	  mkdir -p build-fuzz/$$corpus; \
+	  echo "== $$name ($(FUZZ_SECONDS) s, fuzz/$$corpus)"; \
+	  ./build-fuzz/$$name -max_total_time=$(FUZZ_SECONDS) -artifact_prefix=fuzz/$$corpus/crash- \
+	    build-fuzz/$$corpus fuzz/$$corpus; \
+	done
 
 format:
-	clang-format -i $$(git ls-files 'src/*.cpp' 'src/*.h' 'tests/*.cpp' 'tests/*.h' 'bench/*.cpp' 'fuzz/*.cpp')
+	clang-format -i $$(git ls-files 'src/*.cpp' 'src/*.h' 'tests/*.cpp' 'tests/*.h' 'bench/*.cpp' 'fuzz/*.cpp' 'fuzz/*.h')
 
 clean:
 	rm -rf $(BUILD) $(ASAN_BUILD)
