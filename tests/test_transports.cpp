@@ -46,7 +46,8 @@ std::string write_config(const testing::TempDir& tmp, const std::string& name, c
 // FedAvg of DummyTrainer updates, computed here in double from the formula
 // of the config key: client c in round r sends g + s·(c+1)·(1 + (i + r) mod 5)
 // with weight 5·(c+1).
-std::vector<double> expected_model() {
+// `in[r - 1]` lists the clients whose update counted in round r.
+std::vector<double> expected_model(const std::vector<std::vector<int>>& in) {
   Layout layout = synthetic_layout(kParams, DType::kF32).value();
   Arena init(layout.total_bytes(), MemoryCategory::kModel);
   fill_synthetic(layout, init, 42);  // server_configs.seed's default: the initial model is the input
@@ -54,12 +55,12 @@ std::vector<double> expected_model() {
   for (const auto& e : layout.entries()) {
     for (size_t i = 0; i < e.numel(); ++i) g.push_back(testing::element_as_double(init, e, i));
   }
-  for (int r = 1; r <= kRounds; ++r) {
+  for (int r = 1; r <= static_cast<int>(in.size()); ++r) {
     size_t k = 0;
     for (const auto& e : layout.entries()) {
       for (size_t i = 0; i < e.numel(); ++i, ++k) {
         double sum = 0, w = 0;
-        for (int c = 0; c < kClients; ++c) {
+        for (int c : in[static_cast<size_t>(r - 1)]) {
           const double wc = 5.0 * (c + 1);
           sum += wc * (g[k] + kScale * (c + 1) * (1 + (i + static_cast<size_t>(r)) % 5));
           w += wc;
@@ -87,10 +88,13 @@ std::string with_fixed_port(const std::string& cfg, const std::string& out, int 
   return out;
 }
 
-::testing::AssertionResult equals_expected(const std::string& path) {
+std::vector<double> expected_model() {
+  return expected_model(std::vector<std::vector<int>>(kRounds, std::vector<int>{0, 1, 2, 3}));
+}
+
+::testing::AssertionResult equals_expected(const std::string& path, const std::vector<double>& want) {
   auto f = SafetensorsFile::open(path);
   if (!f.ok()) return ::testing::AssertionFailure() << f.status().to_string();
-  const auto want = expected_model();
   size_t k = 0;
   for (const auto& t : (*f)->tensors()) {
     const size_t n = t.data.size() / 4;
@@ -105,6 +109,8 @@ std::string with_fixed_port(const std::string& cfg, const std::string& out, int 
   if (k != want.size()) return ::testing::AssertionFailure() << k << " elements, expected " << want.size();
   return ::testing::AssertionSuccess();
 }
+
+::testing::AssertionResult equals_expected(const std::string& path) { return equals_expected(path, expected_model()); }
 
 TEST(ServerCore, DummyUpdatesAreWhatTheOracleAssumes) {
   // The oracle's premise: different weights would move the model elsewhere.
@@ -217,6 +223,69 @@ TEST(KillAndResumeGrpc, ServerKilledDuringUploadResumesAndClientsReconnect) {
 }
 #endif
 
+#ifdef MEMFL_TEST_GRPC
+// A client stopped (SIGSTOP) in the broadcast or in the middle of its upload
+// is dropped at that phase's deadline; the others' rounds go on (the
+// broadcast's stall does not use up the upload's time). Once it is let go
+// (SIGCONT) it finds its session cancelled, registers again and takes part
+// in a later round. The model is the FedAvg, computed here, of the clients
+// that finished each round (metrics.csv says how many did).
+struct StallCase {
+  const char* fault;
+  int client;
+};
+class Stragglers : public ::testing::TestWithParam<StallCase> {};
+
+TEST_P(Stragglers, AStoppedGrpcClientIsDroppedTheOthersFinishAndItRejoinsLater) {
+  constexpr int kStallRounds = 8;
+  testing::TempDir tmp;
+  const StallCase sc = GetParam();
+  // A fixed port: the client that was let go must find the server again.
+  const std::string cfg = with_fixed_port(write_config(tmp, "c", "0.05", 1000), tmp.file("port.yaml"),
+                                          6000 + 3000 * sc.client, kStallRounds);
+  const std::string dir = tmp.file("run");
+  fs::create_directories(dir);
+  const std::string bin = MEMFL_BINARY;
+  std::string clients;
+  for (int c = 0; c < kClients; ++c) {
+    const std::string env =
+        c == sc.client ? std::string("MEMFL_FAULT=") + sc.fault + " MEMFL_FAULT_CLIENT=" + std::to_string(c) + " " : "";
+    clients += env + bin + " client " + cfg + " --client-id " + std::to_string(c) + " -q --out " + dir + "/client_" +
+               std::to_string(c) + " > " + dir + "/client_" + std::to_string(c) + ".log 2>&1 & echo $! > " + dir +
+               "/pid_" + std::to_string(c) + "; ";
+  }
+  // Let the stopped client go once round 3 is committed.
+  const std::string metrics = dir + "/server/metrics.csv";
+  const std::string let_go = "( for i in $(seq 600); do [ \"$(grep -c '^3,' " + metrics +
+                             " 2>/dev/null)\" = 1 ] && break; sleep 0.1; done; kill -CONT $(cat " + dir + "/pid_" +
+                             std::to_string(sc.client) + ") ) & ";
+  Result r = run_shell(clients + let_go + bin + " server " + cfg +
+                       " --set server_configs.broadcast_timeout_s=2 --set server_configs.upload_timeout_s=4 --out " +
+                       dir + "/server > " + dir + "/server.log 2>&1; rc=$?; sleep 1; kill -9 $(cat " + dir +
+                       "/pid_*) 2>/dev/null; wait; exit $rc");
+  std::ifstream log(dir + "/server.log");
+  const std::string text((std::istreambuf_iterator<char>(log)), {});
+  ASSERT_EQ(r.exit_code, 0) << text;
+  const auto rows = read_csv(metrics);
+  ASSERT_EQ(rows.size(), static_cast<size_t>(kStallRounds + 1)) << text;
+  EXPECT_EQ(rows[1][1], "3") << "round 1 ends without the stopped client\n" << text;
+  EXPECT_EQ(rows[kStallRounds][1], "4") << "it is back by the last round\n" << text;
+  EXPECT_NE(text.find("client_" + std::to_string(sc.client) + " rejoined"), std::string::npos) << text;
+  std::vector<std::vector<int>> in;
+  for (size_t i = 1; i < rows.size(); ++i) {
+    in.emplace_back();
+    for (int c = 0; c < kClients; ++c) {
+      if (rows[i][1] == "4" || c != sc.client) in.back().push_back(c);
+    }
+  }
+  EXPECT_TRUE(equals_expected(dir + "/server/global_model.safetensors", expected_model(in)));
+}
+
+INSTANTIATE_TEST_SUITE_P(Faults, Stragglers,
+                         ::testing::Values(StallCase{"stop_in_broadcast", 1}, StallCase{"stop_mid_upload", 0}),
+                         [](const auto& p) { return std::string(p.param.fault); });
+#endif
+
 TEST(RunDirectories, BenchTransferKeepNeverDeletesWhatTheDirectoryHeld) {
   testing::TempDir tmp;
   const std::string keep = tmp.file("keep");
@@ -250,7 +319,7 @@ TEST(RunDirectories, AServerOrLaunchOnAUsedRunDirectoryIsRefusedAndLosesNothing)
 TEST(GrpcRejoin, AClientThatDiedComesBackAndTakesPartAgain) {
   testing::TempDir tmp;
   // A fixed port (the restarted client must find the server again), 4 rounds.
-  const std::string cfg = with_fixed_port(write_config(tmp, "c", "0.3", 1000), tmp.file("port.yaml"), 7919, 4);
+  const std::string cfg = with_fixed_port(write_config(tmp, "c", "0.3", 1000), tmp.file("port.yaml"), 3000, 4);
   const std::string dir = tmp.file("run");
   fs::create_directories(dir);
   const std::string bin = MEMFL_BINARY;
@@ -278,6 +347,62 @@ TEST(GrpcRejoin, AClientThatDiedComesBackAndTakesPartAgain) {
 #endif
 
 #ifdef MEMFL_TEST_MPI
+// A rank stopped (SIGSTOP) in the broadcast or after announcing its update
+// is excluded at that phase's deadline, through the shared-memory ring and
+// point to point; the others finish every round, and the model is the
+// FedAvg (computed here) of the clients of the other ranks. MPI cannot
+// take a rank back, so the server ends the job once all is written.
+struct MpiStallCase {
+  const char* fault;
+  bool shared_ring;
+};
+class MpiStragglers : public ::testing::TestWithParam<MpiStallCase> {};
+
+TEST_P(MpiStragglers, AStoppedRankIsExcludedAndTheOthersFinishEveryRound) {
+  testing::TempDir tmp;
+  const MpiStallCase mc = GetParam();
+  const std::string cfg = write_config(tmp, "c", "", 1000);
+  setenv("MEMFL_FAULT", mc.fault, 1);
+  setenv("MEMFL_FAULT_RANK", "2", 1);  // client 1
+  Result r = mpirun(kClients + 1, cfg +
+                                      " -q --set server_configs.broadcast_timeout_s=2 --set "
+                                      "server_configs.upload_timeout_s=3 --set server_configs.mpi_shared_memory=" +
+                                      (mc.shared_ring ? "true" : "false") + " --out " + tmp.file("run"));
+  unsetenv("MEMFL_FAULT");
+  unsetenv("MEMFL_FAULT_RANK");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("rank 2"), std::string::npos) << r.output;
+  const auto rows = read_csv(tmp.file("run/rank_0/metrics.csv"));
+  ASSERT_EQ(rows.size(), static_cast<size_t>(kRounds + 1)) << r.output;
+  for (int round = 1; round <= kRounds; ++round) EXPECT_EQ(rows[static_cast<size_t>(round)][1], "3") << r.output;
+  EXPECT_TRUE(equals_expected(tmp.file("run/rank_0/global_model.safetensors"),
+                              expected_model(std::vector<std::vector<int>>(kRounds, std::vector<int>{0, 2, 3}))));
+  std::ifstream summary(tmp.file("run/rank_0/summary.json"));
+  const std::string text((std::istreambuf_iterator<char>(summary)), {});
+  EXPECT_NE(text.find("\"excluded_ranks\": [\n    2\n  ]"), std::string::npos) << text;
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Faults, MpiStragglers,
+    ::testing::Values(MpiStallCase{"stop_in_broadcast", true}, MpiStallCase{"stop_in_broadcast", false},
+                      MpiStallCase{"stop_mid_upload", true}, MpiStallCase{"stop_mid_upload", false}),
+    [](const auto& p) { return std::string(p.param.fault) + (p.param.shared_ring ? "_ring" : "_p2p"); });
+
+TEST(MpiAgreement, RanksThatRunAnotherExperimentAreRefusedAtStartNamingTheKey) {
+  testing::TempDir tmp;
+  const std::string cfg = write_config(tmp, "c", "", 1000);
+  setenv("OMPI_ALLOW_RUN_AS_ROOT", "1", 1);
+  setenv("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1", 1);
+  const std::string memfl = std::string(MEMFL_BINARY) + " mpi " + cfg + " -q --out " + tmp.file("run");
+  Result r = run_shell("timeout 120 mpirun --oversubscribe -np 3 " + memfl + " : -np 1 " + memfl +
+                       " --set server_configs.seed=7");
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.exit_code, 124) << "the job hung: " << r.output;
+  EXPECT_NE(r.output.find("rank 3 runs another experiment"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("server_configs.seed: 7 here, 42 there"), std::string::npos) << r.output;
+  EXPECT_FALSE(fs::exists(tmp.file("run/rank_0/metrics.csv"))) << "no round was played";
+}
+
 TEST(KillAndResumeMpi, JobKilledDuringAggregationResumes) {
   testing::TempDir tmp;
   const std::string cfg = write_config(tmp, "c", "", 1000);

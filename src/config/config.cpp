@@ -482,6 +482,24 @@ const std::vector<KeySpec>& schema() {
        1e7,
        "a round whose clients have not all finished by then ends with those that did",
        I(server.round_timeout_s)},
+      {"server_configs.broadcast_timeout_s",
+       Type::kInt,
+       "0",
+       {},
+       0,
+       1e7,
+       "seconds from a round's start for each selected client to receive the global model; a client that has not "
+       "is dropped and the round goes on with the others (0 = round_timeout_s)",
+       I(server.broadcast_timeout_s)},
+      {"server_configs.upload_timeout_s",
+       Type::kInt,
+       "0",
+       {},
+       0,
+       1e7,
+       "seconds from the end of the broadcast for each client to train and upload its update; a client that has "
+       "not is dropped and the round ends with those that did (0 = round_timeout_s)",
+       I(server.upload_timeout_s)},
       {"server_configs.clients_per_rank",
        Type::kInt,
        "1",
@@ -997,6 +1015,23 @@ StatusOr<ExperimentConfig> load_config_text(const std::string& yaml_text, const 
   out << resolved;
   cfg.resolved_yaml = std::string(out.c_str()) + "\n";
   return cfg;
+}
+
+std::string first_config_difference(const std::string& resolved_here, const std::string& resolved_there) {
+  YAML::Node here, there;
+  try {
+    here = YAML::Load(resolved_here);
+    there = YAML::Load(resolved_there);
+  } catch (const YAML::Exception& e) {
+    return std::string("(the configs could not be compared: ") + e.what() + ")";
+  }
+  for (const auto& k : schema()) {
+    const YAML::Node a = lookup(here, k.path), b = lookup(there, k.path);
+    const std::string va = a.IsDefined() ? YAML::Dump(a) : "(unset)";
+    const std::string vb = b.IsDefined() ? YAML::Dump(b) : "(unset)";
+    if (va != vb) return fmt::format("{}: {} here, {} there", k.path, va, vb);
+  }
+  return "";
 }
 
 StatusOr<ExperimentConfig> load_config_file(const std::string& path, const std::vector<std::string>& overrides) {

@@ -93,6 +93,12 @@ struct ServerConfig {
   std::string server_cert, server_key, root_cert;  // PEM files
   std::string auth_token;
   int round_timeout_s = 600;
+  // Each phase has its own deadline, so a client stalled in one cannot use up
+  // the time of the clients in the next (0 = round_timeout_s).
+  int broadcast_timeout_s = 0;
+  int upload_timeout_s = 0;
+  int broadcast_deadline_s() const { return broadcast_timeout_s > 0 ? broadcast_timeout_s : round_timeout_s; }
+  int upload_deadline_s() const { return upload_timeout_s > 0 ? upload_timeout_s : round_timeout_s; }
   int connect_timeout_s = 30;
   int clients_per_rank = 1;
   bool mpi_shared_memory = true;  // MPI on one node: chunks through a shared-memory ring
@@ -146,6 +152,11 @@ const std::vector<std::string>& known_model_names();
 
 // One line per schema key: "path (type, default): doc" — for `memfl config-keys`.
 std::string describe_config_keys();
+
+// The first schema key whose value differs between two resolved configs
+// (ExperimentConfig::resolved_yaml), as "key: A here, B there"; empty when
+// they are the same experiment. MPI ranks check that they agree.
+std::string first_config_difference(const std::string& resolved_here, const std::string& resolved_there);
 
 // `train_configs.dummy_delay_s` as numbers (an error names the key).
 StatusOr<std::vector<double>> parse_delays(const std::string& text);

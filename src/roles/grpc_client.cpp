@@ -1,6 +1,7 @@
 // ClientAgent over gRPC: register, get the configuration, then per round get
 // the global model (chunks straight into the local arena), train, and upload
 // (chunks straight from the arena).
+#include <csignal>
 #include <chrono>
 #include <filesystem>
 #include <fstream>
@@ -51,7 +52,9 @@ std::string read_file(const std::string& path) {
 // Fault injection for the integration tests: MEMFL_FAULT=<kind> makes client
 // MEMFL_FAULT_CLIENT (default 0) misbehave in its first upload, as a broken or
 // hostile peer would. Kinds: disconnect_mid_upload, bad_checksum,
-// wrong_layout_hash, offset_past_end, extra_bytes, wrong_token.
+// wrong_layout_hash, offset_past_end, extra_bytes, wrong_token; and a stalled
+// node: stop_in_broadcast and stop_mid_upload stop the process (SIGSTOP)
+// after the first chunk, once; SIGCONT lets it go on.
 std::string injected_fault(int client_id) {
   const char* kind = std::getenv("MEMFL_FAULT");
   const char* who = std::getenv("MEMFL_FAULT_CLIENT");
@@ -169,6 +172,13 @@ Status run_grpc_client(const ExperimentConfig& local, int client_id, const RoleO
       transfer_chunk_bytes(cfg.server.use_model_chunking, cfg.server.model_chunk_size, layout.total_bytes());
   std::atomic<int64_t> inflight{0};
   int rounds = 0;
+  bool stopped_once = false;  // a stop_* fault fires once, even if the client rejoins
+  auto stop_here = [&](const char* kind) {
+    if (fault != kind || stopped_once) return;
+    stopped_once = true;
+    spdlog::warn("{}: injected fault {}: stopping (SIGSTOP)", role, kind);
+    std::raise(SIGSTOP);
+  };
   int64_t dp_steps = 0;  // DP-SGD steps over every round, for this client's ε
 
   // One round; true when the server says the run is finished.
@@ -197,6 +207,7 @@ Status run_grpc_client(const ExperimentConfig& local, int client_id, const RoleO
         return data_loss("server {}: unexpected message during the model download", peer);
       }
       MEMFL_RETURN_IF_ERROR(into.accept(d.header, d.payload()));
+      stop_here("stop_in_broadcast");
     }
     MEMFL_RETURN_IF_ERROR(into.finish());
     out.Clear();
@@ -231,6 +242,7 @@ Status run_grpc_client(const ExperimentConfig& local, int client_id, const RoleO
         ctx->TryCancel();
         return Status(StatusCode::kAborted, "injected fault: disconnected in the middle of the upload");
       }
+      if (index == 1) stop_here("stop_mid_upload");
       if (inject && fault == "bad_checksum") h.checksum ^= 1;
       if (inject && fault == "wrong_layout_hash") h.layout_hash ^= 1;
       if (inject && fault == "offset_past_end") h.offset = layout.total_bytes() + 8;
@@ -277,7 +289,9 @@ Status run_grpc_client(const ExperimentConfig& local, int client_id, const RoleO
       }
     }
     const grpc::Status ended = stream->Finish();
-    if (ended.error_code() != grpc::StatusCode::UNAVAILABLE) {
+    // CANCELLED: the server dropped this client at a deadline (it stalled,
+    // or its link did): a new session rejoins from the next round.
+    if (ended.error_code() != grpc::StatusCode::UNAVAILABLE && ended.error_code() != grpc::StatusCode::CANCELLED) {
       return Status(StatusCode::kAborted,
                     fmt::format("{}; the server ended this client's session ({}{}{})", finished.status().message(),
                                 static_cast<int>(ended.error_code()), ended.error_message().empty() ? "" : ": ",

@@ -2,18 +2,25 @@
 
 #include <mpi.h>
 
+#include <signal.h>
 #include <sys/prctl.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <csignal>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <numeric>
 #include <optional>
+#include <thread>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
+#include <spdlog/spdlog.h>
 
 #include "comm/chunk.h"
 #include "comm/mpi/mpi_transport.h"
@@ -35,6 +42,21 @@ namespace {
 // The round's selection, known to every rank from the config and the seed.
 std::vector<int> selection(const ExperimentConfig& cfg, int round) {
   return select_clients(cfg.server.num_clients, cfg.server.clients_per_round, cfg.server.seed, round);
+}
+
+// A client rank's registration (kTagRegister): who it is, and where it
+// runs — the server lets a rank it excluded go (SIGCONT) before the job
+// ends, parked (SIGUSR1): OpenMPI's mpirun was seen to hang ending a job
+// around a stopped process, and to deadlock when the woken rank went on.
+struct WireRegister {
+  int32_t rank, clients, pid, pad;
+  uint64_t host;  // a hash of the host name
+};
+
+WireRegister this_rank_registration(int rank, int clients) {
+  char name[256] = {};
+  gethostname(name, sizeof name - 1);
+  return {rank, clients, static_cast<int32_t>(getpid()), 0, std::hash<std::string>{}(name)};
 }
 
 struct RankState {
@@ -66,11 +88,15 @@ Status run_server(const ExperimentConfig& cfg, int world, const std::string& dir
   if (chunk > static_cast<size_t>(INT32_MAX))
     return invalid_argument("model_chunk_size must fit an MPI count (< 2 GiB)");
   // Register: every client rank says who it is and how many clients it runs.
+  // With its pid and host, so that a rank excluded for a stall can be let
+  // go (SIGCONT) before the job ends: OpenMPI's mpirun was seen to hang
+  // when it ended a job around a stopped process.
+  std::vector<WireRegister> registered(static_cast<size_t>(world));
   for (int r = 1; r < world; ++r) {
-    int32_t reg[2];
-    quiet_recv(reg, sizeof reg, r, kTagRegister);
-    if (reg[0] != r || reg[1] != cfg.server.clients_per_rank) {
-      abort_job(fmt::format("rank {} registered as rank {} with {} clients; expected {}", r, reg[0], reg[1],
+    WireRegister& reg = registered[static_cast<size_t>(r)];
+    quiet_recv(&reg, sizeof reg, r, kTagRegister);
+    if (reg.rank != r || reg.clients != cfg.server.clients_per_rank) {
+      abort_job(fmt::format("rank {} registered as rank {} with {} clients; expected {}", r, reg.rank, reg.clients,
                             cfg.server.clients_per_rank));
     }
   }
@@ -97,6 +123,7 @@ Status run_server(const ExperimentConfig& cfg, int world, const std::string& dir
   RoundDriver driver(cfg, *global, transport, *scheduler, st.sampler, std::move(dopts));
   Status result = driver.run();
   if (!result.ok()) abort_job(result.message());  // client ranks wait for a round that will not come
+  const std::vector<int> excluded = transport.excluded_ranks();
   nlohmann::ordered_json summary;
   summary["role"] = "server";
   summary["model_bytes"] = layout.payload_bytes();
@@ -105,7 +132,23 @@ Status run_server(const ExperimentConfig& cfg, int world, const std::string& dir
   summary["sum_in_place"] = global->aggregator().sums_in_place();
   summary["maps_libtorch"] = maps_library("libtorch");
   summary["chunk_path"] = shm.enabled() ? "shared_ring" : "point_to_point";
-  return write_text_file(dir + "/summary.json", summary.dump(2) + "\n");
+  summary["excluded_ranks"] = excluded;
+  MEMFL_RETURN_IF_ERROR(write_text_file(dir + "/summary.json", summary.dump(2) + "\n"));
+  if (!excluded.empty()) {
+    // Every round is committed and every rank still in has written its
+    // outputs (Bye). A stalled rank would hang MPI_Finalize: it is told it is
+    // out and let go, and leaves through MPI_Finalize too.
+    spdlog::warn("mpi server: the run finished without rank(s) {}, which missed a deadline; letting them go",
+                 fmt::join(excluded, ", "));
+    const WireRegister me = this_rank_registration(0, 0);
+    for (int r : excluded) {
+      const WireRegister& reg = registered[static_cast<size_t>(r)];
+      if (reg.host != me.host || reg.pid <= 0) continue;
+      ::kill(reg.pid, SIGUSR1);  // first: the notice is pending when it runs again
+      ::kill(reg.pid, SIGCONT);
+    }
+  }
+  return Status::Ok();
 }
 
 Status run_client_rank(const ExperimentConfig& cfg, int rank, const std::string& dir, const SharedRing& shm) {
@@ -134,11 +177,27 @@ Status run_client_rank(const ExperimentConfig& cfg, int rank, const std::string&
                            make_model_arena(local, layout.total_bytes(), dir, MemoryCategory::kCommBuffers));
   }
   Arena& into = k > 1 ? global_copy : model.arena();
-  int32_t reg[2] = {rank, k};
-  MPI_Send(reg, 2, MPI_INT32_T, 0, kTagRegister, MPI_COMM_WORLD);
+  // A rank the server excluded for a stall is told so at the end (SIGUSR1):
+  // it leaves through MPI_Finalize (comm/mpi/mpi_transport.h).
+  install_exclusion_notice();
+  const WireRegister reg = this_rank_registration(rank, k);
+  MPI_Send(&reg, sizeof reg, MPI_BYTE, 0, kTagRegister, MPI_COMM_WORLD);
   const size_t chunk =
       transfer_chunk_bytes(cfg.server.use_model_chunking, cfg.server.model_chunk_size, layout.total_bytes());
   ClientStreams streams(layout, chunk, shm, rank);
+  // Fault injection for the tests: MEMFL_FAULT=stop_in_broadcast or
+  // stop_mid_upload stops rank MEMFL_FAULT_RANK (SIGSTOP) once, as a stalled
+  // node would.
+  const char* fault_kind = std::getenv("MEMFL_FAULT");
+  const char* fault_rank = std::getenv("MEMFL_FAULT_RANK");
+  bool stopped_once = false;
+  auto stop_here = [&](const char* kind) {
+    if (stopped_once || fault_kind == nullptr || std::string(fault_kind) != kind || fault_rank == nullptr ||
+        std::atoi(fault_rank) != rank)
+      return;
+    stopped_once = true;
+    std::raise(SIGSTOP);
+  };
   while (true) {
     WireModelBegin b{};
     quiet_recv(&b, sizeof b, 0, kTagModelBegin);
@@ -149,6 +208,7 @@ Status run_client_rank(const ExperimentConfig& cfg, int rank, const std::string&
                             b.layout_hash, layout.hash()));
     }
     st.sampler.mark(b.round, "broadcast");
+    stop_here("stop_in_broadcast");
     streams.receive_model(into);  // every chunk checked: no byte is used before this returns
     int32_t ok = 1;
     MPI_Send(&ok, 1, MPI_INT32_T, 0, kTagModelReceived, MPI_COMM_WORLD);
@@ -165,6 +225,7 @@ Status run_client_rank(const ExperimentConfig& cfg, int rank, const std::string&
       st.sampler.mark(b.round, "upload");
       WireUpdateMeta md{b.round, c, update_sample_count(cfg, part, c), tr.train_loss, tr.val_accuracy};
       MPI_Send(&md, sizeof md, MPI_BYTE, 0, kTagUpdateMeta, MPI_COMM_WORLD);
+      stop_here("stop_mid_upload");
       streams.send_update(model.arena());
     }
     st.sampler.mark(b.round, "idle");
@@ -182,7 +243,10 @@ Status run_client_rank(const ExperimentConfig& cfg, int rank, const std::string&
   summary["model_bytes"] = layout.payload_bytes();
   summary["baseline_rss_bytes"] = baseline;
   summary["peak_rss_bytes"] = std::max(st.sampler.peak_rss(), read_peak_rss_bytes());
-  return write_text_file(dir + "/summary.json", summary.dump(2) + "\n");
+  MEMFL_RETURN_IF_ERROR(write_text_file(dir + "/summary.json", summary.dump(2) + "\n"));
+  int32_t bye = 1;  // outputs written: the server may end the job
+  MPI_Send(&bye, 1, MPI_INT32_T, 0, kTagBye, MPI_COMM_WORLD);
+  return Status::Ok();
 }
 
 }  // namespace
@@ -226,13 +290,33 @@ Status run_mpi(int* argc, char*** argv, const ExperimentConfig& cfg_in, const Mp
   MPI_Bcast(&len, 1, MPI_INT, 0, MPI_COMM_WORLD);
   run_dir.resize(static_cast<size_t>(len));
   MPI_Bcast(run_dir.data(), len, MPI_CHAR, 0, MPI_COMM_WORLD);
+  // Every rank must run the same experiment (the selection, the data split
+  // and the model come from each rank's own config): rank 0's is the one.
+  std::string reference = cfg_in.resolved_yaml;
+  int ref_len = static_cast<int>(reference.size());
+  MPI_Bcast(&ref_len, 1, MPI_INT, 0, MPI_COMM_WORLD);
+  reference.resize(static_cast<size_t>(ref_len));
+  MPI_Bcast(reference.data(), ref_len, MPI_CHAR, 0, MPI_COMM_WORLD);
+  if (rank != 0) {
+    const std::string diff = first_config_difference(cfg_in.resolved_yaml, reference);
+    if (!diff.empty()) {
+      abort_job(
+          fmt::format("rank {} runs another experiment than rank 0 (the server): {} (on rank 0); every rank "
+                      "must be started with the same config and --set",
+                      rank, diff));
+    }
+  }
   const std::string dir = fmt::format("{}/rank_{}", run_dir, rank);
   std::error_code ec;
   fs::create_directories(dir, ec);
   MEMFL_RETURN_IF_ERROR(write_text_file(dir + "/config.yaml", cfg.resolved_yaml));
   SharedRing shm = open_shared_ring(cfg, rank);
-  Status s =
-      rank == 0 ? run_server(cfg, world, dir, opts.progress, opts.resume, shm) : run_client_rank(cfg, rank, dir, shm);
+  Status s;
+  try {
+    s = rank == 0 ? run_server(cfg, world, dir, opts.progress, opts.resume, shm) : run_client_rank(cfg, rank, dir, shm);
+  } catch (const RankExcluded&) {
+    spdlog::warn("rank {}: the server excluded this rank for a stall; leaving the job", rank);
+  }
   if (!s.ok()) abort_job(fmt::format("rank {}: {}", rank, s.message()));
   close_shared_ring(shm);
   MPI_Finalize();

@@ -128,7 +128,7 @@ StatusOr<CommittedState> load_committed_state(const std::string& run_dir, const 
   }
   std::sort(commits.rbegin(), commits.rend());
   for (const auto& [r, path] : commits) {
-    auto fail = [&](const std::string& why) {
+    auto fail = [&, &path = path](const std::string& why) {
       spdlog::warn("--resume: {} is not usable ({}); trying the commit before it", path.string(), why);
     };
     std::ifstream in(path);

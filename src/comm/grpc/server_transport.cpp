@@ -49,6 +49,10 @@ struct ClientSlot {
   bool committed = false;
   bool uploading = false;  // a session is inside its update (holds an aggregator stream)
   grpc::ServerContext* ctx = nullptr;
+  // Which session is the client's now: a dropped client may register again
+  // while its old session thread is still winding down, and that thread
+  // must not touch the new session's state.
+  uint64_t session = 0;
   ClientUpdateInfo info;  // what its update's metadata said
 };
 
@@ -81,10 +85,13 @@ class ServerAgent final : public ServerTransport {
 
  private:
   bool wait_for(std::unique_lock<std::mutex>& lock, Clock::time_point deadline, const std::function<bool()>& pred);
-  void fail_locked(int id, const std::string& why);
+  // Drops client `id` for the run (until it registers again). `cancel` ends
+  // its session from outside (a deadline passed); a session that fails on
+  // its own returns its status instead, which the client reads.
+  void fail_locked(int id, const std::string& why, bool cancel = false);
   grpc::Status send_model(grpc::ServerReaderWriter<Frame, Frame>* stream, int round, const std::string& peer);
-  grpc::Status receive_update(grpc::ServerReaderWriter<Frame, Frame>* stream, int id, const wire::UpdateMetadata& md,
-                              const std::string& peer);
+  grpc::Status receive_update(grpc::ServerReaderWriter<Frame, Frame>* stream, int id, uint64_t session,
+                              const wire::UpdateMetadata& md, const std::string& peer);
   void naive_average_locked();
 
   const ExperimentConfig& cfg_;
@@ -116,12 +123,12 @@ bool ServerAgent::wait_for(std::unique_lock<std::mutex>& lock, Clock::time_point
   return cv_.wait_until(lock, deadline, pred);
 }
 
-void ServerAgent::fail_locked(int id, const std::string& why) {
+void ServerAgent::fail_locked(int id, const std::string& why, bool cancel) {
   auto& s = slots_[static_cast<size_t>(id)];
   if (s.failed) return;
   s.failed = true;
   spdlog::warn("client_{} is out: {}", id, why);
-  if (s.ctx != nullptr) s.ctx->TryCancel();
+  if (cancel && s.ctx != nullptr) s.ctx->TryCancel();
   cv_.notify_all();
 }
 
@@ -170,11 +177,14 @@ grpc::Status ServerAgent::send_model(grpc::ServerReaderWriter<Frame, Frame>* str
   return grpc::Status::OK;
 }
 
-grpc::Status ServerAgent::receive_update(grpc::ServerReaderWriter<Frame, Frame>* stream, int id,
+grpc::Status ServerAgent::receive_update(grpc::ServerReaderWriter<Frame, Frame>* stream, int id, uint64_t session,
                                          const wire::UpdateMetadata& md, const std::string& peer) {
   {
     std::unique_lock lock(mu_);
-    const auto deadline = Clock::now() + std::chrono::seconds(cfg_.server.round_timeout_s);
+    // The others' broadcast may still run: this update waits for the upload
+    // phase at most as long as the two phases may take.
+    const auto deadline = Clock::now() + std::chrono::seconds(cfg_.server.broadcast_deadline_s()) +
+                          std::chrono::seconds(cfg_.server.upload_deadline_s());
     // No turn to wait for: the aggregator parks an update that is early.
     if (!wait_for(lock, deadline, [&] {
           return phase_ == Phase::kFinished || slots_[static_cast<size_t>(id)].failed || phase_ == Phase::kUpload;
@@ -263,6 +273,12 @@ grpc::Status ServerAgent::receive_update(grpc::ServerReaderWriter<Frame, Frame>*
   ack.mutable_update_ack()->set_message(bad.ok() ? "" : bad.message());
   stream->Write(encode_message(ack));
   std::lock_guard lock(mu_);
+  if (slots_[static_cast<size_t>(id)].session != session) {
+    // The client registered again meanwhile: this session was cancelled, and
+    // its update never counts (the round already closed on it).
+    update.reset();
+    return {grpc::StatusCode::CANCELLED, peer + ": session replaced"};
+  }
   if (!bad.ok()) {
     update.reset();  // aborts: taints the sum if some bytes were folded
     fail_locked(id, bad.message());
@@ -296,6 +312,7 @@ grpc::Status ServerAgent::session(grpc::ServerContext* ctx, grpc::ServerReaderWr
   }
   const auto& reg = msg.register_();
   int id = -1;
+  uint64_t my_session = 0;  // this session's number in the client's slot
   std::string refusal;
   try {
     size_t pos = 0;
@@ -312,12 +329,12 @@ grpc::Status ServerAgent::session(grpc::ServerContext* ctx, grpc::ServerReaderWr
   } else {
     std::lock_guard lock(mu_);
     auto& s = slots_[static_cast<size_t>(id)];
-    if (s.connected && s.ctx != nullptr) {
+    if (s.connected && s.ctx != nullptr && !s.failed) {
       refusal = fmt::format("client id {} from {} is already connected (its session is open)", id, peer_addr);
     } else {
       // A client whose earlier session ended (killed, restarted) may come
       // back: it takes part again from the next round.
-      if (s.connected && s.failed) {
+      if (s.failed) {
         s.failed = false;
         s.selected = false;
         rejoined_.push_back(id);
@@ -325,6 +342,7 @@ grpc::Status ServerAgent::session(grpc::ServerContext* ctx, grpc::ServerReaderWr
       }
       s.connected = true;
       s.ctx = ctx;
+      my_session = ++s.session;
       cv_.notify_all();
     }
   }
@@ -337,9 +355,12 @@ grpc::Status ServerAgent::session(grpc::ServerContext* ctx, grpc::ServerReaderWr
     return {grpc::StatusCode::UNAUTHENTICATED, refusal};
   }
   const std::string peer = fmt::format("client_{} ({})", id, peer_addr);
+  // A session that ends hands the slot back, unless the client already has
+  // a newer one.
   auto on_exit = [&](grpc::Status s) {
     std::lock_guard lock(mu_);
     auto& slot = slots_[static_cast<size_t>(id)];
+    if (slot.session != my_session) return s;
     slot.ctx = nullptr;
     if (!s.ok() && phase_ != Phase::kFinished) fail_locked(id, s.error_message());
     return s;
@@ -347,8 +368,10 @@ grpc::Status ServerAgent::session(grpc::ServerContext* ctx, grpc::ServerReaderWr
   while (true) {
     if (!stream->Read(&frame)) {
       std::lock_guard lock(mu_);
+      auto& slot = slots_[static_cast<size_t>(id)];
+      if (slot.session != my_session) return grpc::Status::OK;
       if (phase_ != Phase::kFinished) fail_locked(id, peer + " disconnected");
-      slots_[static_cast<size_t>(id)].ctx = nullptr;
+      slot.ctx = nullptr;
       return grpc::Status::OK;
     }
     st = decode_frame(frame, kClientChunkField, peer, &d, &msg);
@@ -365,10 +388,11 @@ grpc::Status ServerAgent::session(grpc::ServerContext* ctx, grpc::ServerReaderWr
         std::unique_lock lock(mu_);
         auto& s = slots_[static_cast<size_t>(id)];
         cv_.wait(lock, [&] {
-          return phase_ == Phase::kFinished || s.failed ||
+          return phase_ == Phase::kFinished || s.failed || s.session != my_session ||
                  (phase_ == Phase::kBroadcast && s.selected && s.served_round < round_);
         });
-        if (s.failed) return on_exit({grpc::StatusCode::ABORTED, peer + " was dropped from the run"});
+        if (s.failed || s.session != my_session)
+          return on_exit({grpc::StatusCode::ABORTED, peer + " was dropped from the run"});
         if (phase_ == Phase::kFinished) {
           wire::ServerMessage r;
           r.mutable_model_begin()->set_finished(true);
@@ -383,11 +407,12 @@ grpc::Status ServerAgent::session(grpc::ServerContext* ctx, grpc::ServerReaderWr
       if (!gs.ok()) return on_exit(gs);
     } else if (msg.has_model_received()) {
       std::lock_guard lock(mu_);
+      if (slots_[static_cast<size_t>(id)].session != my_session) return grpc::Status::OK;
       slots_[static_cast<size_t>(id)].received = true;
       down_end_ = Clock::now();
       cv_.notify_all();
     } else if (msg.has_update_metadata()) {
-      grpc::Status gs = receive_update(stream, id, msg.update_metadata(), peer);
+      grpc::Status gs = receive_update(stream, id, my_session, msg.update_metadata(), peer);
       if (!gs.ok()) return on_exit(gs);
     } else if (msg.has_custom_action()) {
       // InvokeCustomAction: the actions a client may ask of the server.
@@ -401,7 +426,7 @@ grpc::Status ServerAgent::session(grpc::ServerContext* ctx, grpc::ServerReaderWr
       stream->Write(encode_message(r));
     } else if (msg.has_bye()) {
       std::lock_guard lock(mu_);
-      slots_[static_cast<size_t>(id)].ctx = nullptr;
+      if (slots_[static_cast<size_t>(id)].session == my_session) slots_[static_cast<size_t>(id)].ctx = nullptr;
       return grpc::Status::OK;
     } else {
       return on_exit({grpc::StatusCode::INVALID_ARGUMENT, peer + ": unexpected message"});
@@ -426,7 +451,7 @@ void ServerAgent::naive_average_locked() {
 Status ServerAgent::broadcast(int round, const std::vector<int>& selected, const Arena& global, BroadcastResult* out) {
   std::unique_lock lock(mu_);
   global_ = &global;
-  deadline_ = Clock::now() + std::chrono::seconds(cfg_.server.round_timeout_s);
+  deadline_ = Clock::now() + std::chrono::seconds(cfg_.server.broadcast_deadline_s());
   order_.clear();
   for (auto& s : slots_) s.selected = false;
   for (int c : selected) {
@@ -455,7 +480,11 @@ Status ServerAgent::broadcast(int round, const std::vector<int>& selected, const
   if (!wait_for(lock, deadline_, all_received)) {
     for (int c : order_) {
       if (!slots_[static_cast<size_t>(c)].received)
-        fail_locked(c, fmt::format("round {} timed out in broadcast", round));
+        fail_locked(c,
+                    fmt::format("round {}: it had not received the global model after {} s "
+                                "(server_configs.broadcast_timeout_s); the round goes on without it",
+                                round, cfg_.server.broadcast_deadline_s()),
+                    /*cancel=*/true);
     }
   }
   // gRPC may still hold references to the arena's bytes; the sum must not
@@ -472,6 +501,9 @@ Status ServerAgent::collect(int round, const std::vector<int>&, const Arena&, Up
                             CollectResult* out) {
   std::unique_lock lock(mu_);
   aggregator_ = &aggregator;
+  // The upload's own deadline: a client stalled in the broadcast has not
+  // used up the others' time.
+  deadline_ = Clock::now() + std::chrono::seconds(cfg_.server.upload_deadline_s());
   phase_ = Phase::kUpload;
   cv_.notify_all();
   auto all_done = [&] {
@@ -483,7 +515,12 @@ Status ServerAgent::collect(int round, const std::vector<int>&, const Arena&, Up
   };
   if (!wait_for(lock, deadline_, all_done)) {
     for (int c : order_) {
-      if (!slots_[static_cast<size_t>(c)].committed) fail_locked(c, fmt::format("round {} timed out in upload", round));
+      if (!slots_[static_cast<size_t>(c)].committed)
+        fail_locked(c,
+                    fmt::format("round {}: no complete update {} s into the upload (server_configs.upload_timeout_s); "
+                                "the round ends with the clients that finished",
+                                round, cfg_.server.upload_deadline_s()),
+                    /*cancel=*/true);
     }
     // A session still inside its update holds a stream of the aggregator:
     // it ends (cancelled above) before the round can be aggregated.

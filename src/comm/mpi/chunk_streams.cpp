@@ -20,6 +20,7 @@
 namespace memfl {
 
 using mpi_detail::chunks_in_flight;
+using mpi_detail::Clock;
 using mpi_detail::kReceiver;
 using mpi_detail::kSender;
 using mpi_detail::OrderedWorker;
@@ -35,23 +36,73 @@ ServerStreams::ServerStreams(const Layout& layout, size_t chunk, const SharedRin
       shm_(shm),
       ring_(depth_, shm.enabled() ? 0 : chunk) {}
 
-void ServerStreams::broadcast(const std::vector<int>& ranks, const Arena& global) {
-  if (shm_.enabled()) {
-    broadcast_through_ring(ranks, global);
-  } else {
-    broadcast_point_to_point(ranks, global);
-  }
+std::vector<int> ServerStreams::broadcast(const std::vector<int>& ranks, const Arena& global,
+                                          std::chrono::seconds stall) {
+  return shm_.enabled() ? broadcast_through_ring(ranks, global, stall) : broadcast_point_to_point(ranks, global, stall);
 }
 
-void ServerStreams::receive_update(int r, const std::string& peer, const std::shared_ptr<UpdateStream>& update) {
+Status ServerStreams::receive_update(int r, const std::string& peer, const std::shared_ptr<UpdateStream>& update,
+                                     std::chrono::seconds stall) {
   if (shm_.enabled()) {
-    receive_through_ring(r, peer, *update);
+    MEMFL_RETURN_IF_ERROR(receive_through_ring(r, peer, *update, stall));
     if (Status s = update->commit(); !s.ok()) abort_job(s.message());
   } else {
-    receive_point_to_point(r, peer, update);
+    MEMFL_RETURN_IF_ERROR(receive_point_to_point(r, peer, update, stall));
     worker_.push([update] { return update->commit(); });
   }
+  return Status::Ok();
 }
+
+namespace {
+
+// One rank's part of a broadcast chunk in flight: its requests, and whether
+// it is still in the stream.
+struct RankRequests {
+  int rank;
+  bool in = true;
+};
+
+// Waits for the requests of `pending` (two per rank of `who`: `sends` says
+// which of each pair are sends); at `deadline` a rank with either request
+// unfinished is dropped (its receive cancelled, its send let go) and added
+// to `dropped`.
+void settle_or_drop(std::vector<MPI_Request>& pending, std::vector<size_t>& who, const bool sends[2],
+                    std::vector<RankRequests>& ranks, Clock::time_point deadline, std::vector<int>& dropped,
+                    mpi_detail::WaitStyle style) {
+  if (pending.empty()) return;
+  // A rank dropped at an earlier chunk is not waited for again.
+  auto let_go = [&](size_t j) {
+    for (int q = 0; q < 2; ++q) {
+      MPI_Request* rq = &pending[2 * j + static_cast<size_t>(q)];
+      if (sends[q]) {
+        mpi_detail::abandon_send(rq);
+      } else {
+        mpi_detail::cancel_receive(rq);
+      }
+    }
+  };
+  for (size_t j = 0; j < who.size(); ++j) {
+    if (!ranks[who[j]].in) let_go(j);
+  }
+  if (!mpi_detail::quiet_waitall_until(static_cast<int>(pending.size()), pending.data(), MPI_STATUSES_IGNORE, style,
+                                       deadline)) {
+    for (size_t j = 0; j < who.size(); ++j) {
+      int done[2] = {0, 0};
+      for (int q = 0; q < 2; ++q) MPI_Test(&pending[2 * j + static_cast<size_t>(q)], &done[q], MPI_STATUS_IGNORE);
+      if (done[0] && done[1]) continue;
+      let_go(j);
+      RankRequests& rr = ranks[who[j]];
+      if (rr.in) {
+        rr.in = false;
+        dropped.push_back(rr.rank);
+      }
+    }
+  }
+  pending.clear();
+  who.clear();
+}
+
+}  // namespace
 
 void ServerStreams::drain() {
   if (Status e = worker_.drain(); !e.ok()) abort_job(e.message());
@@ -62,57 +113,82 @@ size_t ServerStreams::length(size_t i) const { return std::min(chunk_, layout_.t
 // Chunk i goes to slot i mod slots once every rank that read the slot's
 // last chunk said so; the header names the slot. One pass copies the
 // chunk and takes its xxh3.
-void ServerStreams::broadcast_through_ring(const std::vector<int>& ranks, const Arena& global) {
+std::vector<int> ServerStreams::broadcast_through_ring(const std::vector<int>& rank_list, const Arena& global,
+                                                       std::chrono::seconds stall) {
   const size_t slots = shm_.slots;
-  std::vector<WireSlotHeader> headers(slots);
-  std::vector<int32_t> done(slots * ranks.size());
+  std::vector<WireSlotHeader> headers(nchunks_);  // one per chunk: see broadcast_point_to_point
+  std::vector<int32_t> done(slots * rank_list.size());
+  std::vector<RankRequests> ranks;
+  for (int r : rank_list) ranks.push_back({r});
   std::vector<std::vector<MPI_Request>> in_use(slots);
-  auto settle = [](std::vector<MPI_Request>& reqs) {
-    if (!reqs.empty()) quiet_waitall(static_cast<int>(reqs.size()), reqs.data(), MPI_STATUSES_IGNORE, kReceiver);
-    reqs.clear();
+  std::vector<std::vector<size_t>> who(slots);  // index in `ranks` of each pair of in_use
+  std::vector<int> dropped;
+  constexpr bool kSendThenReceive[2] = {true, false};
+  auto settle = [&](size_t sl) {
+    settle_or_drop(in_use[sl], who[sl], kSendThenReceive, ranks, Clock::now() + stall, dropped, kReceiver);
   };
   for (size_t i = 0; i < nchunks_; ++i) {
     const size_t sl = i % slots, off = i * chunk_, len = length(i);
     auto& reqs = in_use[sl];
-    settle(reqs);
+    settle(sl);
     const uint64_t sum = copy_with_checksum(shm_.slot(sl), global.data() + off, len, ChecksumSide::kSource);
     shm_.sync();
-    WireSlotHeader& h = headers[sl];
+    WireSlotHeader& h = headers[i];
     h = {layout_.hash(), off, len, sum, static_cast<int32_t>(sl), 0};
     for (size_t j = 0; j < ranks.size(); ++j) {
+      if (!ranks[j].in) continue;
+      who[sl].push_back(j);
       reqs.emplace_back();
-      MPI_Isend(&h, sizeof h, MPI_BYTE, ranks[j], kTagSlotHeader, MPI_COMM_WORLD, &reqs.back());
+      MPI_Isend(&h, sizeof h, MPI_BYTE, ranks[j].rank, kTagSlotHeader, MPI_COMM_WORLD, &reqs.back());
       reqs.emplace_back();
-      MPI_Irecv(&done[sl * ranks.size() + j], 1, MPI_INT32_T, ranks[j], kTagSlotDone, MPI_COMM_WORLD, &reqs.back());
+      MPI_Irecv(&done[sl * ranks.size() + j], 1, MPI_INT32_T, ranks[j].rank, kTagSlotDone, MPI_COMM_WORLD,
+                &reqs.back());
     }
   }
-  for (auto& reqs : in_use) settle(reqs);
+  for (size_t sl = 0; sl < slots; ++sl) settle(sl);
+  // A dropped rank's header sends were let go: their bytes stay (see above).
+  if (!dropped.empty()) {
+    retired_slot_headers_.push_back(std::move(headers));
+  }
+  return dropped;
 }
 
 // Up to `depth` chunks in flight, each sent to every participating rank
 // at once; the next chunk's checksum is taken while they move.
-void ServerStreams::broadcast_point_to_point(const std::vector<int>& ranks, const Arena& global) {
-  std::vector<WireHeader> headers(depth_);
+std::vector<int> ServerStreams::broadcast_point_to_point(const std::vector<int>& rank_list, const Arena& global,
+                                                         std::chrono::seconds stall) {
+  // A header per chunk: a send let go (a dropped rank's) may still read its
+  // header, so none is reused, and they outlive the broadcast if one was.
+  std::vector<WireHeader> headers(nchunks_);
+  std::vector<RankRequests> ranks;
+  for (int r : rank_list) ranks.push_back({r});
   std::vector<std::vector<MPI_Request>> in_flight(depth_);
-  auto settle = [](std::vector<MPI_Request>& reqs) {
-    if (!reqs.empty()) quiet_waitall(static_cast<int>(reqs.size()), reqs.data(), MPI_STATUSES_IGNORE, kSender);
-    reqs.clear();
+  std::vector<std::vector<size_t>> who(depth_);
+  std::vector<int> dropped;
+  constexpr bool kBothSends[2] = {true, true};
+  auto settle = [&](size_t q) {
+    settle_or_drop(in_flight[q], who[q], kBothSends, ranks, Clock::now() + stall, dropped, kSender);
   };
   for (size_t i = 0; i < nchunks_; ++i) {
     auto& reqs = in_flight[i % depth_];
-    settle(reqs);  // the slot's header and bytes are free again
+    settle(i % depth_);  // the slot's header and bytes are free again
     const size_t off = i * chunk_, len = length(i);
     auto bytes = global.bytes(off, len);
-    WireHeader& h = headers[i % depth_];
+    WireHeader& h = headers[i];
     h = {layout_.hash(), off, len, chunk_checksum(bytes)};
-    for (int r : ranks) {
+    for (size_t j = 0; j < ranks.size(); ++j) {
+      if (!ranks[j].in) continue;
+      who[i % depth_].push_back(j);
       reqs.emplace_back();
-      MPI_Isend(&h, sizeof h, MPI_BYTE, r, kTagChunkHeader, MPI_COMM_WORLD, &reqs.back());
+      MPI_Isend(&h, sizeof h, MPI_BYTE, ranks[j].rank, kTagChunkHeader, MPI_COMM_WORLD, &reqs.back());
       reqs.emplace_back();
-      MPI_Isend(bytes.data(), static_cast<int>(len), MPI_BYTE, r, kTagChunkData, MPI_COMM_WORLD, &reqs.back());
+      MPI_Isend(bytes.data(), static_cast<int>(len), MPI_BYTE, ranks[j].rank, kTagChunkData, MPI_COMM_WORLD,
+                &reqs.back());
     }
   }
-  for (auto& reqs : in_flight) settle(reqs);
+  for (size_t q = 0; q < depth_; ++q) settle(q);
+  if (!dropped.empty()) retired_headers_.push_back(std::move(headers));
+  return dropped;
 }
 
 // The server lends the client the slots, the client fills them in the
@@ -127,7 +203,8 @@ void ServerStreams::broadcast_point_to_point(const std::vector<int>& ranks, cons
 // thread folds, one busy thread per process; a third shared a core with
 // one of them on this 2-core machine (measured: half the rounds at half
 // the speed).
-void ServerStreams::receive_through_ring(int r, const std::string& peer, UpdateStream& update) {
+Status ServerStreams::receive_through_ring(int r, const std::string& peer, UpdateStream& update,
+                                           std::chrono::seconds stall) {
   std::deque<int32_t> lent;
   auto lend = [&](int32_t sl) {
     MPI_Send(&sl, 1, MPI_INT32_T, r, kTagSlotGrant, MPI_COMM_WORLD);
@@ -138,7 +215,13 @@ void ServerStreams::receive_through_ring(int r, const std::string& peer, UpdateS
     WireSlotHeader h{};
     MPI_Request rq;
     MPI_Irecv(&h, sizeof h, MPI_BYTE, r, kTagSlotHeader, MPI_COMM_WORLD, &rq);
-    quiet_waitall(1, &rq, MPI_STATUS_IGNORE, kReceiver);
+    if (!mpi_detail::quiet_waitall_until(1, &rq, MPI_STATUS_IGNORE, kReceiver, Clock::now() + stall)) {
+      mpi_detail::cancel_receive(&rq);
+      return Status(StatusCode::kUnavailable,
+                    fmt::format("{}: its update stalled after {} of {} chunks (no chunk for {} s, "
+                                "server_configs.upload_timeout_s)",
+                                peer, i, nchunks_, stall.count()));
+    }
     const size_t off = i * chunk_, len = length(i);
     if (h.slot != lent.front() || h.offset != off || h.length != len) {
       abort_job(fmt::format("chunk from {}: slot {} [{}, +{}); expected slot {} [{}, +{})", peer, h.slot, h.offset,
@@ -151,6 +234,7 @@ void ServerStreams::receive_through_ring(int r, const std::string& peer, UpdateS
     if (!folded.ok()) abort_job(folded.message());
     if (i + shm_.slots < nchunks_) lend(h.slot);
   }
+  return Status::Ok();
 }
 
 // Receives into the ring of buffers, up to `depth` chunks ahead; each
@@ -158,8 +242,8 @@ void ServerStreams::receive_through_ring(int r, const std::string& peer, UpdateS
 // layout, xxh3) before a byte of it is folded and hands its buffer back.
 // Over MPI's shared memory this thread does the receive's copy (CMA), so
 // the copy and the fold each get a core.
-void ServerStreams::receive_point_to_point(int r, const std::string& peer,
-                                           const std::shared_ptr<UpdateStream>& update) {
+Status ServerStreams::receive_point_to_point(int r, const std::string& peer,
+                                             const std::shared_ptr<UpdateStream>& update, std::chrono::seconds stall) {
   struct Posted {
     size_t buffer;
     WireHeader header;
@@ -183,7 +267,18 @@ void ServerStreams::receive_point_to_point(int r, const std::string& peer,
     }
     Posted& p = posted.front();
     MPI_Status status[2];
-    quiet_waitall(2, p.rq, status, kReceiver);
+    if (!mpi_detail::quiet_waitall_until(2, p.rq, status, kReceiver, Clock::now() + stall)) {
+      // Every receive posted ahead is cancelled before its buffer goes back.
+      for (Posted& q : posted) {
+        mpi_detail::cancel_receive(&q.rq[0]);
+        mpi_detail::cancel_receive(&q.rq[1]);
+        ring_.release(q.buffer);
+      }
+      return Status(StatusCode::kUnavailable,
+                    fmt::format("{}: its update stalled after {} of {} chunks (no chunk for {} s, "
+                                "server_configs.upload_timeout_s)",
+                                peer, i, nchunks_, stall.count()));
+    }
     int got = 0;
     MPI_Get_count(&status[1], MPI_BYTE, &got);
     const ChunkHeader h{p.header.layout_hash, p.header.offset, p.header.length, p.header.checksum};
@@ -199,6 +294,7 @@ void ServerStreams::receive_point_to_point(int r, const std::string& peer,
     });
     if (Status e = worker_.error(); !e.ok()) abort_job(e.message());
   }
+  return Status::Ok();
 }
 
 ClientStreams::ClientStreams(const Layout& layout, size_t chunk, const SharedRing& shm, int rank)

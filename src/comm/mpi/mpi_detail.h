@@ -60,10 +60,21 @@ constexpr WaitStyle kSender{0, 200};       // a chunk stream's sending side: chu
 // MPI_Waitall of `n` requests, waiting as `style` says.
 void quiet_waitall(int n, MPI_Request* reqs, MPI_Status* statuses, WaitStyle style);
 
+// As quiet_waitall, giving up at `deadline`: false then, with the requests
+// left as they were (some may have completed: MPI_Test them).
+bool quiet_waitall_until(int n, MPI_Request* reqs, MPI_Status* statuses, WaitStyle style, Clock::time_point deadline);
+
+// Ends requests that a stalled peer will not complete: a receive is
+// cancelled (its buffer is free again), a send let go (MPI_Request_free:
+// its buffer must outlive it). Completed requests are simply finished.
+void cancel_receive(MPI_Request* r);
+void abandon_send(MPI_Request* r);
+
 // Waits quietly for a message with `tag` from any of `sources`; returns the
 // first of them (in their order) that has one — the first source itself if it
-// has one within `grace` of a later one being ready.
-int quiet_probe_first(const std::vector<int>& sources, int tag, std::chrono::microseconds grace);
+// has one within `grace` of a later one being ready — or -1 at `deadline`.
+int quiet_probe_first(const std::vector<int>& sources, int tag, std::chrono::microseconds grace,
+                      Clock::time_point deadline = Clock::time_point::max());
 
 // The same for the threads of the server: yield a while before blocking, so
 // a hand-over between the MPI thread and the fold worker (one per chunk)

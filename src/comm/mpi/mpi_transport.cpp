@@ -5,6 +5,7 @@
 #include <mpi.h>
 
 #include <algorithm>
+#include <csignal>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -21,7 +22,21 @@
 
 namespace memfl {
 
+namespace {
+volatile std::sig_atomic_t g_excluded = 0;
+}  // namespace
+
+void install_exclusion_notice() {
+  std::signal(SIGUSR1, [](int) { g_excluded = 1; });
+}
+
+bool excluded_by_server() { return g_excluded != 0; }
+
 [[noreturn]] void abort_job(const std::string& why) {
+  // A rank woken after its exclusion may find its streams broken before its
+  // notice is handled (another thread may take the signal): give it a moment.
+  if (g_excluded == 0) std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  if (g_excluded != 0) throw RankExcluded{};
   spdlog::critical("{}", why);
   std::fflush(nullptr);
   MPI_Abort(MPI_COMM_WORLD, 4);
@@ -39,15 +54,21 @@ int rank_of_client(int client, int per_rank) { return 1 + client / per_rank; }
 namespace mpi_detail {
 
 void quiet_waitall(int n, MPI_Request* reqs, MPI_Status* statuses, WaitStyle style) {
+  (void)quiet_waitall_until(n, reqs, statuses, style, Clock::time_point::max());
+}
+
+bool quiet_waitall_until(int n, MPI_Request* reqs, MPI_Status* statuses, WaitStyle style, Clock::time_point deadline) {
   int done = 0;
   for (int i = 0; i < 32; ++i) {
     MPI_Testall(n, reqs, &done, statuses);
-    if (done) return;
+    if (done) return true;
   }
   const auto yield_until = Clock::now() + std::chrono::microseconds(style.yield_us);
   for (int sleep_us = 5;;) {
     MPI_Testall(n, reqs, &done, statuses);
-    if (done) return;
+    if (done) return true;
+    if (Clock::now() >= deadline) return false;
+    if (g_excluded != 0) throw RankExcluded{};
     if (Clock::now() < yield_until) {
       std::this_thread::yield();
     } else {
@@ -57,11 +78,30 @@ void quiet_waitall(int n, MPI_Request* reqs, MPI_Status* statuses, WaitStyle sty
   }
 }
 
-int quiet_probe_first(const std::vector<int>& sources, int tag, std::chrono::microseconds grace) {
+void cancel_receive(MPI_Request* r) {
+  if (*r == MPI_REQUEST_NULL) return;
+  int done = 0;
+  MPI_Test(r, &done, MPI_STATUS_IGNORE);
+  if (done) return;
+  MPI_Cancel(r);
+  MPI_Wait(r, MPI_STATUS_IGNORE);  // an unmatched receive cancels at once
+}
+
+void abandon_send(MPI_Request* r) {
+  if (*r == MPI_REQUEST_NULL) return;
+  int done = 0;
+  MPI_Test(r, &done, MPI_STATUS_IGNORE);
+  if (!done) MPI_Request_free(r);
+}
+
+int quiet_probe_first(const std::vector<int>& sources, int tag, std::chrono::microseconds grace,
+                      Clock::time_point deadline) {
   MPI_Status status;
   int flag = 0;
   std::optional<Clock::time_point> others_ready;
   for (int sleep_us = 5;;) {
+    // What has arrived by the deadline still counts: probe first.
+    const bool last_look = Clock::now() >= deadline;
     for (size_t i = 0; i < sources.size(); ++i) {
       MPI_Iprobe(sources[i], tag, MPI_COMM_WORLD, &flag, &status);
       if (!flag) continue;
@@ -69,9 +109,10 @@ int quiet_probe_first(const std::vector<int>& sources, int tag, std::chrono::mic
       // A later source is ready: the first gets `grace` to follow (ranks
       // that finish together arrive a few µs apart), then the ready one goes.
       if (!others_ready) others_ready = Clock::now();
-      if (Clock::now() - *others_ready >= grace) return sources[i];
+      if (Clock::now() - *others_ready >= grace || last_look) return sources[i];
       break;
     }
+    if (last_look) return -1;
     std::this_thread::sleep_for(std::chrono::microseconds(sleep_us));
     sleep_us = std::min(2 * sleep_us, others_ready ? 200 : kIdle.max_sleep_us);
   }
@@ -87,23 +128,61 @@ using mpi_detail::Clock;
 using mpi_detail::quiet_probe_first;
 using mpi_detail::since;
 
+void MpiServerTransport::exclude(int rank, int round, const std::string& why) {
+  if (excluded_.empty()) excluded_.assign(static_cast<size_t>(world_), false);
+  if (excluded_[static_cast<size_t>(rank)]) return;
+  excluded_[static_cast<size_t>(rank)] = true;
+  spdlog::warn("round {}: rank {} {}; it is out of the run (MPI cannot take a rank back), the others go on", round,
+               rank, why);
+}
+
+std::vector<int> MpiServerTransport::excluded_ranks() const {
+  std::vector<int> out;
+  for (size_t r = 0; r < excluded_.size(); ++r) {
+    if (excluded_[r]) out.push_back(static_cast<int>(r));
+  }
+  return out;
+}
+
 Status MpiServerTransport::broadcast(int round, const std::vector<int>& selected, const Arena& global,
                                      BroadcastResult* out) {
+  if (excluded_.empty()) excluded_.assign(static_cast<size_t>(world_), false);
   const int k = cfg_.server.clients_per_rank;
   std::vector<int> ranks;
   for (int c : selected) {
-    if (ranks.empty() || ranks.back() != rank_of_client(c, k)) ranks.push_back(rank_of_client(c, k));
+    const int r = rank_of_client(c, k);
+    if (excluded_[static_cast<size_t>(r)]) continue;
+    if (ranks.empty() || ranks.back() != r) ranks.push_back(r);
   }
   const auto t = Clock::now();
   for (int r = 1; r < world_; ++r) {
+    if (excluded_[static_cast<size_t>(r)]) continue;
     WireModelBegin b{
         round, 0, std::find(ranks.begin(), ranks.end(), r) != ranks.end(), 0, layout_.hash(), layout_.total_bytes()};
     MPI_Send(&b, sizeof b, MPI_BYTE, r, kTagModelBegin, MPI_COMM_WORLD);
   }
-  streams_.broadcast(ranks, global);
+  // A stalled rank holds the stream up for one broadcast_timeout_s at most
+  // (in the shared ring every rank must free a slot before it is reused);
+  // then it is out and the others go on.
+  const std::chrono::seconds stall(cfg_.server.broadcast_deadline_s());
+  for (int r : streams_.broadcast(ranks, global, stall)) {
+    exclude(r, round,
+            fmt::format("left a chunk of the global model untaken for {} s (server_configs.broadcast_timeout_s)",
+                        stall.count()));
+  }
+  const auto deadline = Clock::now() + stall;
   for (int r : ranks) {
+    if (excluded_[static_cast<size_t>(r)]) continue;
     int32_t ok = 0;
-    quiet_recv(&ok, sizeof ok, r, kTagModelReceived);
+    MPI_Request rq;
+    MPI_Irecv(&ok, sizeof ok, MPI_BYTE, r, kTagModelReceived, MPI_COMM_WORLD, &rq);
+    if (!mpi_detail::quiet_waitall_until(1, &rq, MPI_STATUS_IGNORE, mpi_detail::kIdle, deadline)) {
+      mpi_detail::cancel_receive(&rq);
+      exclude(r, round,
+              fmt::format("did not confirm the global model within {} s (server_configs.broadcast_timeout_s)",
+                          stall.count()));
+      continue;
+    }
     out->bytes +=
         layout_.total_bytes() * static_cast<uint64_t>(std::count_if(selected.begin(), selected.end(),
                                                                     [&](int c) { return rank_of_client(c, k) == r; }));
@@ -115,6 +194,13 @@ Status MpiServerTransport::broadcast(int round, const std::vector<int>& selected
 Status MpiServerTransport::collect(int round, const std::vector<int>& selected, const Arena&, UpdateOpener& agg,
                                    CollectResult* out) {
   const int k = cfg_.server.clients_per_rank;
+  // The upload's own deadline, from its start (a broadcast stall has not
+  // used it up): a rank that has not announced its update by then is out.
+  // Updates come one after another here, so one that has begun is cut off
+  // only when it stalls — no chunk for upload_timeout_s — not because a
+  // stalled one before it used up the time.
+  const int timeout = cfg_.server.upload_deadline_s();
+  const auto deadline = Clock::now() + std::chrono::seconds(timeout);
   // Upload time runs from the first update's first message to the last
   // byte folded, as for gRPC (the clients' training is not in it).
   std::optional<Clock::time_point> t_up;
@@ -125,15 +211,26 @@ Status MpiServerTransport::collect(int round, const std::vector<int>& selected, 
     std::vector<int> ranks;  // in fold order of their next update
     for (int c : selected) {
       const int r = rank_of_client(c, k);
-      if (!done[static_cast<size_t>(c)] && std::find(ranks.begin(), ranks.end(), r) == ranks.end()) ranks.push_back(r);
+      if (!done[static_cast<size_t>(c)] && !excluded_[static_cast<size_t>(r)] &&
+          std::find(ranks.begin(), ranks.end(), r) == ranks.end())
+        ranks.push_back(r);
     }
     return ranks;
   };
-  for (size_t n = 0; n < selected.size(); ++n) {
+  while (true) {
+    const std::vector<int> waiting = waiting_ranks();
+    if (waiting.empty()) break;
     // Whichever rank is ready, earliest in fold order first: no update waits
     // for one that has not come, and of those ready, the one whose turn is
     // nearest goes first (fewer updates park).
-    const int r = quiet_probe_first(waiting_ranks(), kTagUpdateMeta, std::chrono::milliseconds(20));
+    const int r = quiet_probe_first(waiting, kTagUpdateMeta, std::chrono::milliseconds(20), deadline);
+    if (r < 0) {
+      for (int late : waiting) {
+        exclude(late, round,
+                fmt::format("had not sent its update {} s into the upload (server_configs.upload_timeout_s)", timeout));
+      }
+      break;
+    }
     WireUpdateMeta md{};
     quiet_recv(&md, sizeof md, r, kTagUpdateMeta);
     if (!t_up) t_up = Clock::now();
@@ -150,7 +247,11 @@ Status MpiServerTransport::collect(int round, const std::vector<int>& selected, 
     auto opened = agg.open_update(client_id(md.client), md.sample_count);
     if (!opened.ok()) abort_job(opened.status().message());
     std::shared_ptr<UpdateStream> update = std::move(*opened);
-    streams_.receive_update(r, peer, update);
+    Status received = streams_.receive_update(r, peer, update, std::chrono::seconds(timeout));
+    if (!received.ok()) {
+      exclude(r, round, received.message());
+      continue;  // `update` closes uncommitted: the aggregator withdraws it
+    }
     out->bytes_up += layout_.total_bytes();
     ClientUpdateInfo info;
     info.client = md.client;
@@ -162,14 +263,31 @@ Status MpiServerTransport::collect(int round, const std::vector<int>& selected, 
     out->committed.push_back(info);
   }
   streams_.drain();
+  for (int c : selected) {
+    if (std::none_of(out->committed.begin(), out->committed.end(), [&](const auto& u) { return u.client == c; }))
+      out->failed.push_back(c);
+  }
   out->upload_seconds = t_up ? since(*t_up) : 0.0;
   return Status::Ok();
 }
 
 void MpiServerTransport::finish(int) {
+  if (excluded_.empty()) excluded_.assign(static_cast<size_t>(world_), false);
+  std::vector<MPI_Request> byes;
+  std::vector<int32_t> bye(static_cast<size_t>(world_), 0);
   for (int r = 1; r < world_; ++r) {
+    if (excluded_[static_cast<size_t>(r)]) continue;
     WireModelBegin b{0, 1, 0, 0, layout_.hash(), layout_.total_bytes()};
     MPI_Send(&b, sizeof b, MPI_BYTE, r, kTagModelBegin, MPI_COMM_WORLD);
+    byes.emplace_back();
+    MPI_Irecv(&bye[static_cast<size_t>(r)], 1, MPI_INT32_T, r, kTagBye, MPI_COMM_WORLD, &byes.back());
+  }
+  // Their outputs are written once they say Bye; one that does not within
+  // the broadcast's timeout is not waited for.
+  const auto deadline = Clock::now() + std::chrono::seconds(cfg_.server.broadcast_deadline_s());
+  if (!mpi_detail::quiet_waitall_until(static_cast<int>(byes.size()), byes.data(), MPI_STATUSES_IGNORE,
+                                       mpi_detail::kIdle, deadline)) {
+    for (auto& rq : byes) mpi_detail::cancel_receive(&rq);
   }
 }
 

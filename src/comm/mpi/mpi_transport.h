@@ -53,6 +53,7 @@ enum MpiTag : int {
   kTagSlotHeader,  // shared-memory ring: a chunk is in slot s (WireSlotHeader)
   kTagSlotDone,    // a client has copied slot s out (download)
   kTagSlotGrant,   // the server lends slot s to a client (upload)
+  kTagBye,         // a client rank has written its outputs after the last round
 };
 
 // The server's word to each client rank at a round's start (kTagModelBegin):
@@ -70,6 +71,15 @@ struct WireUpdateMeta {
 // A peer's wrong bytes are not survivable in an MPI job (no rank can leave
 // it alone): abort every rank with a message that names the culprit.
 [[noreturn]] void abort_job(const std::string& why);
+
+// A rank the server excluded for a stall is told so (SIGUSR1, on the
+// server's host) at the end of the run: its waits and its abort_job then
+// throw RankExcluded instead, and the rank leaves through MPI_Finalize, so
+// the job ends normally (OpenMPI's mpirun was seen to hang or crash when
+// the job was aborted around such a rank).
+struct RankExcluded {};
+void install_exclusion_notice();
+bool excluded_by_server();
 
 // Blocking receive of a small control message, waiting quietly.
 void quiet_recv(void* buf, int bytes, int source, int tag);
@@ -114,28 +124,39 @@ class ServerStreams {
   ServerStreams(const Layout& layout, size_t chunk, const SharedRing& shm);
 
   // Sends `global` (the round's global model: a file-backed one is mapped
-  // afresh every round) to every rank in `ranks` at once.
-  void broadcast(const std::vector<int>& ranks, const Arena& global);
+  // afresh every round) to every rank in `ranks` at once. A rank that leaves
+  // a chunk untaken for `stall` is dropped from the stream (the others go
+  // on); the dropped ranks are returned.
+  std::vector<int> broadcast(const std::vector<int>& ranks, const Arena& global, std::chrono::seconds stall);
 
   // Receives rank `r`'s update (the whole model's bytes) into `update` and
-  // commits it, in the order of the calls.
-  void receive_update(int r, const std::string& peer, const std::shared_ptr<UpdateStream>& update);
+  // commits it, in the order of the calls. kUnavailable when the rank
+  // leaves the stream without a chunk for `stall` (it is not committed).
+  Status receive_update(int r, const std::string& peer, const std::shared_ptr<UpdateStream>& update,
+                        std::chrono::seconds stall);
 
   // Returns once every update received is folded and committed.
   void drain();
 
  private:
   size_t length(size_t i) const;
-  void broadcast_through_ring(const std::vector<int>& ranks, const Arena& global);
-  void broadcast_point_to_point(const std::vector<int>& ranks, const Arena& global);
-  void receive_through_ring(int r, const std::string& peer, UpdateStream& update);
-  void receive_point_to_point(int r, const std::string& peer, const std::shared_ptr<UpdateStream>& update);
+  std::vector<int> broadcast_through_ring(const std::vector<int>& ranks, const Arena& global,
+                                          std::chrono::seconds stall);
+  std::vector<int> broadcast_point_to_point(const std::vector<int>& ranks, const Arena& global,
+                                            std::chrono::seconds stall);
+  Status receive_through_ring(int r, const std::string& peer, UpdateStream& update, std::chrono::seconds stall);
+  Status receive_point_to_point(int r, const std::string& peer, const std::shared_ptr<UpdateStream>& update,
+                                std::chrono::seconds stall);
 
   const Layout& layout_;
   const size_t chunk_, nchunks_, depth_;
   const SharedRing& shm_;
   mpi_detail::BufferRing ring_;       // point to point: received chunks waiting for the fold worker
   mpi_detail::OrderedWorker worker_;  // point to point: checks and folds while the MPI thread receives
+  // Headers of broadcasts in which a rank was dropped: its sends were let
+  // go, not finished, and may still read them.
+  std::vector<std::vector<mpi_detail::WireHeader>> retired_headers_;
+  std::vector<std::vector<mpi_detail::WireSlotHeader>> retired_slot_headers_;
 };
 
 // A client rank's chunk streams: the global model in, each update out.
@@ -179,13 +200,20 @@ class MpiServerTransport final : public ServerTransport {
   Status broadcast(int round, const std::vector<int>& selected, const Arena&, BroadcastResult* out) override;
   Status collect(int round, const std::vector<int>& selected, const Arena&, UpdateOpener& agg,
                  CollectResult* out) override;
+  // Tells every rank still in that the run is over, and waits (a while) for
+  // their Bye: they have written their outputs.
   void finish(int) override;
+  // Ranks that missed a deadline: out of the run (MPI cannot take a rank
+  // back, and one that stalls would hang MPI_Finalize).
+  std::vector<int> excluded_ranks() const;
 
  private:
+  void exclude(int rank, int round, const std::string& why);
   const ExperimentConfig& cfg_;
   const Layout& layout_;
   ServerStreams& streams_;
   int world_;
+  std::vector<bool> excluded_;  // by rank
 };
 
 }  // namespace memfl
