@@ -286,6 +286,92 @@ INSTANTIATE_TEST_SUITE_P(Faults, Stragglers,
                          [](const auto& p) { return std::string(p.param.fault); });
 #endif
 
+#ifdef MEMFL_TEST_GRPC
+// The server and each client in a network namespace of their own (veth
+// pairs to a bridge; nothing else reachable), every link shaped — netem
+// 20 ms ± 5 ms, 0.5 % loss, 1 Gbit/s where the kernel has sch_netem, a tbf
+// rate limit of 1 Gbit/s where it has not — and client 2's link cut after
+// round 2 for longer than both deadlines, then healed. Every round
+// completes, client 2 is dropped and rejoins, the model is the FedAvg
+// (computed here) of the clients that finished each round, and the
+// server's peak RSS stays within its bound.
+TEST(Netem, RoundsCompleteOverShapedLinksAndAPartitionedClientRejoins) {
+  const std::string ns = std::string(MEMFL_SOURCE_DIR_FOR_TESTS) + "/tests/netem/netns.sh";
+  if (run_shell(ns + " check-ns").exit_code != 0) {
+    GTEST_SKIP() << "network namespaces cannot be made here (ip netns add needs root or CAP_SYS_ADMIN)";
+  }
+  const bool netem = run_shell(ns + " check-netem").exit_code == 0;
+  const std::string qdisc =
+      netem ? "netem delay 20ms 5ms loss 0.5% rate 1gbit" : "tbf rate 1gbit burst 256kb latency 50ms";
+  if (!netem) {
+    std::printf(
+        "[   NOTE   ] this kernel has no sch_netem: links are rate-limited (tbf, 1 Gbit/s) and cut, "
+        "without delay, jitter or loss\n");
+  }
+  constexpr int kNetRounds = 30;
+  const std::string tag = std::to_string(getpid() % 100000);
+  struct Down {
+    std::string cmd;
+    ~Down() { (void)run_shell(cmd); }
+  } down{ns + " down " + tag + " " + std::to_string(kClients)};
+  Result up = run_shell(ns + " up " + tag + " " + std::to_string(kClients) + " && " + ns + " shape " + tag + " " +
+                        std::to_string(kClients) + " '" + qdisc + "'");
+  ASSERT_EQ(up.exit_code, 0) << up.output;
+
+  testing::TempDir tmp;
+  std::string text;
+  {
+    std::ifstream in(write_config(tmp, "c", "0.5", 1000));
+    text.assign((std::istreambuf_iterator<char>(in)), {});
+  }
+  text.replace(text.find("127.0.0.1:0"), 11, "10.77.0.1:50051");
+  const std::string rounds_key = "num_global_epochs: " + std::to_string(kRounds);
+  text.replace(text.find(rounds_key), rounds_key.size(), "num_global_epochs: " + std::to_string(kNetRounds));
+  const std::string cfg = tmp.file("netem.yaml");
+  std::ofstream(cfg) << text;
+  const std::string dir = tmp.file("run");
+  fs::create_directories(dir);
+  const std::string bin = MEMFL_BINARY;
+  std::string clients;
+  for (int c = 0; c < kClients; ++c) {
+    clients += ns + " exec " + tag + " " + std::to_string(c) + " " + bin + " client " + cfg + " --client-id " +
+               std::to_string(c) + " -q --out " + dir + "/client_" + std::to_string(c) + " > " + dir + "/client_" +
+               std::to_string(c) + ".log 2>&1 & ";
+  }
+  const std::string metrics = dir + "/server/metrics.csv";
+  const std::string cut = "( for i in $(seq 600); do grep -q '^2,' " + metrics +
+                          " 2>/dev/null && break; sleep 0.1; done; " + ns + " partition " + tag + " 2; sleep 10; " +
+                          ns + " heal " + tag + " 2 ) & ";
+  Result r = run_shell(clients + cut + ns + " exec " + tag + " server " + bin + " server " + cfg +
+                       " --set server_configs.broadcast_timeout_s=3 --set server_configs.upload_timeout_s=4 --out " +
+                       dir + "/server > " + dir + "/server.log 2>&1; rc=$?; wait; exit $rc");
+  std::ifstream log(dir + "/server.log");
+  const std::string server_log((std::istreambuf_iterator<char>(log)), {});
+  ASSERT_EQ(r.exit_code, 0) << server_log;
+  const auto rows = read_csv(metrics);
+  ASSERT_EQ(rows.size(), static_cast<size_t>(kNetRounds + 1)) << server_log;
+  std::vector<std::vector<int>> in;
+  int without = 0;
+  for (size_t i = 1; i < rows.size(); ++i) {
+    in.emplace_back();
+    if (rows[i][1] == "3") ++without;
+    for (int c = 0; c < kClients; ++c) {
+      if (rows[i][1] == "4" || c != 2) in.back().push_back(c);
+    }
+  }
+  EXPECT_GE(without, 1) << "client 2 was dropped while cut off\n" << server_log;
+  EXPECT_EQ(rows[kNetRounds][1], "4") << "client 2 is back by the last round\n" << server_log;
+  EXPECT_NE(server_log.find("client_2 rejoined"), std::string::npos) << server_log;
+  EXPECT_TRUE(equals_expected(dir + "/server/global_model.safetensors", expected_model(in)));
+  // The server's stated bound for FedAvg: 1.05 × M + 64 MiB (M is 12 KB here).
+  std::ifstream summary(dir + "/server/summary.json");
+  const std::string sj((std::istreambuf_iterator<char>(summary)), {});
+  const size_t at = sj.find("\"peak_rss_bytes\": ");
+  ASSERT_NE(at, std::string::npos) << sj;
+  EXPECT_LT(std::stoll(sj.substr(at + 17)), 64LL << 20) << sj;
+}
+#endif
+
 TEST(RunDirectories, BenchTransferKeepNeverDeletesWhatTheDirectoryHeld) {
   testing::TempDir tmp;
   const std::string keep = tmp.file("keep");

@@ -37,7 +37,8 @@ StatusOr<std::unique_ptr<MetricsWriter>> MetricsWriter::open(const std::string& 
   if (f == nullptr) return not_found("cannot write {}: {}", path, std::strerror(errno));
   std::fputs(
       "round,clients,train_loss,train_accuracy,val_loss,val_accuracy,test_loss,test_accuracy,bytes_moved,"
-      "round_seconds,peak_rss_bytes,download_seconds,upload_seconds,bytes_down,bytes_up,rss_bytes,commit_seconds\n",
+      "round_seconds,peak_rss_bytes,download_seconds,upload_seconds,bytes_down,bytes_up,rss_bytes,commit_seconds,"
+      "threads,open_fds\n",
       f);
   std::fflush(f);
   return std::unique_ptr<MetricsWriter>(new MetricsWriter(f));
@@ -46,15 +47,29 @@ StatusOr<std::unique_ptr<MetricsWriter>> MetricsWriter::open(const std::string& 
 MetricsWriter::~MetricsWriter() { std::fclose(f_); }
 
 Status MetricsWriter::append(const RoundMetrics& m) {
-  std::fputs(fmt::format("{},{},{:.6f},{:.6f},{:.6f},{:.6f},{:.6f},{:.6f},{},{:.3f},{},{:.6f},{:.6f},{},{},{},{:.3f}\n",
-                         m.round, m.clients, m.train_loss, m.train_accuracy, m.val_loss, m.val_accuracy, m.test_loss,
-                         m.test_accuracy, m.bytes_moved, m.round_seconds, m.peak_rss_bytes, m.download_seconds,
-                         m.upload_seconds, m.bytes_down, m.bytes_up, m.rss_bytes, m.commit_seconds)
-                 .c_str(),
-             f_);
+  std::fputs(
+      fmt::format("{},{},{:.6f},{:.6f},{:.6f},{:.6f},{:.6f},{:.6f},{},{:.3f},{},{:.6f},{:.6f},{},{},{},{:.3f},{},{}\n",
+                  m.round, m.clients, m.train_loss, m.train_accuracy, m.val_loss, m.val_accuracy, m.test_loss,
+                  m.test_accuracy, m.bytes_moved, m.round_seconds, m.peak_rss_bytes, m.download_seconds,
+                  m.upload_seconds, m.bytes_down, m.bytes_up, m.rss_bytes, m.commit_seconds, m.threads, m.open_fds)
+          .c_str(),
+      f_);
   if (std::fflush(f_) != 0) return internal_error("writing metrics.csv failed: {}", std::strerror(errno));
   return Status::Ok();
 }
+
+namespace {
+int count_entries(const char* dir) {
+  std::error_code ec;
+  int n = 0;
+  for (auto it = fs::directory_iterator(dir, ec); !ec && it != fs::directory_iterator(); it.increment(ec)) ++n;
+  return n;
+}
+}  // namespace
+
+int count_threads() { return count_entries("/proc/self/task"); }
+// Less the descriptor the listing itself holds open.
+int count_open_fds() { return count_entries("/proc/self/fd") - 1; }
 
 Status write_text_file(const std::string& path, const std::string& text) {
   std::ofstream out(path);

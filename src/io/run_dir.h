@@ -32,7 +32,14 @@ struct RoundMetrics {
   // Committing the server's state after the round (checkpoint written and
   // fsynced, state file): not part of round_seconds.
   double commit_seconds = 0;
+  // The server process's threads and open file descriptors when the round
+  // ended: a leak shows as a slope over rounds (the soak checks it).
+  int threads = 0, open_fds = 0;
 };
+
+// Threads and open descriptors of this process (/proc/self).
+int count_threads();
+int count_open_fds();
 
 class MetricsWriter {
  public:

@@ -19,7 +19,8 @@ using Clock = std::chrono::steady_clock;
 nlohmann::json round_metrics_to_json(const RoundMetrics& m) {
   return {m.round,      m.clients,       m.train_loss,  m.train_accuracy, m.val_loss,         m.val_accuracy,
           m.test_loss,  m.test_accuracy, m.bytes_moved, m.round_seconds,  m.download_seconds, m.upload_seconds,
-          m.bytes_down, m.bytes_up,      m.rss_bytes,   m.peak_rss_bytes, m.commit_seconds};
+          m.bytes_down, m.bytes_up,      m.rss_bytes,   m.peak_rss_bytes, m.commit_seconds,   m.threads,
+          m.open_fds};
 }
 
 RoundMetrics round_metrics_from_json(const nlohmann::json& j) {
@@ -41,6 +42,10 @@ RoundMetrics round_metrics_from_json(const nlohmann::json& j) {
   m.rss_bytes = j[14];
   m.peak_rss_bytes = j[15];
   if (j.size() > 16) m.commit_seconds = j[16];
+  if (j.size() > 18) {
+    m.threads = j[17];
+    m.open_fds = j[18];
+  }
   return m;
 }
 
@@ -173,6 +178,8 @@ Status RoundDriver::play_round(int round, RoundMetrics* m, bool* redo) {
   m->round_seconds = std::chrono::duration<double>(Clock::now() - t_round).count();
   m->peak_rss_bytes = sampler_.peak_rss();
   m->rss_bytes = read_rss_bytes();
+  m->threads = count_threads();
+  m->open_fds = count_open_fds();
   return Status::Ok();
 }
 
