@@ -192,6 +192,26 @@ TEST_P(KillAndResume, InProcessFinishesWithTheSameModel) {
   EXPECT_EQ(read_csv(tmp.file("killed/metrics.csv")).size(), static_cast<size_t>(kRounds + 1));
 }
 
+// A server optimizer's moments are committed state: kill -9 in round 3's
+// aggregation, --resume, and the model is the uninterrupted run's (moments
+// reset to zero would move it elsewhere).
+TEST(KillAndResumeServerOptimizer, FedAdamContinuesItsMoments) {
+  testing::TempDir tmp;
+  const std::string cfg = write_config(tmp, "c", "", 1000);
+  const std::string adam =
+      " --set server_configs.aggregator=FedAdamAggregator --set "
+      "server_configs.aggregator_kwargs.server_learning_rate=0.01";
+  Result whole = memfl_cli("run " + cfg + adam + " -q --out " + tmp.file("whole"));
+  ASSERT_EQ(whole.exit_code, 0) << whole.output;
+  EXPECT_FALSE(equals_expected(tmp.file("whole/global_model.safetensors"))) << "FedAdam is not FedAvg";
+  Result killed = run_shell(std::string("MEMFL_CRASH_AT=3:aggregate ") + MEMFL_BINARY + " run " + cfg + adam +
+                            " -q --out " + tmp.file("killed"));
+  ASSERT_NE(killed.exit_code, 0) << killed.output;
+  Result resumed = memfl_cli("run -q --resume " + tmp.file("killed"));
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+  EXPECT_TRUE(same_model(tmp.file("whole/global_model.safetensors"), tmp.file("killed/global_model.safetensors")));
+}
+
 INSTANTIATE_TEST_SUITE_P(Points, KillAndResume, ::testing::Values("broadcast", "upload", "aggregate", "commit"));
 
 #ifdef MEMFL_TEST_GRPC

@@ -53,6 +53,15 @@ class Aggregator : public UpdateOpener {
   virtual Status retarget(Arena& in_place) = 0;
   // Where updates that arrive before their turn are spooled.
   virtual void set_spool_dir(std::string dir) = 0;
+  // State kept between rounds (server optimizers' moments), committed with
+  // the server's state after `round`: written under `state_dir`, described
+  // in `record` (kept in the commit); load_state takes it back on --resume.
+  // FedAvg keeps nothing.
+  virtual Status save_state(const std::string& state_dir, int round, std::string* record) {
+    record->clear();
+    return Status::Ok();
+  }
+  virtual Status load_state(const std::string& state_dir, const std::string& record) { return Status::Ok(); }
 };
 
 }  // namespace memfl

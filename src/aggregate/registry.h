@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "aggregate/fedavg_aggregator.h"
+#include "aggregate/server_optimizer.h"
 
 namespace memfl {
 
@@ -26,6 +27,10 @@ struct AggregatorContext {
   Arena* in_place = nullptr;
   // A state arena of `bytes` where memory_configs.arena_backing says.
   std::function<StatusOr<Arena>(size_t bytes)> make_state_arena;
+  // Server optimizers: their keys, and the file that holds the pre-round
+  // global model when a round is finalized (the committed checkpoint).
+  ServerOptParams server_opt;
+  std::string previous_model;
 };
 
 struct AggregatorInfo {

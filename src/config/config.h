@@ -80,6 +80,9 @@ struct ServerConfig {
   std::string scheduler = "SyncScheduler";
   std::string aggregator = "FedAvgAggregator";
   std::string client_weights_mode = "equal";  // equal | sample_size
+  // Server optimizers (aggregate/server_optimizer.h), APPFL's names.
+  double server_learning_rate = 1.0, server_momentum_param_1 = 0.9, server_momentum_param_2 = 0.99,
+         server_adapt_param = 1e-3;
   std::string device = "cpu";
   std::string logging_output_dirname = "runs";
   uint64_t seed = 42;

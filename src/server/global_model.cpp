@@ -78,6 +78,9 @@ StatusOr<std::unique_ptr<GlobalModel>> GlobalModel::create(const ExperimentConfi
   // naive keeps whole client copies elsewhere and averages them at the end
   // of the upload phase into a sum of its own.
   ctx.in_place = naive || !sum_in_place ? nullptr : &g->model_.arena();
+  ctx.server_opt = {cfg.server.server_learning_rate, cfg.server.server_momentum_param_1,
+                    cfg.server.server_momentum_param_2, cfg.server.server_adapt_param};
+  ctx.previous_model = g->checkpoint_;
   ctx.make_state_arena = [&](size_t bytes) {
     return naive ? StatusOr<Arena>(Arena(bytes, MemoryCategory::kAggregation))
                  : make_model_arena(cfg, bytes, run_dir, MemoryCategory::kAggregation);

@@ -66,6 +66,15 @@ Status RoundDriver::resume() {
   for (int c : st.extra.value("dropped", std::vector<int>{})) dropped_.push_back(c);
   for (const auto& row : st.extra.value("metrics", nlohmann::json::array()))
     rounds_.push_back(round_metrics_from_json(row));
+  if (!st.aggregator.empty()) {
+    MEMFL_RETURN_IF_ERROR(
+        global_.aggregator().load_state((fs::path(opts_.run_dir) / "state").string(), st.aggregator.dump()));
+  } else if (cfg_.server.aggregator != "FedAvgAggregator") {
+    return failed_precondition(
+        "--resume {}: the committed state has no {} state (was the run started with another "
+        "server_configs.aggregator?)",
+        opts_.run_dir, cfg_.server.aggregator);
+  }
   // The undo checkpoint is the committed model again.
   MEMFL_RETURN_IF_ERROR(global_.write_checkpoint(st.round));
   first_round_ = st.round + 1;
@@ -78,7 +87,11 @@ Status RoundDriver::commit(int round) {
   CommittedState st;
   st.round = round;
   st.scheduler = scheduler_.save();
-  st.aggregator = nlohmann::json::object();  // FedAvg keeps nothing between rounds
+  // The aggregator's state between rounds (a server optimizer's moments),
+  // written under state/ before the commit that names it.
+  std::string record;
+  MEMFL_RETURN_IF_ERROR(global_.aggregator().save_state((fs::path(opts_.run_dir) / "state").string(), round, &record));
+  st.aggregator = record.empty() ? nlohmann::json::object() : nlohmann::json::parse(record);
   nlohmann::json extra = opts_.save_extra ? opts_.save_extra() : nlohmann::json::object();
   extra["dp_fedavg_epsilon"] = dp_fedavg_epsilon_;
   extra["dropped"] = dropped_;

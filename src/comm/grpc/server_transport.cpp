@@ -53,6 +53,9 @@ struct ClientSlot {
   // while its old session thread is still winding down, and that thread
   // must not touch the new session's state.
   uint64_t session = 0;
+  // A client that registered again during a round it had been selected for
+  // is not waited for in that round (its new session starts afresh).
+  int lost_round = 0;
   ClientUpdateInfo info;  // what its update's metadata said
 };
 
@@ -335,6 +338,7 @@ grpc::Status ServerAgent::session(grpc::ServerContext* ctx, grpc::ServerReaderWr
       // A client whose earlier session ended (killed, restarted) may come
       // back: it takes part again from the next round.
       if (s.failed) {
+        if (s.selected && phase_ != Phase::kWaiting && phase_ != Phase::kFinished) s.lost_round = round_;
         s.failed = false;
         s.selected = false;
         rejoined_.push_back(id);
@@ -391,8 +395,10 @@ grpc::Status ServerAgent::session(grpc::ServerContext* ctx, grpc::ServerReaderWr
           return phase_ == Phase::kFinished || s.failed || s.session != my_session ||
                  (phase_ == Phase::kBroadcast && s.selected && s.served_round < round_);
         });
-        if (s.failed || s.session != my_session)
+        if (s.failed || s.session != my_session) {
+          lock.unlock();  // on_exit takes the lock itself
           return on_exit({grpc::StatusCode::ABORTED, peer + " was dropped from the run"});
+        }
         if (phase_ == Phase::kFinished) {
           wire::ServerMessage r;
           r.mutable_model_begin()->set_finished(true);
@@ -473,13 +479,13 @@ Status ServerAgent::broadcast(int round, const std::vector<int>& selected, const
   auto all_received = [&] {
     for (int c : order_) {
       const auto& s = slots_[static_cast<size_t>(c)];
-      if (!s.failed && !s.received) return false;
+      if (!s.failed && !s.received && s.lost_round != round_) return false;
     }
     return true;
   };
   if (!wait_for(lock, deadline_, all_received)) {
     for (int c : order_) {
-      if (!slots_[static_cast<size_t>(c)].received)
+      if (!slots_[static_cast<size_t>(c)].received && slots_[static_cast<size_t>(c)].lost_round != round)
         fail_locked(c,
                     fmt::format("round {}: it had not received the global model after {} s "
                                 "(server_configs.broadcast_timeout_s); the round goes on without it",
@@ -509,13 +515,13 @@ Status ServerAgent::collect(int round, const std::vector<int>&, const Arena&, Up
   auto all_done = [&] {
     for (int c : order_) {
       const auto& s = slots_[static_cast<size_t>(c)];
-      if (!s.failed && !s.committed) return false;
+      if (!s.failed && !s.committed && s.lost_round != round_) return false;
     }
     return true;
   };
   if (!wait_for(lock, deadline_, all_done)) {
     for (int c : order_) {
-      if (!slots_[static_cast<size_t>(c)].committed)
+      if (!slots_[static_cast<size_t>(c)].committed && slots_[static_cast<size_t>(c)].lost_round != round)
         fail_locked(c,
                     fmt::format("round {}: no complete update {} s into the upload (server_configs.upload_timeout_s); "
                                 "the round ends with the clients that finished",
