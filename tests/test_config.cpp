@@ -32,6 +32,27 @@ TEST(Config, EmbeddedDefaultIsTheShippedFileAndValid) {
   EXPECT_EQ(file, kDefaultConfigYaml);
 }
 
+// The shipped server-optimizer examples load, and say what their names
+// and comments promise (APPFL's example values).
+TEST(Config, TheServerOptimizerExamplesLoadWithAppflsValues) {
+  struct Example {
+    const char* file;
+    const char* aggregator;
+    double lr;
+  };
+  for (const Example& e : {Example{"fedavgm_fmnist_cnn.yaml", "FedAvgMAggregator", 1.0},
+                           Example{"fedadam_fmnist_cnn.yaml", "FedAdamAggregator", 0.1},
+                           Example{"fedyogi_fmnist_cnn.yaml", "FedYogiAggregator", 0.1},
+                           Example{"fedadagrad_fmnist_cnn.yaml", "FedAdagradAggregator", 0.01}}) {
+    auto c = load_config_file(std::string(MEMFL_SOURCE_DIR_FOR_TESTS) + "/configs/" + e.file);
+    ASSERT_TRUE(c.ok()) << e.file << ": " << c.status().to_string();
+    EXPECT_EQ(c->server.aggregator, e.aggregator);
+    EXPECT_DOUBLE_EQ(c->server.server_learning_rate, e.lr) << e.file;
+    EXPECT_DOUBLE_EQ(c->server.server_momentum_param_1, 0.9) << e.file;
+    EXPECT_DOUBLE_EQ(c->server.server_adapt_param, 1e-3) << e.file;
+  }
+}
+
 TEST(Config, EmptyConfigTakesDefaultsAndResolvesEveryKey) {
   auto c = load_config_text("", "empty.yaml");
   ASSERT_TRUE(c.ok());
