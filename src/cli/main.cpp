@@ -305,6 +305,7 @@ int main(int argc, char** argv) {
   transfer->add_option("--dtype", tb.dtype, "f32 | bf16 | f16")->capture_default_str();
   transfer->add_option("--chunk-mb", tb.chunk_mb, "chunk size in MiB")->capture_default_str();
   transfer->add_option("--memory-mode", tb.memory_mode, "streaming | naive")->capture_default_str();
+  transfer->add_option("--aggregator", tb.aggregator, "server_configs.aggregator")->capture_default_str();
   transfer
       ->add_option("--mpi-path", tb.mpi_path,
                    "MPI on one node: shared_ring (chunks through a shared-memory ring) | point_to_point")

@@ -54,7 +54,8 @@ StatusOr<std::string> run_bench_transfer(const TransferBenchOptions& o) {
   fs::create_directories(dir, ec);
   if (ec) return invalid_argument("--keep {}: cannot create it: {}", dir, ec.message());
   const std::string config = (fs::path(dir) / "bench.yaml").string();
-  MEMFL_RETURN_IF_ERROR(write_text_file(config, fmt::format(R"(client_configs:
+  MEMFL_RETURN_IF_ERROR(
+      write_text_file(config, fmt::format(R"(client_configs:
   train_configs:
     trainer: DummyTrainer
     dummy_delay_s: "{}"
@@ -68,6 +69,7 @@ server_configs:
   num_global_epochs: 2
   do_server_eval: false
   memory_mode: {}
+  aggregator: {}
   round_timeout_s: 600
   mpi_shared_memory: {}
   comm_configs:
@@ -75,8 +77,8 @@ server_configs:
       server_uri: 127.0.0.1:0
       model_chunk_size: {}
 )",
-                                                            o.dummy_delays, num_params, o.dtype, o.clients,
-                                                            o.memory_mode, o.mpi_path == "shared_ring", chunk)));
+                                          o.dummy_delays, num_params, o.dtype, o.clients, o.memory_mode, o.aggregator,
+                                          o.mpi_path == "shared_ring", chunk)));
   std::string server_dir = (fs::path(dir) / "server").string();
   std::string client_prefix = "client_";
   int client_base = 0;
@@ -107,6 +109,7 @@ server_configs:
   nlohmann::ordered_json j;
   j["transport"] = o.transport;
   j["memory_mode"] = o.memory_mode;
+  j["aggregator"] = o.aggregator;
   j["dtype"] = o.dtype;
   j["model_bytes"] = server["model_bytes"];
   j["clients"] = o.clients;
