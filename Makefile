@@ -52,6 +52,8 @@ bench: build
 	bash bench/simulation.sh $(BUILD) 100 100 1000 > $(BUILD)/bench_simulation.json
 	bash bench/server_core.sh $(BUILD) > $(BUILD)/bench_server_core.jsonl
 	bash bench/soak.sh $(BUILD) 200 256 > $(BUILD)/bench_soak.json
+	bash bench/aggregators.sh $(BUILD) 1024 > $(BUILD)/bench_aggregators.jsonl
+	bash bench/netem.sh $(BUILD) 64 6 > $(BUILD)/bench_netem.jsonl
 	./$(BUILD)/memfl bench dp --model llama-dp-tiny --seq 64,128 --batch 2 --json $(BUILD)/bench_dp.json
 	@echo "wrote $(BUILD)/bench.json (aggregation micro-benchmarks), $(BUILD)/bench_memory.json (in-process peak RSS vs model size and clients), $(BUILD)/bench_transfer.json (gRPC sweep)"
 

