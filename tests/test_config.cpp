@@ -53,6 +53,18 @@ TEST(Config, TheServerOptimizerExamplesLoadWithAppflsValues) {
   }
 }
 
+// An APPFL key that names Python code is refused with what to use instead.
+TEST(Config, AppflPythonPathKeysAreRefusedWithWhatToUseInstead) {
+  auto c =
+      load_config_text("client_configs:\n  model_configs:\n    model_path: ./resources/model/cnn.py\n", "appfl.yaml");
+  ASSERT_FALSE(c.ok());
+  EXPECT_NE(c.status().message().find("model_path"), std::string::npos) << c.status().message();
+  EXPECT_NE(c.status().message().find("model_name"), std::string::npos) << c.status().message();
+  auto l = load_config_text("", "x.yaml", {"client_configs.train_configs.loss_fn_path=./loss.py"});
+  ASSERT_FALSE(l.ok());
+  EXPECT_NE(l.status().message().find("loss_fn_name"), std::string::npos) << l.status().message();
+}
+
 TEST(Config, EmptyConfigTakesDefaultsAndResolvesEveryKey) {
   auto c = load_config_text("", "empty.yaml");
   ASSERT_TRUE(c.ok());

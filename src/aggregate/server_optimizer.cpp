@@ -1,6 +1,7 @@
 #include "aggregate/server_optimizer.h"
 
 #include <fcntl.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -91,8 +92,15 @@ Status ServerOptAggregator::finalize(Arena& global) {
     float* v = v_.size() > 0 ? reinterpret_cast<float*>(v_.data() + e.offset) : nullptr;
     for (size_t i = 0; i < e.numel(); i += kBlock) {
       const size_t n = std::min(kBlock, e.numel() - i);
-      std::memcpy(block.data(), t->data.data() + i * sizeof(float), n * sizeof(float));
+      const std::byte* src = t->data.data() + i * sizeof(float);
+      std::memcpy(block.data(), src, n * sizeof(float));
       server_opt_step(kind_, params_, x + i, block.data(), m + i, v != nullptr ? v + i : nullptr, n);
+      // The file's pages leave this process once read (they stay in the
+      // page cache): the mapping would otherwise add a model to the RSS.
+      const auto page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+      const auto lo = reinterpret_cast<uintptr_t>(src) & ~(page - 1);
+      const auto hi = (reinterpret_cast<uintptr_t>(src) + n * sizeof(float)) & ~(page - 1);
+      if (hi > lo) ::madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_DONTNEED);
     }
   }
   return Status::Ok();

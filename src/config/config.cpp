@@ -762,7 +762,28 @@ size_t edit_distance(std::string_view a, std::string_view b) {
   return prev[b.size()];
 }
 
+// APPFL keys memfl cannot honour as APPFL does (they name Python files or
+// objects), with what to use instead.
+std::string appfl_alternative(std::string_view path) {
+  static const std::pair<std::string_view, std::string_view> known[] = {
+      {"model_path",
+       "memfl builds models in C++: name one with client_configs.model_configs.model_name (see "
+       "`memfl config-keys`), or load weights from a safetensors file"},
+      {"loss_fn_path", "the loss is built in: client_configs.train_configs.loss_fn_name (CrossEntropyLoss)"},
+      {"loss_fn", "the loss is built in: client_configs.train_configs.loss_fn_name (CrossEntropyLoss)"},
+      {"metric_path", "accuracy is the built-in metric; memfl reports train/val/test accuracy in metrics.csv"},
+      {"dataset_path", "data sets are built in: client_configs.data_configs.dataset_name and dataset_kwargs"},
+      {"trainer_path", "trainers are built in: client_configs.train_configs.trainer (VanillaTrainer, DummyTrainer)"},
+  };
+  const std::string_view leaf = path.substr(path.rfind('.') == std::string_view::npos ? 0 : path.rfind('.') + 1);
+  for (const auto& [key, instead] : known) {
+    if (leaf == key) return fmt::format(" — APPFL's {} names Python code, which memfl cannot run; {}", key, instead);
+  }
+  return "";
+}
+
 std::string suggestion(std::string_view path) {
+  if (std::string appfl = appfl_alternative(path); !appfl.empty()) return appfl;
   // Only a key within `limit` edits is suggested, and a key whose length
   // differs by more cannot be: skip it before the O(m·n) distance, so a
   // hostile key name of megabytes is not compared with every key (seconds).
