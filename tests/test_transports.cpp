@@ -392,6 +392,30 @@ TEST(Netem, RoundsCompleteOverShapedLinksAndAPartitionedClientRejoins) {
 }
 #endif
 
+#ifdef MEMFL_TEST_GRPC
+// A TLS key that is not one is an error naming the key and the certificate,
+// not a crash; an --out that cannot be made is an error naming it.
+TEST(HostileInput, ABadTlsKeyOrAnUnwritableOutIsAnErrorNotACrash) {
+  testing::TempDir tmp;
+  const std::string cfg = write_config(tmp, "c", "", 1000);
+  const std::string not_pem = tmp.file("not_a_key.pem");
+  std::ofstream(not_pem) << "this is not a PEM file\n";
+  const std::string g = " --set server_configs.comm_configs.grpc_configs.";
+  Result r = memfl_cli("server " + cfg + g + "use_ssl=true" + g + "server_key=" + not_pem + g +
+                       "server_cert=" + not_pem + g + "root_cert=" + not_pem + " -q --out " + tmp.file("tls"));
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("server_key (" + not_pem + ")"), std::string::npos) << r.output;
+  const std::string file = tmp.file("a_file");
+  std::ofstream(file) << "x\n";
+  for (const std::string& role : {"server " + cfg, "client " + cfg + " --client-id 0"}) {
+    Result o = memfl_cli(role + " -q --out " + file + "/run");
+    EXPECT_NE(o.exit_code, 0) << o.output;
+    EXPECT_LT(o.exit_code, 128) << "a crash: " << o.output;
+    EXPECT_NE(o.output.find("--out " + file + "/run"), std::string::npos) << o.output;
+  }
+}
+#endif
+
 TEST(RunDirectories, BenchTransferKeepNeverDeletesWhatTheDirectoryHeld) {
   testing::TempDir tmp;
   const std::string keep = tmp.file("keep");

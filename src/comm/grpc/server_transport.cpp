@@ -667,8 +667,9 @@ void GrpcServerTransport::finish(int last_round) {
   if (impl_->finished) return;
   impl_->finished = true;
   impl_->agent.finish(last_round);
-  // Let clients hear "finished" and say Bye, then stop.
-  impl_->server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  // Let clients hear "finished" and say Bye, then stop (a server that never
+  // started — bad TLS files — has nothing to stop).
+  if (impl_->server) impl_->server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(10));
 }
 
 }  // namespace memfl
