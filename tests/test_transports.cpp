@@ -257,11 +257,11 @@ struct StallCase {
 class Stragglers : public ::testing::TestWithParam<StallCase> {};
 
 TEST_P(Stragglers, AStoppedGrpcClientIsDroppedTheOthersFinishAndItRejoinsLater) {
-  constexpr int kStallRounds = 8;
+  constexpr int kStallRounds = 12;
   testing::TempDir tmp;
   const StallCase sc = GetParam();
   // A fixed port: the client that was let go must find the server again.
-  const std::string cfg = with_fixed_port(write_config(tmp, "c", "0.05", 1000), tmp.file("port.yaml"),
+  const std::string cfg = with_fixed_port(write_config(tmp, "c", "0.2", 1000), tmp.file("port.yaml"),
                                           6000 + 3000 * sc.client, kStallRounds);
   const std::string dir = tmp.file("run");
   fs::create_directories(dir);
