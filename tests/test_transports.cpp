@@ -328,7 +328,7 @@ TEST(Netem, RoundsCompleteOverShapedLinksAndAPartitionedClientRejoins) {
         "[   NOTE   ] this kernel has no sch_netem: links are rate-limited (tbf, 1 Gbit/s) and cut, "
         "without delay, jitter or loss\n");
   }
-  constexpr int kNetRounds = 30;
+  constexpr int kNetRounds = 45;
   const std::string tag = std::to_string(getpid() % 100000);
   struct Down {
     std::string cmd;
