@@ -384,11 +384,15 @@ TEST(Netem, RoundsCompleteOverShapedLinksAndAPartitionedClientRejoins) {
   EXPECT_NE(server_log.find("client_2 rejoined"), std::string::npos) << server_log;
   EXPECT_TRUE(equals_expected(dir + "/server/global_model.safetensors", expected_model(in)));
   // The server's stated bound for FedAvg: 1.05 × M + 64 MiB (M is 12 KB here).
+  // Under AddressSanitizer the shadow memory and quarantine are RSS too
+  // (≈ 190 MB measured): the bound is about memfl's memory, not ASan's.
   std::ifstream summary(dir + "/server/summary.json");
   const std::string sj((std::istreambuf_iterator<char>(summary)), {});
   const size_t at = sj.find("\"peak_rss_bytes\": ");
   ASSERT_NE(at, std::string::npos) << sj;
+#if !defined(__SANITIZE_ADDRESS__)
   EXPECT_LT(std::stoll(sj.substr(at + 17)), 64LL << 20) << sj;
+#endif
 }
 #endif
 
