@@ -80,6 +80,7 @@ Status ServerOptAggregator::finalize(Arena& global) {
   // (copied: a tensor's bytes in the file need not be 4-byte aligned).
   constexpr size_t kBlock = size_t{1} << 16;
   std::vector<float> block(kBlock);
+  const auto page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
   for (const auto& e : layout_.entries()) {
     if (e.dtype != DType::kF32) continue;
     const SafetensorsTensor* t = prev->find(e.name);
@@ -97,7 +98,6 @@ Status ServerOptAggregator::finalize(Arena& global) {
       server_opt_step(kind_, params_, x + i, block.data(), m + i, v != nullptr ? v + i : nullptr, n);
       // The file's pages leave this process once read (they stay in the
       // page cache): the mapping would otherwise add a model to the RSS.
-      const auto page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
       const auto lo = reinterpret_cast<uintptr_t>(src) & ~(page - 1);
       const auto hi = (reinterpret_cast<uintptr_t>(src) + n * sizeof(float)) & ~(page - 1);
       if (hi > lo) ::madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_DONTNEED);
@@ -110,14 +110,9 @@ namespace {
 
 std::string state_file(int round) { return fmt::format("aggregator-round-{:06d}.bin", round); }
 
-uint64_t checksum_of(const Arena& a, uint64_t seed) {
-  // xxh3 of each 64 MiB block, folded: no buffer, any size.
-  uint64_t h = seed;
-  constexpr size_t kBlock = size_t{64} << 20;
-  for (size_t off = 0; off < a.size(); off += kBlock) {
-    h = h * 1000003ULL ^ chunk_checksum(a.bytes(off, std::min(kBlock, a.size() - off)));
-  }
-  return h;
+// xxh3 of m and of v, as the commit checksums the model.
+std::string moments_checksum(const Arena& m, const Arena& v) {
+  return fmt::format("{:016x}{:016x}", chunk_checksum(m.bytes()), chunk_checksum(v.bytes()));
 }
 
 }  // namespace
@@ -145,7 +140,7 @@ Status ServerOptAggregator::save_state(const std::string& state_dir, int round, 
   nlohmann::json j;
   j["file"] = name;
   j["bytes"] = m_.size() + v_.size();
-  j["checksum"] = fmt::format("{:016x}", checksum_of(v_, checksum_of(m_, 0)));
+  j["checksum"] = moments_checksum(m_, v_);
   *record = j.dump();
   // The commit keeps the last two rounds; so does this.
   std::error_code ec;
@@ -176,7 +171,7 @@ Status ServerOptAggregator::load_state(const std::string& state_dir, const std::
   std::ifstream in(path, std::ios::binary);
   for (Arena* a : {&m_, &v_}) in.read(reinterpret_cast<char*>(a->data()), static_cast<std::streamsize>(a->size()));
   if (!in) return data_loss("{}: short read", path.string());
-  const std::string sum = fmt::format("{:016x}", checksum_of(v_, checksum_of(m_, 0)));
+  const std::string sum = moments_checksum(m_, v_);
   if (sum != j["checksum"].get<std::string>()) {
     return data_loss("{}: checksum {} does not match the commit's {}", path.string(), sum,
                      j["checksum"].get<std::string>());
