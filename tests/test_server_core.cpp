@@ -500,6 +500,22 @@ TEST(ServerOptimizers, StreamingEqualsTheWholeModelStepAtEveryChunkSize) {
   }
 }
 
+// A bf16 tensor would not step (it would silently take the mean): refused,
+// naming the key and the tensor.
+TEST(ServerOptimizers, AModelWithBf16TensorsIsRefusedNamingTheTensor) {
+  LayoutBuilder b;
+  b.add("w", DType::kF32, {8}).add("h", DType::kBF16, {4});
+  Layout layout = std::move(b).build().value();
+  AggregatorContext ctx;
+  ctx.layout = &layout;
+  ctx.previous_model = "unused.safetensors";
+  ctx.make_state_arena = [](size_t n) { return StatusOr<Arena>(Arena(n, MemoryCategory::kAggregation)); };
+  auto made = make_aggregator("FedAdamAggregator", ctx);
+  ASSERT_FALSE(made.ok());
+  EXPECT_NE(made.status().message().find("server_configs.aggregator"), std::string::npos) << made.status().message();
+  EXPECT_NE(made.status().message().find("'h'"), std::string::npos) << made.status().message();
+}
+
 // The moments are committed state: saved, then loaded into a fresh
 // aggregator, they give the same next step; a corrupted file is refused.
 TEST(ServerOptimizers, MomentsSurviveSaveAndLoadAndACorruptFileIsRefused) {

@@ -37,6 +37,15 @@ StatusOr<std::unique_ptr<Aggregator>> make_aggregator(const std::string& name, c
                                                               {"FedYogiAggregator", ServerOptKind::kYogi}};
   for (const auto& [opt_name, kind] : optimizers) {
     if (name != opt_name) continue;
+    // The step is f32; a bf16/f16 tensor would silently take FedAvg's mean.
+    for (const auto& e : ctx.layout->entries()) {
+      if (dtype_is_float(e.dtype) && e.dtype != DType::kF32) {
+        return invalid_argument(
+            "server_configs.aggregator: {} steps f32 tensors only, and tensor '{}' is {}; use FedAvgAggregator or "
+            "an f32 model",
+            name, e.name, dtype_name(e.dtype));
+      }
+    }
     if (ctx.previous_model.empty())
       return invalid_argument("server_configs.aggregator: {} needs the server's checkpoint", name);
     MEMFL_ASSIGN_OR_RETURN(auto inner, make_fedavg(ctx));

@@ -15,7 +15,8 @@
 // m and v start at 0 and carry no bias correction, as in APPFL. They live
 // in arenas of the model's size (file-backed when the model is) and are
 // committed with the server's state every round, so --resume continues them.
-// Only f32 tensors step; other dtypes (counters) take the mean.
+// Only f32 tensors step; integer ones (counters) take the mean; a model with
+// bf16/f16 tensors is refused (registry).
 #pragma once
 
 #include <memory>
