@@ -42,64 +42,6 @@ MEMFL_FOLD_CLONES void fold_bf16(float* acc, const std::byte* src, size_t count,
 }
 }  // namespace
 
-// UpdateSpool: an unnamed scratch file that holds, per fold slot, the bytes
-// of an update that arrived before its turn to fold (see the header).
-class FedAvgAggregator::Spool {
- public:
-  ~Spool() {
-    if (fd_ >= 0) ::close(fd_);
-  }
-  Status open(const std::string& dir) {
-    if (fd_ >= 0) return Status::Ok();
-    dir_ = dir.empty() ? std::filesystem::temp_directory_path().string() : dir;
-    fd_ = ::open(dir_.c_str(), O_TMPFILE | O_RDWR | O_CLOEXEC, 0600);
-    if (fd_ < 0) {  // a file system without O_TMPFILE: a named file, unlinked at once
-      std::string tmpl = dir_ + "/memfl-spool-XXXXXX";
-      fd_ = ::mkstemp(tmpl.data());
-      if (fd_ >= 0) ::unlink(tmpl.c_str());
-    }
-    if (fd_ < 0) return resource_exhausted("fold spool in {}: {}", dir_, std::strerror(errno));
-    return Status::Ok();
-  }
-  Status write(uint64_t at, std::span<const std::byte> bytes) {
-    size_t done = 0;
-    while (done < bytes.size()) {
-      const ssize_t n = ::pwrite(fd_, bytes.data() + done, bytes.size() - done, static_cast<off_t>(at + done));
-      if (n < 0 && errno == EINTR) continue;
-      if (n <= 0)
-        return resource_exhausted("fold spool in {}: write of {} bytes failed: {}", dir_, bytes.size(),
-                                  std::strerror(errno));
-      done += static_cast<size_t>(n);
-    }
-    return Status::Ok();
-  }
-  Status read(uint64_t at, std::span<std::byte> into) const {
-    size_t done = 0;
-    while (done < into.size()) {
-      const ssize_t n = ::pread(fd_, into.data() + done, into.size() - done, static_cast<off_t>(at + done));
-      if (n < 0 && errno == EINTR) continue;
-      if (n <= 0)
-        return resource_exhausted("fold spool in {}: read of {} bytes failed: {}", dir_, into.size(),
-                                  std::strerror(errno));
-      done += static_cast<size_t>(n);
-    }
-    return Status::Ok();
-  }
-  // Gives a slot's disk blocks back once it has folded.
-  void release(uint64_t at, uint64_t length) {
-    if (fd_ >= 0 && length > 0)
-      (void)::fallocate(fd_, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, static_cast<off_t>(at),
-                        static_cast<off_t>(length));
-  }
-  void clear() {
-    if (fd_ >= 0) (void)::ftruncate(fd_, 0);
-  }
-
- private:
-  int fd_ = -1;
-  std::string dir_;
-};
-
 class FedAvgAggregator::Stream final : public UpdateStream {
  public:
   Stream(FedAvgAggregator& agg, size_t slot, std::string client_id, double weight)
@@ -281,7 +223,7 @@ FedAvgAggregator::FedAvgAggregator(const Layout& layout, ClientWeightsMode mode)
     : FedAvgAggregator(layout, mode, Arena(sum_bytes(layout), MemoryCategory::kAggregation)) {}
 
 FedAvgAggregator::FedAvgAggregator(const Layout& layout, ClientWeightsMode mode, Arena&& sum_storage)
-    : layout_(layout), mode_(mode), spool_(std::make_unique<Spool>()) {
+    : layout_(layout), mode_(mode), spool_(std::make_unique<SpoolFile>("fold spool")) {
   assert(sum_storage.size() >= sum_bytes(layout));
   size_t acc = 0;
   for (const auto& e : layout.entries()) {
@@ -293,7 +235,7 @@ FedAvgAggregator::FedAvgAggregator(const Layout& layout, ClientWeightsMode mode,
 
 FedAvgAggregator::FedAvgAggregator(const Layout& layout, ClientWeightsMode mode, Arena& in_place,
                                    Accumulation accumulation)
-    : layout_(layout), mode_(mode), accumulation_(accumulation), spool_(std::make_unique<Spool>()) {
+    : layout_(layout), mode_(mode), accumulation_(accumulation), spool_(std::make_unique<SpoolFile>("fold spool")) {
   assert((accumulation == Accumulation::kRunningMean || can_sum_in_place(layout)) &&
          in_place.size() >= layout.total_bytes());
   for (const auto& e : layout.entries()) acc_offsets_.push_back(e.offset);

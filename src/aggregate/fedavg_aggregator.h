@@ -52,6 +52,7 @@
 #include <vector>
 
 #include "aggregate/aggregator.h"
+#include "io/spool_file.h"
 
 namespace memfl {
 
@@ -99,7 +100,6 @@ class FedAvgAggregator final : public Aggregator {
 
  private:
   class Stream;
-  class Spool;
   friend class Stream;
   enum class SlotState { kPending, kOpen, kLive, kParked, kCommittedParked, kFolded, kOut };
   // How long a live stream may go without a chunk and still count as
@@ -145,7 +145,7 @@ class FedAvgAggregator final : public Aggregator {
   std::atomic<size_t> cursor_{0};    // the slot whose turn it is to fold
   std::condition_variable turn_cv_;  // the cursor moved
   std::chrono::steady_clock::time_point last_live_fold_;
-  std::unique_ptr<Spool> spool_;
+  std::unique_ptr<SpoolFile> spool_;
   std::string spool_dir_;
   int round_ = -1;
   double total_weight_ = 0;

@@ -427,16 +427,18 @@ const std::vector<KeySpec>& schema() {
        "SyncScheduler",
        // The registry's names (schedule/scheduler.h), written out so that
        // config/ depends on nothing above model/; a test keeps them equal.
-       {"SyncScheduler"},
+       {"SyncScheduler", "AsyncScheduler", "CompassScheduler"},
        -kInf,
        kInf,
-       "round scheduler",
+       "SyncScheduler (rounds), AsyncScheduler (each update as it comes: FedAsync, FedBuff) or CompassScheduler "
+       "(FedCompass); the asynchronous ones run in the simulator (memfl run)",
        S(server.scheduler)},
       {"server_configs.aggregator",
        Type::kString,
        "FedAvgAggregator",
        // The registry's names (aggregate/registry.h); a test keeps them equal.
-       {"FedAvgAggregator", "FedAvgMAggregator", "FedAdagradAggregator", "FedAdamAggregator", "FedYogiAggregator"},
+       {"FedAvgAggregator", "FedAvgMAggregator", "FedAdagradAggregator", "FedAdamAggregator", "FedYogiAggregator",
+        "FedAsyncAggregator", "FedBuffAggregator", "FedCompassAggregator"},
        -kInf,
        kInf,
        "aggregation rule",
@@ -698,6 +700,29 @@ const std::vector<KeySpec>& schema() {
       // clang-format off
       {"memory_configs.arena_backing", Type::kString, "memory", {"memory", "file"}, -kInf, kInf, "model-sized arenas in anonymous memory, or in mmap'd files (models larger than RAM)", S(memory.arena_backing)},
       {"memory_configs.scratch_dir", Type::kString, "\"\"", {}, -kInf, kInf, "arena_backing file: directory of the arena files (empty = the role's run directory)", S(memory.scratch_dir)},
+      {"server_configs.aggregator_kwargs.alpha", Type::kFloat, "0.9", {}, 0, 1, "asynchronous: mixing rate; an update moves the model by alpha x s(staleness) x its weight", F(server.alpha)},
+      {"server_configs.aggregator_kwargs.staleness_fn", Type::kString, "constant", {"constant", "polynomial", "hinge"}, -kInf, kInf, "asynchronous: s(t) = 1, (t+1)^-a, or 1 if t <= b else 1/(a(t-b)+1)", S(server.staleness_fn)},
+      {"server_configs.aggregator_kwargs.staleness_fn_kwargs.a", Type::kFloat, "0.5", {}, 0, 1e6, "staleness_fn's a (polynomial, hinge)", F(server.staleness_a)},
+      {"server_configs.aggregator_kwargs.staleness_fn_kwargs.b", Type::kFloat, "4", {}, 0, 1e9, "staleness_fn's b (hinge): staleness up to b counts in full", F(server.staleness_b)},
+      {"server_configs.aggregator_kwargs.K", Type::kInt, "3", {}, 1, 1e6, "FedBuff: updates per buffer (the model moves every K updates)", I(server.buffer_size)},
+      {"server_configs.aggregator_kwargs.gradient_based", Type::kBool, "false", {}, -kInf, kInf, "asynchronous: combine client updates as the change from their base model (x_base - y) instead of as models", B(server.gradient_based)},
+      {"server_configs.aggregator_kwargs.weights", Type::kString, "unset", {"unset", "equal", "sample_size"}, -kInf, kInf, "FedCompass's name for client_weights_mode (APPFL); when given, it sets that", [](ExperimentConfig& c, const Value& v) {
+        c.server.weights_alias = v.s;
+        if (v.s != "unset") c.server.client_weights_mode = v.s;
+      }},
+      {"server_configs.aggregator_kwargs.num_clients", Type::kInt, "0", {}, 0, 1e7, "APPFL's copy of server_configs.num_clients (0 = that; another value is refused)", I(server.kwargs_num_clients)},
+      {"server_configs.scheduler_kwargs.num_clients", Type::kInt, "0", {}, 0, 1e7, "APPFL's copy of server_configs.num_clients (0 = that; another value is refused)", I(server.scheduler_num_clients)},
+      {"server_configs.scheduler_kwargs.same_init_model", Type::kBool, "true", {}, -kInf, kInf, "every client starts from the server's initial model (memfl always does; false is refused)", B(server.same_init_model)},
+      {"server_configs.scheduler_kwargs.max_local_steps", Type::kInt, "100", {}, 1, 1e9, "CompassScheduler: most local steps a client is given", I(server.max_local_steps)},
+      {"server_configs.scheduler_kwargs.min_local_steps", Type::kInt, "20", {}, 1, 1e9, "CompassScheduler: fewest local steps a client is given", I(server.min_local_steps)},
+      {"server_configs.scheduler_kwargs.speed_momentum", Type::kFloat, "0.9", {}, 0, 1, "CompassScheduler: weight of the newest measured time per step in each client's speed estimate", F(server.speed_momentum)},
+      {"server_configs.scheduler_kwargs.latest_time_factor", Type::kFloat, "1.5", {}, 1, 1e3, "CompassScheduler: a group waits until its expected arrival time x this", F(server.latest_time_factor)},
+      {"server_configs.client_speed_distribution", Type::kString, "constant", {"constant", "lognormal", "uniform"}, -kInf, kInf, "simulator: how each client's time per local step is drawn (seeded by server_configs.seed)", S(server.client_speed_distribution)},
+      {"server_configs.client_step_time_s", Type::kFloat, "0.1", {}, 1e-9, 1e9, "simulator: seconds per local step (the scale of the distribution)", F(server.client_step_time_s)},
+      {"server_configs.client_speed_sigma", Type::kFloat, "0.5", {}, 0, 10, "simulator, lognormal: sigma of log(time per step)", F(server.client_speed_sigma)},
+      {"server_configs.client_speed_max_ratio", Type::kFloat, "4", {}, 1, 1e6, "simulator, uniform: slowest / fastest time per step", F(server.client_speed_max_ratio)},
+      {"server_configs.async_eval_every", Type::kInt, "0", {}, 0, 1e9, "asynchronous: evaluate the global model every N client updates (0 = num_clients)", I(server.async_eval_every)},
+      {"server_configs.logging_output_filename", Type::kString, "result", {}, -kInf, kInf, "APPFL's log file name; memfl writes a run directory (metrics.csv, summary.json) and keeps it only for the record", S(server.logging_output_filename)},
       {"server_configs.aggregator_kwargs.dp_fedavg_clip_norm", Type::kFloat, "0", {}, 0, 1e12, "client-level DP-FedAvg: clip each client's update to this L2 norm (0 = off)", F(server.dp_fedavg_clip_norm)},
       {"server_configs.aggregator_kwargs.dp_fedavg_noise_multiplier", Type::kFloat, "1.0", {}, 0, 1e6, "client-level DP-FedAvg: server noise std = this × clip norm ÷ clients", F(server.dp_fedavg_noise_multiplier)},
       {"server_configs.aggregator_kwargs.dp_fedavg_delta", Type::kFloat, "1e-5", {}, 1e-300, 0.999999, "client-level DP-FedAvg: δ of the reported ε", F(server.dp_fedavg_delta)},
@@ -991,6 +1016,39 @@ Status cross_checks(const ExperimentConfig& c, const std::string& source) {
     return invalid_argument(
         "{}: 'server_configs.comm_configs.grpc_configs.use_ssl' needs server_cert, server_key "
         "and root_cert",
+        source);
+  }
+  if (c.server.is_async() || c.server.aggregator == "FedAsyncAggregator" ||
+      c.server.aggregator == "FedBuffAggregator" || c.server.aggregator == "FedCompassAggregator") {
+    const auto& sv = c.server;
+    const bool compass = sv.scheduler == "CompassScheduler";
+    const bool ok = compass ? sv.aggregator == "FedCompassAggregator"
+                            : sv.scheduler == "AsyncScheduler" &&
+                                  (sv.aggregator == "FedAsyncAggregator" || sv.aggregator == "FedBuffAggregator");
+    if (!ok) {
+      return invalid_argument(
+          "{}: 'server_configs.aggregator' {} does not go with 'server_configs.scheduler' {}: AsyncScheduler takes "
+          "FedAsyncAggregator or FedBuffAggregator, CompassScheduler takes FedCompassAggregator, SyncScheduler the "
+          "others",
+          source, sv.aggregator, sv.scheduler);
+    }
+    if (sv.min_local_steps > sv.max_local_steps) {
+      return invalid_argument("{}: 'server_configs.scheduler_kwargs.min_local_steps' ({}) exceeds max_local_steps ({})",
+                              source, sv.min_local_steps, sv.max_local_steps);
+    }
+  }
+  for (const auto& [key, n] :
+       {std::pair<const char*, int>{"aggregator_kwargs.num_clients", c.server.kwargs_num_clients},
+        {"scheduler_kwargs.num_clients", c.server.scheduler_num_clients}}) {
+    if (n != 0 && n != c.server.num_clients) {
+      return invalid_argument("{}: 'server_configs.{}' is {} but server_configs.num_clients is {}; they must agree",
+                              source, key, n, c.server.num_clients);
+    }
+  }
+  if (!c.server.same_init_model) {
+    return invalid_argument(
+        "{}: 'server_configs.scheduler_kwargs.same_init_model: false' — memfl's clients always start from the "
+        "server's model; remove the key or set it to true",
         source);
   }
   if (c.server.clients_per_round > c.server.num_clients) {

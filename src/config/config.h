@@ -86,6 +86,27 @@ struct ServerConfig {
   // Server optimizers (aggregate/server_optimizer.h), APPFL's names.
   double server_learning_rate = 1.0, server_momentum_param_1 = 0.9, server_momentum_param_2 = 0.99,
          server_adapt_param = 1e-3;
+  // Asynchronous FL (aggregate/async_aggregator.h, schedule/compass.h):
+  // aggregator_kwargs and scheduler_kwargs as APPFL names them.
+  double alpha = 0.9;
+  std::string staleness_fn = "constant";  // constant | polynomial | hinge
+  double staleness_a = 0.5, staleness_b = 4;
+  int buffer_size = 3;  // FedBuff's K
+  bool gradient_based = false;
+  int max_local_steps = 100, min_local_steps = 20;
+  double speed_momentum = 0.9, latest_time_factor = 1.5;
+  // The simulator's client speeds: seconds per local step of client c, drawn
+  // once per client from the distribution (seeded): constant (step_time),
+  // lognormal (step_time · e^(sigma·z)) or uniform (step_time · U(1, max_ratio)).
+  std::string client_speed_distribution = "constant";
+  double client_step_time_s = 0.1, client_speed_sigma = 0.5, client_speed_max_ratio = 4;
+  int async_eval_every = 0;
+  // APPFL's copies and aliases, checked against the keys above.
+  std::string weights_alias;  // aggregator_kwargs.weights (FedCompass's name for client_weights_mode)
+  int kwargs_num_clients = 0, scheduler_num_clients = 0;
+  bool same_init_model = true;
+  std::string logging_output_filename = "result";  // asynchronous: evaluate every N updates (0 = num_clients)
+  bool is_async() const { return scheduler == "AsyncScheduler" || scheduler == "CompassScheduler"; }
   std::string device = "cpu";
   std::string logging_output_dirname = "runs";
   uint64_t seed = 42;

@@ -35,6 +35,10 @@ struct RoundMetrics {
   // The server process's threads and open file descriptors when the round
   // ended: a leak shows as a slope over rounds (the soak checks it).
   int threads = 0, open_fds = 0;
+  // Simulated time at the end of the round (the simulator's per-client
+  // speeds, server_configs.client_speed_*): a round lasts as long as its
+  // slowest selected client; asynchronous runs count their own clock.
+  double virtual_seconds = 0;
 };
 
 // Threads and open descriptors of this process (/proc/self).

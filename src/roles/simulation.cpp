@@ -18,6 +18,8 @@
 
 #include "comm/inproc.h"
 #include "memory/budget.h"
+#include "aggregate/async_aggregator.h"
+#include "server/async_driver.h"
 #include "server/global_model.h"
 #include "server/round_driver.h"
 #include "memory/sampler.h"
@@ -55,6 +57,122 @@ void print_progress(const ExperimentConfig& cfg, const RoundMetrics& m, double e
         format_bytes(static_cast<double>(m.peak_rss_bytes)), eta);
   }
   std::fflush(stdout);
+}
+
+// Asynchronous FL (AsyncScheduler, CompassScheduler) in virtual time: one
+// worker replica trains each client when it is sent off; server/async_driver.h
+// plays the clock.
+StatusOr<SimulationResult> run_async_simulation(const ExperimentConfig& cfg, const SimulationOptions& opts,
+                                                MemorySampler& sampler, const DatasetSplits* data,
+                                                const std::vector<ClientPartition>& clients, const InputSpec& input,
+                                                LocalModel& worker, const std::vector<uint32_t>& test_idx,
+                                                int64_t baseline_rss, std::chrono::steady_clock::time_point t_start) {
+  const auto& sc = cfg.server;
+  if (opts.resume)
+    return failed_precondition("--resume: an asynchronous run ({}) cannot be resumed yet; start it again",
+                               sc.scheduler);
+  SimulationResult result;
+  const bool synthetic = data == nullptr;
+  // The global model: built with the seed, as the worker was, so it is the
+  // initial model; with a network, its replica evaluates it in place.
+  MEMFL_ASSIGN_OR_RETURN(LocalModel global, make_local_model(cfg, input, /*fill=*/true, sc.seed, opts.run_dir));
+  const Layout& layout = global.layout();
+  result.model_bytes = layout.payload_bytes();
+  result.num_params = layout.num_params();
+  AsyncAggregatorOptions ao;
+  ao.alpha = sc.alpha;
+  MEMFL_ASSIGN_OR_RETURN(ao.staleness, make_staleness_fn(sc.staleness_fn, sc.staleness_a, sc.staleness_b));
+  ao.buffer_size = sc.buffer_size;
+  ao.gradient_based = sc.gradient_based;
+  MEMFL_ASSIGN_OR_RETURN(auto aggregator, AsyncAggregator::create(sc.aggregator, ao, layout, [&](size_t bytes) {
+                           return make_model_arena(cfg, bytes, opts.run_dir, MemoryCategory::kAggregation);
+                         }));
+
+  AsyncDriverOptions dopts;
+  dopts.run_dir = opts.run_dir;
+  dopts.step_time_s = client_step_times(sc);
+  double total_samples = 0;
+  std::vector<double> samples;
+  for (size_t c = 0; c < static_cast<size_t>(sc.num_clients); ++c) {
+    samples.push_back(update_sample_count(cfg, synthetic ? nullptr : &clients[c], static_cast<int>(c)));
+    total_samples += samples.back();
+  }
+  for (double n : samples)
+    dopts.weights.push_back(sc.client_weights_mode == "sample_size" ? n / total_samples : 1.0 / sc.num_clients);
+  std::vector<int> trips(static_cast<size_t>(sc.num_clients), 0);
+  std::string speeds = "client,step_time_s,weight\n";
+  for (size_t c = 0; c < dopts.step_time_s.size(); ++c)
+    speeds += fmt::format("{},{:.6f},{:.9g}\n", c, dopts.step_time_s[c], dopts.weights[c]);
+  MEMFL_RETURN_IF_ERROR(write_text_file((fs::path(opts.run_dir) / "client_speeds.csv").string(), speeds));
+  dopts.train = [&](int c, int local_steps, const Arena& g, AsyncTrip* trip) -> StatusOr<const Arena*> {
+    std::memcpy(worker.arena().data(), g.data(), layout.total_bytes());
+    ExperimentConfig tc = cfg;
+    if (local_steps > 0) {
+      tc.train.mode = "step";
+      tc.train.num_local_steps = local_steps;
+    }
+    const ClientPartition* part = synthetic ? nullptr : &clients[static_cast<size_t>(c)];
+    // Each trip trains with a seed of its own (the trip number plays the round).
+    MEMFL_ASSIGN_OR_RETURN(TrainResult tr, local_update(worker, tc, data, part, ++trips[static_cast<size_t>(c)], c));
+    trip->train_loss = tr.train_loss;
+    trip->steps = tr.num_steps;
+    if (trip->steps <= 0) {
+      // DummyTrainer takes no steps; its trip lasts as long as the steps a
+      // trainer would have taken.
+      const int64_t n = part != nullptr ? static_cast<int64_t>(part->train.size()) : 0;
+      const int64_t bs = std::max(1, tc.train.train_batch_size);
+      trip->steps = tc.train.mode == "step" || n == 0 ? tc.train.num_local_steps
+                                                      : tc.train.num_local_epochs * ((n + bs - 1) / bs);
+    }
+    return &worker.arena();
+  };
+  if (sc.do_server_eval && global.replica() != nullptr) {
+    dopts.evaluate = [&](Arena&) { return global.replica()->evaluate(data->test, test_idx, sc.eval_batch_size); };
+  }
+  dopts.on_eval = [&](const RoundMetrics& m) {
+    if (opts.progress) {
+      fmt::print("updates {:>6}/{}  virtual {:.1f} s  train_loss {:.4f}  test_acc {:.4f}  {:.1f} s  RSS {}\n",
+                 static_cast<int64_t>(m.round) * (sc.async_eval_every > 0 ? sc.async_eval_every : sc.num_clients),
+                 sc.num_global_epochs, m.virtual_seconds, m.train_loss, m.test_accuracy, m.round_seconds,
+                 format_bytes(static_cast<double>(m.rss_bytes)));
+      std::fflush(stdout);
+    }
+  };
+  spdlog::info("{} with {}: {} clients, {} updates, speeds {} (client_speeds.csv)", sc.scheduler, sc.aggregator,
+               sc.num_clients, sc.num_global_epochs, sc.client_speed_distribution);
+  AsyncDriver driver(cfg, layout, global.arena(), *aggregator, sampler, std::move(dopts));
+  MEMFL_RETURN_IF_ERROR(driver.run());
+  MEMFL_RETURN_IF_ERROR(write_safetensors(
+      (fs::path(opts.run_dir) / "global_model.safetensors").string(), layout, global.arena(),
+      {{"format", "memfl"}, {"updates", std::to_string(sc.num_global_epochs)}, {"model_name", cfg.model.model_name}}));
+  result.rounds = driver.evaluations();
+  sampler.mark(static_cast<int>(result.rounds.size()), "done");
+  result.peak_rss_bytes = std::max(sampler.peak_rss(), read_peak_rss_bytes());
+  result.wall_seconds = seconds_since(t_start);
+
+  nlohmann::ordered_json summary;
+  summary["role"] = "simulation";
+  summary["scheduler"] = sc.scheduler;
+  summary["aggregator"] = sc.aggregator;
+  summary["updates"] = sc.num_global_epochs;
+  summary["global_versions"] = driver.versions();
+  summary["mean_staleness"] = driver.mean_staleness();
+  summary["max_staleness"] = driver.max_staleness();
+  summary["virtual_seconds"] = result.rounds.empty() ? 0.0 : result.rounds.back().virtual_seconds;
+  summary["final_test_accuracy"] = result.rounds.empty() ? 0.0 : result.rounds.back().test_accuracy;
+  summary["final_test_loss"] = result.rounds.empty() ? 0.0 : result.rounds.back().test_loss;
+  summary["peak_rss_bytes"] = result.peak_rss_bytes;
+  summary["baseline_rss_bytes"] = baseline_rss;
+  summary["model_bytes"] = result.model_bytes;
+  summary["num_params"] = result.num_params;
+  summary["aggregator_state_bytes"] = aggregator->state_bytes();
+  summary["peak_rss_over_model"] = static_cast<double>(result.peak_rss_bytes) / static_cast<double>(result.model_bytes);
+  summary["peak_above_baseline_over_model"] =
+      static_cast<double>(result.peak_rss_bytes - baseline_rss) / static_cast<double>(layout.total_bytes());
+  summary["wall_seconds"] = result.wall_seconds;
+  summary["num_clients"] = sc.num_clients;
+  MEMFL_RETURN_IF_ERROR(write_text_file((fs::path(opts.run_dir) / "summary.json").string(), summary.dump(2) + "\n"));
+  return result;
 }
 
 }  // namespace
@@ -123,6 +241,11 @@ StatusOr<SimulationResult> run_simulation(const ExperimentConfig& cfg, const Sim
   result.num_params = layout.num_params();
   spdlog::info("model {}: {} parameters, {} ({} tensors), layout {:016x}", cfg.model.model_name, layout.num_params(),
                format_bytes(static_cast<double>(layout.payload_bytes())), layout.size(), layout.hash());
+
+  if (sc.is_async()) {
+    return run_async_simulation(cfg, opts, sampler, data ? &*data : nullptr, clients, input, worker0, test_idx,
+                                baseline_rss, t_start);
+  }
 
   // parallel_clients: -1 — as many workers as the budget holds, from the
   // measured cost of the first replica plus its training state.

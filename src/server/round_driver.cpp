@@ -17,10 +17,10 @@ namespace fs = std::filesystem;
 using Clock = std::chrono::steady_clock;
 
 nlohmann::json round_metrics_to_json(const RoundMetrics& m) {
-  return {m.round,      m.clients,       m.train_loss,  m.train_accuracy, m.val_loss,         m.val_accuracy,
-          m.test_loss,  m.test_accuracy, m.bytes_moved, m.round_seconds,  m.download_seconds, m.upload_seconds,
-          m.bytes_down, m.bytes_up,      m.rss_bytes,   m.peak_rss_bytes, m.commit_seconds,   m.threads,
-          m.open_fds};
+  return {m.round,      m.clients,        m.train_loss,  m.train_accuracy, m.val_loss,         m.val_accuracy,
+          m.test_loss,  m.test_accuracy,  m.bytes_moved, m.round_seconds,  m.download_seconds, m.upload_seconds,
+          m.bytes_down, m.bytes_up,       m.rss_bytes,   m.peak_rss_bytes, m.commit_seconds,   m.threads,
+          m.open_fds,   m.virtual_seconds};
 }
 
 RoundMetrics round_metrics_from_json(const nlohmann::json& j) {
@@ -46,6 +46,7 @@ RoundMetrics round_metrics_from_json(const nlohmann::json& j) {
     m.threads = j[17];
     m.open_fds = j[18];
   }
+  if (j.size() > 19) m.virtual_seconds = j[19];
   return m;
 }
 
@@ -189,6 +190,10 @@ Status RoundDriver::play_round(int round, RoundMetrics* m, bool* redo) {
     m->test_accuracy = ev->accuracy;
   }
   m->round_seconds = std::chrono::duration<double>(Clock::now() - t_round).count();
+  if (opts_.round_virtual_seconds) {
+    const double before = rounds_.empty() ? 0.0 : rounds_.back().virtual_seconds;
+    m->virtual_seconds = before + opts_.round_virtual_seconds(round);
+  }
   m->peak_rss_bytes = sampler_.peak_rss();
   m->rss_bytes = read_rss_bytes();
   m->threads = count_threads();

@@ -35,6 +35,10 @@ struct RoundDriverOptions {
   std::function<StatusOr<EvalResult>(int round, Arena& global)> evaluate;
   // Called after each round's metrics are final (progress lines).
   std::function<void(const RoundMetrics&)> on_round;
+  // The simulated duration of `round` (its slowest client's local steps ×
+  // its time per step), added up into RoundMetrics::virtual_seconds; empty:
+  // no simulated time.
+  std::function<double(int round)> round_virtual_seconds;
   // What a transport keeps across rounds beyond the driver's state (e.g.
   // the simulator's per-client DP), saved and restored with each commit.
   std::function<nlohmann::json()> save_extra;
