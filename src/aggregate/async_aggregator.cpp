@@ -83,7 +83,8 @@ StatusOr<std::unique_ptr<AsyncAggregator>> AsyncAggregator::create(
 // The group's terms Σ α_i (y_i − x) (or −Σ α_i g_i), block by block, with x
 // the model before the group: added to x, or to FedBuff's Δ.
 Status AsyncAggregator::fold(Arena& global, std::span<const AsyncContribution> group, bool into_step) {
-  std::vector<float> y(kBlock), acc(kBlock);
+  const size_t block = std::max<size_t>(1, options_.block_elements);
+  std::vector<float> y(block), acc(block);
   std::vector<double> alphas;
   for (const auto& c : group) alphas.push_back(alpha_t(c));
   for (const auto& e : layout_.entries()) {
@@ -97,8 +98,8 @@ Status AsyncAggregator::fold(Arena& global, std::span<const AsyncContribution> g
     float* x = global.as<float>(e.offset);
     float* d = into_step ? step_.as<float>(e.offset) : nullptr;
     const size_t n = e.numel();
-    for (size_t at = 0; at < n; at += kBlock) {
-      const size_t len = std::min(kBlock, n - at);
+    for (size_t at = 0; at < n; at += block) {
+      const size_t len = std::min(block, n - at);
       std::fill_n(acc.data(), len, 0.0f);
       for (size_t i = 0; i < group.size(); ++i) {
         MEMFL_RETURN_IF_ERROR(

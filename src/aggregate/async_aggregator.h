@@ -53,6 +53,9 @@ struct AsyncAggregatorOptions {
   StalenessFn staleness;
   int buffer_size = 3;  // FedBuff's K
   bool gradient_based = false;
+  // Elements read and combined at a time (the memory it works in: two f32
+  // blocks); any size gives the same model, bit for bit.
+  size_t block_elements = 64 * 1024;
 };
 
 // A client's update, whole and checked, read block by block.
@@ -100,8 +103,6 @@ class AsyncAggregator {
   int buffered() const { return buffered_; }
   // Bytes held between updates (FedBuff's Δ).
   size_t state_bytes() const { return step_.size(); }
-
-  static constexpr size_t kBlock = 64 * 1024;  // elements per block
 
  private:
   AsyncAggregator(std::string name, AsyncAggregatorOptions options, const Layout& layout, Arena step)

@@ -247,6 +247,19 @@ int main(int argc, char** argv) {
   privacy->add_flag("--json", privacy_args.json, "print one JSON object instead of a sentence");
   memfl::CompareMethodsOptions cm;
   std::string methods_csv;
+  memfl::CompareAlgorithmsOptions ca;
+  std::string algorithms_csv;
+  auto* compare_algorithms = app.add_subcommand(
+      "compare-algorithms",
+      "Run FL algorithms (FedAvg, FedAsync, FedBuff, FedCompass, ...) on the same clients and compare them");
+  compare_algorithms->add_option("CONFIG", config_path, "YAML config (default: the embedded default)");
+  compare_algorithms
+      ->add_option("--algorithms", algorithms_csv, "comma-separated, e.g. FedAvg,FedAsync,FedBuff,FedCompass")
+      ->required();
+  compare_algorithms->add_option("--target", ca.target_accuracy, "accuracy for 'time to target'")
+      ->capture_default_str();
+  compare_algorithms->add_option("--out", out_dir, "output directory (default: runs/compare-algorithms-<pid>)");
+  compare_algorithms->add_option("--set", sets, "override a config key (repeatable)");
   auto* compare_methods =
       app.add_subcommand("compare-methods", "Run client selection methods one after another and compare them");
   compare_methods->add_option("CONFIG", config_path, "YAML config (default: the embedded default)");
@@ -381,6 +394,23 @@ int main(int argc, char** argv) {
   if (app.got_subcommand("privacy")) return privacy_command(privacy_args);
   if (app.got_subcommand("list-methods")) {
     for (const auto& m : memfl::client_selection_methods()) fmt::print("{:<18} {}\n", m.name, m.description);
+    return kExitOk;
+  }
+  if (app.got_subcommand("compare-algorithms")) {
+    auto cfg = load(config_path, sets);
+    if (!cfg.ok()) return fail(cfg.status());
+    std::stringstream ss(algorithms_csv);
+    std::string a;
+    while (std::getline(ss, a, ',')) {
+      if (!a.empty()) ca.algorithms.push_back(a);
+    }
+    ca.out_dir = out_dir.empty() ? fmt::format("runs/compare-algorithms-{}", getpid()) : out_dir;
+    auto r = memfl::run_compare_algorithms(*cfg, ca);
+    if (!r.ok()) return fail(r.status());
+    fmt::print(
+        "{}\nresults: {}/compare.html, results.md, results.csv, curves.csv, accuracy_vs_time.svg, "
+        "accuracy_vs_rounds.svg\n",
+        *r, ca.out_dir);
     return kExitOk;
   }
   if (app.got_subcommand("compare-methods")) {

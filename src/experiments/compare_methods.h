@@ -21,4 +21,26 @@ struct CompareMethodsOptions {
 // Returns the results table as text (also results.csv, results.md, accuracy.svg in out_dir).
 StatusOr<std::string> run_compare_methods(const ExperimentConfig& cfg, const CompareMethodsOptions& opts);
 
+// `memfl compare-algorithms CONFIG --algorithms FedAvg,FedAsync,FedBuff,FedCompass`:
+// each FL algorithm on the same clients, partition, speeds and seed, one
+// after another in the simulator. A synchronous algorithm plays
+// num_global_epochs rounds of the selected clients; an asynchronous one the
+// same number of client updates (rounds × clients per round), evaluated
+// every clients-per-round updates, so "round" k means the same work for
+// both. Virtual time comes from server_configs.client_speed_*: a synchronous
+// round waits for its slowest client, asynchronous clients do not wait.
+struct CompareAlgorithmsOptions {
+  std::vector<std::string> algorithms;  // FedAvg, FedAvgM, FedAdam, FedYogi, FedAdagrad, FedAsync, FedBuff, FedCompass
+  double target_accuracy = 0.8;
+  std::string out_dir;
+};
+
+// The scheduler and aggregator an algorithm's short name stands for; an
+// unknown name is an error listing the known ones.
+StatusOr<std::pair<std::string, std::string>> algorithm_components(const std::string& algorithm);
+
+// Returns the results table (also results.md, results.csv, curves.csv,
+// accuracy_vs_time.svg, accuracy_vs_rounds.svg and compare.html in out_dir).
+StatusOr<std::string> run_compare_algorithms(const ExperimentConfig& cfg, const CompareAlgorithmsOptions& opts);
+
 }  // namespace memfl

@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cstring>
 #include <filesystem>
+#include <map>
 #include <numeric>
 #include <random>
 #include <thread>
@@ -57,6 +58,15 @@ void print_progress(const ExperimentConfig& cfg, const RoundMetrics& m, double e
         format_bytes(static_cast<double>(m.peak_rss_bytes)), eta);
   }
   std::fflush(stdout);
+}
+
+// The local steps a trip takes: what the trainer reports, or — DummyTrainer
+// takes none — the steps a trainer would have taken.
+int64_t trip_steps(const TrainConfig& tc, const ClientPartition* part, int64_t reported) {
+  if (reported > 0) return reported;
+  const int64_t n = part != nullptr ? static_cast<int64_t>(part->train.size()) : 0;
+  const int64_t bs = std::max(1, tc.train_batch_size);
+  return tc.mode == "step" || n == 0 ? tc.num_local_steps : tc.num_local_epochs * ((n + bs - 1) / bs);
 }
 
 // Asynchronous FL (AsyncScheduler, CompassScheduler) in virtual time: one
@@ -115,15 +125,7 @@ StatusOr<SimulationResult> run_async_simulation(const ExperimentConfig& cfg, con
     // Each trip trains with a seed of its own (the trip number plays the round).
     MEMFL_ASSIGN_OR_RETURN(TrainResult tr, local_update(worker, tc, data, part, ++trips[static_cast<size_t>(c)], c));
     trip->train_loss = tr.train_loss;
-    trip->steps = tr.num_steps;
-    if (trip->steps <= 0) {
-      // DummyTrainer takes no steps; its trip lasts as long as the steps a
-      // trainer would have taken.
-      const int64_t n = part != nullptr ? static_cast<int64_t>(part->train.size()) : 0;
-      const int64_t bs = std::max(1, tc.train.train_batch_size);
-      trip->steps = tc.train.mode == "step" || n == 0 ? tc.train.num_local_steps
-                                                      : tc.train.num_local_epochs * ((n + bs - 1) / bs);
-    }
+    trip->steps = trip_steps(tc.train, part, tr.num_steps);
     return &worker.arena();
   };
   if (sc.do_server_eval && global.replica() != nullptr) {
@@ -312,6 +314,9 @@ StatusOr<SimulationResult> run_simulation(const ExperimentConfig& cfg, const Sim
 
   std::vector<InProcessTransport::Worker> pool;
   for (auto& w : workers) pool.push_back({&w.arena()});
+  const std::vector<double> step_times = client_step_times(sc);
+  std::mutex virtual_mu;
+  std::map<int, double> round_virtual;
   auto train = [&](int w, int c, int round, ClientUpdateInfo* info) -> Status {
     const ClientPartition* part = synthetic ? nullptr : &clients[static_cast<size_t>(c)];
     sampler.mark(round, "train");
@@ -326,6 +331,13 @@ StatusOr<SimulationResult> run_simulation(const ExperimentConfig& cfg, const Sim
     info->val_accuracy = tr.val_accuracy;
     info->dp_steps = tr.dp_steps;
     info->dp_sample_rate = tr.dp_sample_rate;
+    {
+      // Simulated time: the round lasts as long as its slowest client.
+      const double d =
+          static_cast<double>(trip_steps(cfg.train, part, tr.num_steps)) * step_times[static_cast<size_t>(c)];
+      std::lock_guard vlock(virtual_mu);
+      round_virtual[round] = std::max(round_virtual[round], d);
+    }
     sampler.mark(round, "upload");
     return Status::Ok();
   };
@@ -366,6 +378,12 @@ StatusOr<SimulationResult> run_simulation(const ExperimentConfig& cfg, const Sim
     // A shed worker's replica goes now, between rounds.
     for (size_t k = static_cast<size_t>(governor.active()); k < workers.size(); ++k) workers[k] = LocalModel();
     if (opts.progress) print_progress(cfg, m, seconds_since(t_start));
+  };
+  dopts.round_virtual_seconds = [&](int round) {
+    std::lock_guard vlock(virtual_mu);
+    const double d = round_virtual[round];
+    round_virtual.erase(round);
+    return d;
   };
   dopts.save_extra = [&] { return nlohmann::json{{"max_client_epsilon", max_epsilon}}; };
   dopts.load_extra = [&](const nlohmann::json& j) {

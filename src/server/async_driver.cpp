@@ -144,7 +144,7 @@ struct AsyncDriver::Impl {
     } else {
       // The change from its base model, g = x_base − y (what APPFL's clients
       // send with send_gradient); counters as they are.
-      std::vector<float> g(AsyncAggregator::kBlock);
+      std::vector<float> g(agg.options().block_elements);
       for (const auto& e : layout.entries()) {
         if (e.dtype != DType::kF32) {
           MEMFL_RETURN_IF_ERROR(spool.write(base + e.offset, trained->bytes(e.offset, e.nbytes())));
@@ -166,7 +166,7 @@ struct AsyncDriver::Impl {
   }
 
   void write_log(const Trip& t, int64_t version_after) {
-    std::fprintf(log, "%lld,%d,%lld,%lld,%.9g,%lld,%.6f,%.6f,%.6f,%lld,%s\n", static_cast<long long>(t.update),
+    std::fprintf(log, "%lld,%d,%lld,%lld,%.17g,%lld,%.9f,%.9f,%.9f,%lld,%s\n", static_cast<long long>(t.update),
                  t.client, static_cast<long long>(t.base_version), static_cast<long long>(t.staleness), t.alpha,
                  static_cast<long long>(t.local_steps), t.dispatched_at, t.arrives_at, now,
                  static_cast<long long>(version_after), t.how.c_str());
