@@ -68,15 +68,20 @@ class AsyncDriver {
   // asynchronous run's global epochs so).
   Status run();
   const std::vector<RoundMetrics>& evaluations() const { return evals_; }
-  int64_t versions() const { return version_; }
+  int64_t versions() const;
   double mean_staleness() const;
-  int64_t max_staleness() const { return max_staleness_; }
+  int64_t max_staleness() const;
 
  private:
   struct Impl;
   std::unique_ptr<Impl> impl_;
   std::vector<RoundMetrics> evals_;
-  int64_t version_ = 0, max_staleness_ = 0;
 };
+
+// Writes g = base − trained for f32 tensors (what a gradient_based client
+// sends) and the trained bytes of the others, `block` elements at a time,
+// through `write(offset, bytes)`.
+Status write_gradient(const Layout& layout, const Arena& base, const Arena& trained, size_t block,
+                      const std::function<Status(size_t offset, std::span<const std::byte>)>& write);
 
 }  // namespace memfl
