@@ -285,7 +285,8 @@ TEST(CompassPlanner, GroupsAndStepsWorkedByHand) {
 
 // ---- the simulator, end to end ----
 
-std::string async_config(const std::string& aggregator, int clients, int updates, double scale) {
+std::string async_config(const std::string& aggregator, int clients, int updates, double scale,
+                         bool gradient_based = true) {
   const std::string scheduler = aggregator == "FedCompassAggregator" ? "CompassScheduler" : "AsyncScheduler";
   return "client_configs:\n  train_configs:\n    trainer: DummyTrainer\n    dummy_update_scale: " +
          std::to_string(scale) +
@@ -298,7 +299,9 @@ std::string async_config(const std::string& aggregator, int clients, int updates
          aggregator +
          "\n  aggregator_kwargs:\n    alpha: 0.9\n    staleness_fn: polynomial\n    staleness_fn_kwargs:\n      a: "
          "0.5\n"
-         "    K: 3\n    gradient_based: true\n"
+         "    K: 3\n    gradient_based: " +
+         (gradient_based ? std::string("true") : std::string("false")) +
+         "\n"
          "  client_speed_distribution: lognormal\n  client_step_time_s: 0.1\n  client_speed_sigma: 0.7\n";
 }
 
@@ -316,32 +319,40 @@ std::map<std::string, std::vector<float>> read_model(const std::string& path) {
   return out;
 }
 
-class AsyncSimulation : public ::testing::TestWithParam<std::string> {};
+// (transport, aggregator): the simulator's virtual clock, or a gRPC server
+// and six client processes in real time.
+class AsyncSimulation : public ::testing::TestWithParam<std::tuple<std::string, std::string, bool>> {};
 
 // The final model is the initial one plus, for every update the log says
 // was applied, α·d — d being DummyTrainer's known change for that client and
 // trip, α the test's own alpha · (τ+1)^-0.5 / N. The log's clock and versions
 // are checked against client_speeds.csv and each other.
 TEST_P(AsyncSimulation, TheModelIsTheReplayOfTheAsyncLog) {
-  const std::string aggregator = GetParam();
+  const auto& [transport, aggregator, gradient_based] = GetParam();
+  const bool grpc = transport == "grpc";
   const int n = 6, updates = 40;
   const double scale = 0.01;
   TempDir tmp;
   {
-    std::ofstream(tmp.file("init.yaml")) << async_config(aggregator, n, 1, 0.0);
-    std::ofstream(tmp.file("run.yaml")) << async_config(aggregator, n, updates, scale);
+    std::ofstream(tmp.file("init.yaml")) << async_config(aggregator, n, 1, 0.0, /*gradient_based=*/true);
+    std::ofstream(tmp.file("run.yaml")) << async_config(aggregator, n, updates, scale, gradient_based)
+                                        << "  comm_configs:\n    grpc_configs:\n      server_uri: 127.0.0.1:0\n";
   }
   // With no change (scale 0) the gradient is 0: the model stays the initial one.
   Result init = memfl_cli("run " + tmp.file("init.yaml") + " -q --out " + tmp.file("init"));
   ASSERT_EQ(init.exit_code, 0) << init.output;
-  Result r = memfl_cli("run " + tmp.file("run.yaml") + " -q --out " + tmp.file("run"));
+  Result r = grpc ? memfl_cli("launch " + tmp.file("run.yaml") + " --clients 6 -q --out " + tmp.file("out"))
+                  : memfl_cli("run " + tmp.file("run.yaml") + " -q --out " + tmp.file("run"));
   ASSERT_EQ(r.exit_code, 0) << r.output;
+  if (grpc) std::filesystem::rename(tmp.file("out/server"), tmp.file("run"));
 
   std::vector<double> step_time(n);
-  auto speeds = read_csv(tmp.file("run/client_speeds.csv"));
-  ASSERT_EQ(speeds.size(), static_cast<size_t>(n + 1));
-  for (int c = 0; c < n; ++c) step_time[static_cast<size_t>(c)] = std::stod(speeds[static_cast<size_t>(c + 1)][1]);
-  EXPECT_NE(step_time[0], step_time[1]);  // lognormal: the clients differ
+  if (!grpc) {
+    auto speeds = read_csv(tmp.file("run/client_speeds.csv"));
+    ASSERT_EQ(speeds.size(), static_cast<size_t>(n + 1));
+    for (int c = 0; c < n; ++c) step_time[static_cast<size_t>(c)] = std::stod(speeds[static_cast<size_t>(c + 1)][1]);
+    EXPECT_NE(step_time[0], step_time[1]);  // lognormal: the clients differ
+  }
 
   struct Row {
     int64_t update;
@@ -376,8 +387,13 @@ TEST_P(AsyncSimulation, TheModelIsTheReplayOfTheAsyncLog) {
     EXPECT_EQ(row.staleness, row.version - 1 - row.base);
     EXPECT_GE(row.staleness, 0);
     EXPECT_NEAR(row.alpha, 0.9 * std::pow(row.staleness + 1.0, -0.5) / n, 1e-12);
-    // The clock: its trip lasted its steps × its time per step.
-    EXPECT_NEAR(row.arrived - row.dispatched, row.steps * step_time[static_cast<size_t>(row.client)], 1e-5);
+    // The clock: in the simulator its trip lasted its steps × its time per
+    // step; in real time it at least came after it left.
+    if (!grpc) {
+      EXPECT_NEAR(row.arrived - row.dispatched, row.steps * step_time[static_cast<size_t>(row.client)], 1e-5);
+    } else {
+      EXPECT_GE(row.arrived, row.dispatched);
+    }
     EXPECT_GE(row.applied + 1e-9, row.arrived);
     if (aggregator == "FedAsyncAggregator") {
       EXPECT_EQ(row.steps, 10);
@@ -393,7 +409,7 @@ TEST_P(AsyncSimulation, TheModelIsTheReplayOfTheAsyncLog) {
       EXPECT_LE(row.steps, 10);
     }
   }
-  if (aggregator == "FedCompassAggregator") {
+  if (aggregator == "FedCompassAggregator" && !grpc) {
     // Groups formed: some version took more than one update.
     int biggest = 0;
     for (const auto& [v, k] : per_version) biggest = std::max(biggest, k);
@@ -406,30 +422,60 @@ TEST_P(AsyncSimulation, TheModelIsTheReplayOfTheAsyncLog) {
     std::vector<Row> by_update = rows;
     std::sort(by_update.begin(), by_update.end(), [](const Row& a, const Row& b) { return a.update < b.update; });
     for (const auto& row : by_update) {
-      EXPECT_EQ(row.base, last_version.count(row.client) ? last_version[row.client] : 0) << "update " << row.update;
-      // …and leaves the moment its update was applied.
-      EXPECT_NEAR(row.dispatched, last_applied.count(row.client) ? last_applied[row.client] : 0.0, 1e-5);
+      // (In real time others may be applied before it asks for the model.)
+      const int64_t made = last_version.count(row.client) ? last_version[row.client] : 0;
+      if (!grpc) {
+        EXPECT_EQ(row.base, made) << "update " << row.update;
+      } else {
+        EXPECT_GE(row.base, made) << "update " << row.update;
+      }
+      // …and leaves the moment its update was applied (in real time: after).
+      const double left = last_applied.count(row.client) ? last_applied[row.client] : 0.0;
+      if (!grpc) {
+        EXPECT_NEAR(row.dispatched, left, 1e-5);
+      } else {
+        EXPECT_GE(row.dispatched, left);
+      }
       last_version[row.client] = row.version;
       last_applied[row.client] = row.applied;
     }
   }
 
-  // The replay: trips numbered per client in arrival order.
+  // The replay: trips numbered per client in arrival order. An update is
+  // d (gradient_based: the change, −g), or the model it trained from plus d;
+  // each version is the one before plus Σ α (update − model before).
   auto x = read_model(tmp.file("init/global_model.safetensors"));
   auto got = read_model(tmp.file("run/global_model.safetensors"));
   ASSERT_FALSE(x.empty());
   std::vector<Row> by_update = rows;
   std::sort(by_update.begin(), by_update.end(), [](const Row& a, const Row& b) { return a.update < b.update; });
-  std::map<int, int> trips;
-  for (const auto& row : by_update) {
-    const int trip = ++trips[row.client];
-    for (auto& [name, v] : x) {
-      for (size_t i = 0; i < v.size(); ++i) {
-        const double d = scale * (row.client + 1) * (1 + (i + static_cast<size_t>(trip)) % 5);
-        v[i] = static_cast<float>(v[i] + row.alpha * d);
+  std::map<int64_t, int> trip_of;  // update → its client's trip number
+  {
+    std::map<int, int> trips;
+    for (const auto& row : by_update) trip_of[row.update] = ++trips[row.client];
+  }
+  std::vector<std::map<std::string, std::vector<float>>> versions{x};
+  const int64_t last = rows.empty() ? 0 : std::max_element(rows.begin(), rows.end(), [](auto& a, auto& b) {
+                                            return a.version < b.version;
+                                          })->version;
+  for (int64_t v = 1; v <= last; ++v) {
+    auto next = versions.back();
+    for (const auto& row : by_update) {
+      if (row.version != v) continue;
+      ASSERT_LT(row.base, v);
+      for (auto& [name, w] : next) {
+        const auto& before = versions[static_cast<size_t>(v - 1)].at(name);
+        const auto& base = versions[static_cast<size_t>(row.base)].at(name);
+        for (size_t i = 0; i < w.size(); ++i) {
+          const double d = scale * (row.client + 1) * (1 + (i + static_cast<size_t>(trip_of[row.update])) % 5);
+          const double update = gradient_based ? d : base[i] + d - before[i];
+          w[i] = static_cast<float>(w[i] + row.alpha * update);
+        }
       }
     }
+    versions.push_back(std::move(next));
   }
+  x = versions.back();
   double max_change = 0;
   const auto initial = read_model(tmp.file("init/global_model.safetensors"));
   for (const auto& [name, v] : x) {
@@ -443,8 +489,23 @@ TEST_P(AsyncSimulation, TheModelIsTheReplayOfTheAsyncLog) {
   EXPECT_GT(max_change, 1e-3);  // the updates did move the model
 }
 
+std::vector<std::string> async_transports() {
+#ifdef MEMFL_HAVE_GRPC
+  return {"simulator", "grpc"};
+#else
+  return {"simulator"};
+#endif
+}
+
 INSTANTIATE_TEST_SUITE_P(Rules, AsyncSimulation,
-                         ::testing::Values("FedAsyncAggregator", "FedBuffAggregator", "FedCompassAggregator"));
+                         ::testing::Combine(::testing::ValuesIn(async_transports()),
+                                            ::testing::Values("FedAsyncAggregator", "FedBuffAggregator",
+                                                              "FedCompassAggregator"),
+                                            ::testing::Bool()),
+                         [](const auto& which) {
+                           return std::get<0>(which.param) + "_" + std::get<1>(which.param) +
+                                  (std::get<2>(which.param) ? "_change" : "_model");
+                         });
 
 TEST(AsyncSimulationScale, AThousandClientsInOneProcessInVirtualTime) {
   TempDir tmp;

@@ -154,4 +154,23 @@ StatusOr<bool> AsyncAggregator::apply(Arena& global, std::span<const AsyncContri
   return moved;
 }
 
+Status write_gradient(const Layout& layout, const Arena& base, const Arena& trained, size_t block,
+                      const std::function<Status(size_t offset, std::span<const std::byte>)>& write) {
+  std::vector<float> g(std::max<size_t>(1, block));
+  for (const auto& e : layout.entries()) {
+    if (e.dtype != DType::kF32) {
+      MEMFL_RETURN_IF_ERROR(write(e.offset, trained.bytes(e.offset, e.nbytes())));
+      continue;
+    }
+    const float* x = base.as<float>(e.offset);
+    const float* y = trained.as<float>(e.offset);
+    for (size_t at = 0; at < e.numel(); at += g.size()) {
+      const size_t len = std::min(g.size(), e.numel() - at);
+      for (size_t k = 0; k < len; ++k) g[k] = x[at + k] - y[at + k];
+      MEMFL_RETURN_IF_ERROR(write(e.offset + at * sizeof(float), std::as_bytes(std::span(g.data(), len))));
+    }
+  }
+  return Status::Ok();
+}
+
 }  // namespace memfl

@@ -15,6 +15,11 @@ const std::vector<AggregatorInfo>& aggregators() {
       {"FedAdagradAggregator", "server Adagrad on the pseudo-gradient D = mean - x (Reddi et al. 2021)"},
       {"FedAdamAggregator", "server Adam on the pseudo-gradient, no bias correction (Reddi et al. 2021, as APPFL)"},
       {"FedYogiAggregator", "server Yogi on the pseudo-gradient (Reddi et al. 2021)"},
+      // Asynchronous (aggregate/async_aggregator.h): under AsyncScheduler or
+      // CompassScheduler, driven by server/async_core.h.
+      {"FedAsyncAggregator", "each update as it arrives, weighted by its staleness (Xie et al. 2019)"},
+      {"FedBuffAggregator", "buffers K updates, then moves the model (Nguyen et al. 2022)"},
+      {"FedCompassAggregator", "arrival groups planned by client speed (Li et al. 2023)"},
   };
   return known;
 }
@@ -61,6 +66,12 @@ StatusOr<std::unique_ptr<Aggregator>> make_aggregator(const std::string& name, c
     if (v.size() > 0) std::memset(v.data(), 0, v.size());
     return std::unique_ptr<Aggregator>(std::make_unique<ServerOptAggregator>(
         name, kind, ctx.server_opt, std::move(inner), *ctx.layout, std::move(m), std::move(v), ctx.previous_model));
+  }
+  if (name == "FedAsyncAggregator" || name == "FedBuffAggregator" || name == "FedCompassAggregator") {
+    return invalid_argument(
+        "server_configs.aggregator: {} is asynchronous: it runs under AsyncScheduler or CompassScheduler "
+        "(server_configs.scheduler), not in rounds",
+        name);
   }
   return invalid_argument("server_configs.aggregator: unknown aggregator '{}'; known: {}", name,
                           fmt::join(aggregator_names(), ", "));

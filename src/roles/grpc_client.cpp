@@ -3,6 +3,7 @@
 // (chunks straight from the arena).
 #include <csignal>
 #include <chrono>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <thread>
@@ -14,6 +15,7 @@
 
 #include "comm/grpc/wire.h"
 #include "memory/sampler.h"
+#include "aggregate/async_aggregator.h"
 #include "client/client_work.h"
 #include "roles/grpc_roles.h"
 #include "io/run_dir.h"
@@ -180,6 +182,7 @@ Status run_grpc_client(const ExperimentConfig& local, int client_id, const RoleO
     std::raise(SIGSTOP);
   };
   int64_t dp_steps = 0;  // DP-SGD steps over every round, for this client's ε
+  Arena base;            // gradient_based: the model received, then the change sent
 
   // One round; true when the server says the run is finished.
   auto play_round = [&]() -> StatusOr<bool> {
@@ -215,7 +218,43 @@ Status run_grpc_client(const ExperimentConfig& local, int client_id, const RoleO
     MEMFL_RETURN_IF_ERROR(write(*stream, out, peer));
 
     sampler.mark(round, "train");
-    MEMFL_ASSIGN_OR_RETURN(TrainResult tr, local_update(model, cfg, data ? &*data : nullptr, part, round, client_id));
+    // Asynchronous: the round is the model's version, which repeats; each
+    // trip trains with its own seed (its number, as in the simulator), for
+    // the local steps the server gave (FedCompass), and a gradient_based
+    // update is the change from the model received (one more model here).
+    const bool async = cfg.server.is_async();
+    const ExperimentConfig* tcfg = &cfg;
+    ExperimentConfig trip_cfg;
+    if (async && begin.local_steps() > 0) {
+      trip_cfg = cfg;
+      trip_cfg.train.mode = "step";
+      trip_cfg.train.num_local_steps = begin.local_steps();
+      tcfg = &trip_cfg;
+    }
+    const bool send_change = async && cfg.server.gradient_based;
+    if (send_change) {
+      if (base.empty()) base = Arena(layout.total_bytes(), MemoryCategory::kCommBuffers);
+      std::memcpy(base.data(), model.arena().data(), layout.total_bytes());
+    }
+    MEMFL_ASSIGN_OR_RETURN(TrainResult tr, local_update(model, *tcfg, data ? &*data : nullptr, part,
+                                                        async ? rounds + 1 : round, client_id));
+    const Arena* upload = &model.arena();
+    if (send_change) {
+      Arena& g = base;
+      MEMFL_RETURN_IF_ERROR(
+          write_gradient(layout, base, model.arena(), 64 * 1024, [&](size_t off, std::span<const std::byte> b) {
+            std::memcpy(g.data() + off, b.data(), b.size());
+            return Status::Ok();
+          }));
+      upload = &base;
+    }
+    int64_t steps = tr.num_steps;
+    if (steps <= 0) {
+      const int64_t n = part != nullptr ? static_cast<int64_t>(part->train.size()) : 0;
+      const int64_t bs = std::max(1, tcfg->train.train_batch_size);
+      steps = tcfg->train.mode == "step" || n == 0 ? tcfg->train.num_local_steps
+                                                   : tcfg->train.num_local_epochs * ((n + bs - 1) / bs);
+    }
     double epsilon = 0;
     if (cfg.train.dp.enabled) {
       dp_steps += tr.dp_steps;
@@ -230,12 +269,13 @@ Status run_grpc_client(const ExperimentConfig& local, int client_id, const RoleO
     md->set_sample_count(update_sample_count(cfg, part, client_id));
     (*md->mutable_metrics())["train_loss"] = tr.train_loss;
     (*md->mutable_metrics())["val_accuracy"] = tr.val_accuracy;
+    (*md->mutable_metrics())["local_steps"] = static_cast<double>(steps);
     if (cfg.train.dp.enabled) (*md->mutable_metrics())["epsilon"] = epsilon;
     MEMFL_RETURN_IF_ERROR(write(*stream, out, peer));
     size_t index = 0;
     for (size_t off = 0; off < layout.total_bytes(); off += chunk, ++index) {
       const size_t len = std::min(chunk, layout.total_bytes() - off);
-      auto bytes = model.arena().bytes(off, len);
+      auto bytes = upload->bytes(off, len);
       ChunkHeader h{layout.hash(), off, len, chunk_checksum(bytes)};
       const bool inject = !fault.empty() && rounds == 0 && (index == 1 || off + len >= layout.total_bytes());
       if (inject && fault == "disconnect_mid_upload") {

@@ -92,11 +92,16 @@ class SyncScheduler final : public Scheduler {
 }  // namespace
 
 const std::vector<std::string>& scheduler_names() {
-  static const std::vector<std::string> names = {"SyncScheduler"};
+  static const std::vector<std::string> names = {"SyncScheduler", "AsyncScheduler", "CompassScheduler"};
   return names;
 }
 
 StatusOr<std::unique_ptr<Scheduler>> make_scheduler(const std::string& name, const SchedulerOptions& opts) {
+  if (name == "AsyncScheduler" || name == "CompassScheduler") {
+    return invalid_argument(
+        "server_configs.scheduler: {} is asynchronous: it has no rounds to select for (server/async_core.h drives it)",
+        name);
+  }
   if (name != "SyncScheduler") {
     return invalid_argument("server_configs.scheduler: unknown scheduler '{}'; known: {}", name,
                             fmt::join(scheduler_names(), ", "));

@@ -1,8 +1,8 @@
 // Scheduler: decides which clients a round asks and when the server
 // aggregates. SyncScheduler (APPFL's name) waits for every selected client of
-// a round, then aggregates once; asynchronous schedulers (AsyncScheduler,
-// CompassScheduler) come with their aggregators and are refused by name
-// until then. The scheduler's state (selection RNG, per-client stats) is part
+// a round, then aggregates once. The asynchronous schedulers (AsyncScheduler,
+// CompassScheduler) have no rounds: server/async_core.h plays them, and
+// make_scheduler refuses them by name. The scheduler's state (selection RNG, per-client stats) is part
 // of the server's committed state, so a resumed run selects as the
 // uninterrupted one would.
 //

@@ -62,6 +62,9 @@ class AsyncServerCore {
                   std::vector<double> weights, std::function<void(AsyncTripRecord&)> release);
   ~AsyncServerCore();
   Status open_log(const std::string& path);
+  // Where an update's bytes go once it is no longer needed (a transport
+  // that owns the spool sets it).
+  void set_release(std::function<void(AsyncTripRecord&)> release) { release_ = std::move(release); }
 
   // The client's first trip: its local steps (FedCompass: max_local_steps).
   int start(int client, double now);

@@ -78,10 +78,4 @@ class AsyncDriver {
   std::vector<RoundMetrics> evals_;
 };
 
-// Writes g = base − trained for f32 tensors (what a gradient_based client
-// sends) and the trained bytes of the others, `block` elements at a time,
-// through `write(offset, bytes)`.
-Status write_gradient(const Layout& layout, const Arena& base, const Arena& trained, size_t block,
-                      const std::function<Status(size_t offset, std::span<const std::byte>)>& write);
-
 }  // namespace memfl

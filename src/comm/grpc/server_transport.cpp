@@ -16,6 +16,7 @@
 #include <functional>
 #include <mutex>
 #include <optional>
+#include <shared_mutex>
 #include <thread>
 #include <utility>
 
@@ -25,6 +26,8 @@
 
 #include "comm/chunk.h"
 #include "comm/grpc/wire.h"
+#include "io/spool_file.h"
+#include "server/async_core.h"
 
 namespace memfl {
 
@@ -39,6 +42,20 @@ std::string read_file(const std::string& path) {
 }
 
 enum class Phase { kWaiting, kBroadcast, kUpload, kFinished };
+
+// An asynchronous update waiting in its spool slot.
+class SpoolSlotSource final : public UpdateSource {
+ public:
+  SpoolSlotSource(const SpoolFile& spool, size_t slot, uint64_t slot_bytes)
+      : spool_(spool), slot_(slot), base_(static_cast<uint64_t>(slot) * slot_bytes) {}
+  Status read(size_t offset, std::span<std::byte> into) const override { return spool_.read(base_ + offset, into); }
+  size_t slot() const { return slot_; }
+
+ private:
+  const SpoolFile& spool_;
+  size_t slot_;
+  uint64_t base_;
+};
 
 struct ClientSlot {
   bool connected = false;
@@ -85,14 +102,42 @@ class ServerAgent final : public ServerTransport {
     std::lock_guard lock(mu_);
     return std::exchange(rejoined_, {});
   }
+  // Asynchronous serving: see GrpcServerTransport::serve_async.
+  Status serve_async(AsyncServerCore& core, Arena& global, const AsyncServeOptions& options);
 
  private:
+  // Asynchronous mode's state (null in rounds). Lock order: model_mu, then mu_.
+  struct Async {
+    AsyncServerCore* core = nullptr;
+    Arena* global = nullptr;
+    AsyncServeOptions options;
+    std::shared_mutex model_mu;  // senders share it; applying an update takes it alone
+    SpoolFile spool{"asynchronous update spool"};
+    std::vector<size_t> free_slots;
+    size_t next_slot = 0;
+    std::vector<int> ready_steps;  // per client: its next trip's local steps, -1 while it has none
+    std::vector<int64_t> base_version;
+    std::vector<double> dispatched_at;
+    std::vector<std::pair<double, int>> deadlines;  // FedCompass groups
+    int64_t evals_due = 0;                          // evaluations the serving thread owes
+    bool done = false;
+    Clock::time_point t0;
+    double now() const { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+  };
+  void follow_locked(const AsyncNext& next);
+  grpc::Status async_send_model(grpc::ServerReaderWriter<Frame, Frame>* stream, int id, uint64_t session,
+                                const std::string& peer, bool* finished);
+  grpc::Status async_receive_update(grpc::ServerReaderWriter<Frame, Frame>* stream, int id, uint64_t session,
+                                    const wire::UpdateMetadata& md, const std::string& peer);
+  std::unique_ptr<Async> async_;
+
   bool wait_for(std::unique_lock<std::mutex>& lock, Clock::time_point deadline, const std::function<bool()>& pred);
   // Drops client `id` for the run (until it registers again). `cancel` ends
   // its session from outside (a deadline passed); a session that fails on
   // its own returns its status instead, which the client reads.
   void fail_locked(int id, const std::string& why, bool cancel = false);
-  grpc::Status send_model(grpc::ServerReaderWriter<Frame, Frame>* stream, int round, const std::string& peer);
+  grpc::Status send_model(grpc::ServerReaderWriter<Frame, Frame>* stream, int round, const std::string& peer,
+                          int local_steps = 0);
   grpc::Status receive_update(grpc::ServerReaderWriter<Frame, Frame>* stream, int id, uint64_t session,
                               const wire::UpdateMetadata& md, const std::string& peer);
   void naive_average_locked();
@@ -135,11 +180,12 @@ void ServerAgent::fail_locked(int id, const std::string& why, bool cancel) {
   cv_.notify_all();
 }
 
-grpc::Status ServerAgent::send_model(grpc::ServerReaderWriter<Frame, Frame>* stream, int round,
-                                     const std::string& peer) {
+grpc::Status ServerAgent::send_model(grpc::ServerReaderWriter<Frame, Frame>* stream, int round, const std::string& peer,
+                                     int local_steps) {
   const Layout& layout = layout_;
   wire::ServerMessage begin;
   begin.mutable_model_begin()->set_round(round);
+  begin.mutable_model_begin()->set_local_steps(local_steps);
   begin.mutable_model_begin()->set_layout_hash(layout.hash());
   begin.mutable_model_begin()->set_total_bytes(layout.total_bytes());
   if (!stream->Write(encode_message(begin))) return {grpc::StatusCode::UNAVAILABLE, peer + " went away"};
@@ -342,6 +388,8 @@ grpc::Status ServerAgent::session(grpc::ServerContext* ctx, grpc::ServerReaderWr
         s.failed = false;
         s.selected = false;
         rejoined_.push_back(id);
+        if (async_ && !async_->done)
+          async_->ready_steps[static_cast<size_t>(id)] = async_->core->start(id, async_->now());
         spdlog::info("client_{} rejoined from {}; it takes part from the next round", id, peer_addr);
       }
       s.connected = true;
@@ -386,6 +434,15 @@ grpc::Status ServerAgent::session(grpc::ServerContext* ctx, grpc::ServerReaderWr
       wire::ServerMessage r;
       r.mutable_configuration()->set_config_yaml(cfg_.resolved_yaml);
       stream->Write(encode_message(r));
+    } else if (msg.has_get_global_model() && async_) {
+      bool finished = false;
+      grpc::Status gs = async_send_model(stream, id, my_session, peer, &finished);
+      if (!gs.ok()) return on_exit(gs);
+      if (finished) {
+        wire::ServerMessage r;
+        r.mutable_model_begin()->set_finished(true);
+        stream->Write(encode_message(r));
+      }
     } else if (msg.has_get_global_model()) {
       int round = 0;
       {
@@ -418,7 +475,8 @@ grpc::Status ServerAgent::session(grpc::ServerContext* ctx, grpc::ServerReaderWr
       down_end_ = Clock::now();
       cv_.notify_all();
     } else if (msg.has_update_metadata()) {
-      grpc::Status gs = receive_update(stream, id, my_session, msg.update_metadata(), peer);
+      grpc::Status gs = async_ ? async_receive_update(stream, id, my_session, msg.update_metadata(), peer)
+                               : receive_update(stream, id, my_session, msg.update_metadata(), peer);
       if (!gs.ok()) return on_exit(gs);
     } else if (msg.has_custom_action()) {
       // InvokeCustomAction: the actions a client may ask of the server.
@@ -438,6 +496,219 @@ grpc::Status ServerAgent::session(grpc::ServerContext* ctx, grpc::ServerReaderWr
       return on_exit({grpc::StatusCode::INVALID_ARGUMENT, peer + ": unexpected message"});
     }
   }
+}
+
+void ServerAgent::follow_locked(const AsyncNext& next) {
+  for (const auto& d : next.send) async_->ready_steps[static_cast<size_t>(d.client)] = d.local_steps;
+  for (const auto& dl : next.deadlines) async_->deadlines.push_back(dl);
+  cv_.notify_all();
+}
+
+grpc::Status ServerAgent::async_send_model(grpc::ServerReaderWriter<Frame, Frame>* stream, int id, uint64_t session,
+                                           const std::string& peer, bool* finished) {
+  Async& a = *async_;
+  int steps = 0;
+  {
+    std::unique_lock lock(mu_);
+    auto& s = slots_[static_cast<size_t>(id)];
+    // A FedCompass client whose group has not aggregated yet waits here.
+    cv_.wait(lock, [&] {
+      return phase_ == Phase::kFinished || a.done || s.failed || s.session != session ||
+             a.ready_steps[static_cast<size_t>(id)] >= 0;
+    });
+    if (s.failed || s.session != session) return {grpc::StatusCode::ABORTED, peer + " was dropped from the run"};
+    if (phase_ == Phase::kFinished || a.done) {
+      *finished = true;
+      return grpc::Status::OK;
+    }
+    steps = std::exchange(a.ready_steps[static_cast<size_t>(id)], -1);
+  }
+  // The model cannot change while it is sent: its version is the trip's base.
+  std::shared_lock model_lock(a.model_mu);
+  int64_t version = 0;
+  {
+    std::lock_guard lock(mu_);
+    version = a.core->version();
+    a.base_version[static_cast<size_t>(id)] = version;
+    a.dispatched_at[static_cast<size_t>(id)] = a.now();
+    global_ = a.global;
+  }
+  return send_model(stream, static_cast<int>(version), peer, steps);
+}
+
+grpc::Status ServerAgent::async_receive_update(grpc::ServerReaderWriter<Frame, Frame>* stream, int id, uint64_t session,
+                                               const wire::UpdateMetadata& md, const std::string& peer) {
+  Async& a = *async_;
+  const Layout& layout = layout_;
+  const uint64_t bytes = layout.total_bytes();
+  size_t slot = 0;
+  {
+    std::lock_guard lock(mu_);
+    if (a.free_slots.empty()) {
+      slot = a.next_slot++;
+    } else {
+      slot = a.free_slots.back();
+      a.free_slots.pop_back();
+    }
+  }
+  auto give_back = [&] {
+    a.spool.release(static_cast<uint64_t>(slot) * bytes, bytes);
+    std::lock_guard lock(mu_);
+    a.free_slots.push_back(slot);
+  };
+  // The update is checked chunk by chunk into its spool slot; it touches the
+  // model only once it is whole.
+  Frame frame;
+  DecodedFrame d;
+  wire::ClientMessage msg;
+  uint64_t received = 0;
+  Status bad;
+  while (true) {
+    if (!stream->Read(&frame)) {
+      bad = Status(StatusCode::kUnavailable,
+                   fmt::format("{} disconnected after {} of {} bytes of its update", peer, received, bytes));
+      break;
+    }
+    Status st = decode_frame(frame, kClientChunkField, peer, &d, &msg);
+    if (!st.ok()) {
+      bad = st;
+      break;
+    }
+    if (!d.is_chunk) {
+      if (msg.has_update_end()) break;
+      bad = data_loss("{}: unexpected message in the middle of an update", peer);
+      break;
+    }
+    st = verify_chunk(d.header, d.payload(), layout, received, peer);
+    uint64_t at = d.header.offset;
+    for (auto p : d.pieces) {
+      if (!st.ok()) break;
+      st = a.spool.write(static_cast<uint64_t>(slot) * bytes + at, p);
+      at += p.size();
+    }
+    if (!st.ok()) {
+      bad = st;
+      break;
+    }
+    received += d.header.length;
+  }
+  if (bad.ok() && received != bytes)
+    bad = data_loss("update from {} ended after {} of {} bytes", peer, received, bytes);
+  if (!bad.ok()) {
+    give_back();
+    wire::ServerMessage nack;
+    nack.mutable_update_ack()->set_accepted(false);
+    nack.mutable_update_ack()->set_message(bad.message());
+    stream->Write(encode_message(nack));
+    std::lock_guard lock(mu_);
+    if (slots_[static_cast<size_t>(id)].session == session) fail_locked(id, bad.message());
+    return {grpc::StatusCode::DATA_LOSS, bad.message()};
+  }
+  Status applied;
+  {
+    std::unique_lock model_lock(a.model_mu);
+    std::lock_guard lock(mu_);
+    if (a.done || slots_[static_cast<size_t>(id)].session != session) {
+      // The run has all its updates (or the session was replaced): not applied.
+      model_lock.unlock();
+      a.spool.release(static_cast<uint64_t>(slot) * bytes, bytes);
+      a.free_slots.push_back(slot);
+    } else {
+      AsyncTripRecord trip;
+      trip.client = id;
+      trip.update = std::make_shared<SpoolSlotSource>(a.spool, slot, bytes);
+      trip.base_version = a.base_version[static_cast<size_t>(id)];
+      trip.dispatched_at = a.dispatched_at[static_cast<size_t>(id)];
+      trip.local_steps = md.metrics().count("local_steps") ? static_cast<int64_t>(md.metrics().at("local_steps")) : 0;
+      trip.train_loss = md.metrics().count("train_loss") ? md.metrics().at("train_loss") : 0;
+      auto next = a.core->arrive(std::move(trip), a.now());
+      if (!next.ok()) {
+        applied = next.status();
+      } else {
+        follow_locked(*next);
+        bytes_up_ += received;
+        if (a.core->arrivals() % a.options.eval_every == 0 || a.core->arrivals() >= a.options.total) a.evals_due++;
+        if (a.core->arrivals() >= a.options.total) a.done = true;
+        cv_.notify_all();
+      }
+    }
+  }
+  wire::ServerMessage ack;
+  ack.mutable_update_ack()->set_accepted(applied.ok());
+  ack.mutable_update_ack()->set_message(applied.ok() ? "" : applied.message());
+  stream->Write(encode_message(ack));
+  if (!applied.ok()) return {grpc::StatusCode::INTERNAL, applied.message()};
+  return grpc::Status::OK;
+}
+
+Status ServerAgent::serve_async(AsyncServerCore& core, Arena& global, const AsyncServeOptions& options) {
+  {
+    std::lock_guard lock(mu_);
+    async_ = std::make_unique<Async>();
+    async_->core = &core;
+    async_->global = &global;
+    async_->options = options;
+    const size_t n = slots_.size();
+    async_->ready_steps.assign(n, -1);
+    async_->base_version.assign(n, 0);
+    async_->dispatched_at.assign(n, 0.0);
+    MEMFL_RETURN_IF_ERROR(async_->spool.open(options.spool_dir));
+    async_->t0 = Clock::now();
+    // Applied (or folded into FedBuff's buffer) updates give their slot back;
+    // the core calls this with mu_ held.
+    core.set_release([this](AsyncTripRecord& t) {
+      const auto* src = dynamic_cast<const SpoolSlotSource*>(t.update.get());
+      if (src == nullptr) return;
+      const uint64_t b = layout_.total_bytes();
+      async_->spool.release(static_cast<uint64_t>(src->slot()) * b, b);
+      async_->free_slots.push_back(src->slot());
+      t.update.reset();
+    });
+    for (size_t c = 0; c < n; ++c) {
+      if (!slots_[c].failed) async_->ready_steps[c] = core.start(static_cast<int>(c), 0.0);
+    }
+    cv_.notify_all();
+  }
+  Async& a = *async_;
+  int64_t evaluated = 0;
+  while (true) {
+    std::unique_lock lock(mu_);
+    auto due = Clock::time_point::max();
+    size_t first = 0;
+    for (size_t i = 0; i < a.deadlines.size(); ++i) {
+      const auto when = a.t0 + std::chrono::duration_cast<Clock::duration>(
+                                   std::chrono::duration<double>(std::min(a.deadlines[i].first, 1e9)));
+      if (when < due) {
+        due = when;
+        first = i;
+      }
+    }
+    const bool everyone_out = std::all_of(slots_.begin(), slots_.end(), [](const ClientSlot& s) { return s.failed; });
+    if (everyone_out)
+      return failed_precondition("every client is out; {} updates of {} arrived", core.arrivals(), options.total);
+    const auto wake = std::min(due, Clock::now() + std::chrono::seconds(1));
+    cv_.wait_until(lock, wake, [&] { return a.evals_due > 0 || (a.done && a.evals_due == 0) || Clock::now() >= due; });
+    if (a.evals_due > 0) {
+      a.evals_due--;
+      const int64_t arrivals = core.arrivals();
+      const double seconds = a.now();
+      lock.unlock();
+      std::shared_lock model_lock(a.model_mu);
+      MEMFL_RETURN_IF_ERROR(options.on_eval(++evaluated, arrivals, seconds));
+      continue;
+    }
+    if (a.done) break;
+    if (due != Clock::time_point::max() && Clock::now() >= due) {
+      const int group = a.deadlines[first].second;
+      a.deadlines.erase(a.deadlines.begin() + static_cast<std::ptrdiff_t>(first));
+      lock.unlock();
+      std::unique_lock model_lock(a.model_mu);
+      std::lock_guard relock(mu_);
+      MEMFL_ASSIGN_OR_RETURN(AsyncNext next, core.deadline(group, a.now()));
+      follow_locked(next);
+    }
+  }
+  return core.flush_log();
 }
 
 void ServerAgent::naive_average_locked() {
@@ -662,6 +933,9 @@ Status GrpcServerTransport::collect(int round, const std::vector<int>& selected,
   return impl_->agent.collect(round, selected, global, aggregator, out);
 }
 std::vector<int> GrpcServerTransport::take_rejoined() { return impl_->agent.take_rejoined(); }
+Status GrpcServerTransport::serve_async(AsyncServerCore& core, Arena& global, const AsyncServeOptions& options) {
+  return impl_->agent.serve_async(core, global, options);
+}
 
 void GrpcServerTransport::finish(int last_round) {
   if (impl_->finished) return;

@@ -8,6 +8,7 @@
 //   RoundDriver driver(cfg, global, *transport, scheduler, sampler, opts);
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -16,6 +17,17 @@
 #include "tensor/layout.h"
 
 namespace memfl {
+
+class AsyncServerCore;
+
+struct AsyncServeOptions {
+  int64_t total = 0;       // client updates to play (num_global_epochs)
+  int64_t eval_every = 1;  // on_eval after every this many
+  std::string spool_dir;   // where updates wait until they are applied
+  // Called with the model unchanged while it runs: the evaluation number,
+  // updates so far, seconds since the start.
+  std::function<Status(int evaluation, int64_t updates, double seconds)> on_eval;
+};
 
 class GrpcServerTransport final : public ServerTransport {
  public:
@@ -37,6 +49,11 @@ class GrpcServerTransport final : public ServerTransport {
   // Tells clients the run is over and stops serving (once; also on destruction).
   void finish(int last_round) override;
   std::vector<int> take_rejoined() override;
+  // Asynchronous FL over the same sessions: each client gets the model as
+  // it is when it asks (and, from FedCompass, its local steps), its update
+  // goes to a spool slot, checked chunk by chunk, and `core` applies it with
+  // its staleness once whole. Returns after options.total updates.
+  Status serve_async(AsyncServerCore& core, Arena& global, const AsyncServeOptions& options);
 
  private:
   GrpcServerTransport() = default;
