@@ -39,13 +39,6 @@ StatusOr<StalenessFn> make_staleness_fn(const std::string& name, double a, doubl
   return f;
 }
 
-Status ArenaUpdateSource::read(size_t offset, std::span<std::byte> into) const {
-  if (offset + into.size() > arena_.size())
-    return invalid_argument("update read of {} bytes at {} runs past its {} bytes", into.size(), offset, arena_.size());
-  std::memcpy(into.data(), arena_.data() + offset, into.size());
-  return Status::Ok();
-}
-
 StatusOr<std::unique_ptr<AsyncAggregator>> AsyncAggregator::create(
     const std::string& name, const AsyncAggregatorOptions& options, const Layout& layout,
     const std::function<StatusOr<Arena>(size_t bytes)>& make_state_arena) {

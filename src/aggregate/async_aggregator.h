@@ -27,6 +27,7 @@
 #include <span>
 #include <string>
 
+#include "comm/chunk.h"
 #include "common/status.h"
 #include "tensor/arena.h"
 #include "tensor/layout.h"
@@ -56,22 +57,6 @@ struct AsyncAggregatorOptions {
   // Elements read and combined at a time (the memory it works in: two f32
   // blocks); any size gives the same model, bit for bit.
   size_t block_elements = 64 * 1024;
-};
-
-// A client's update, whole and checked, read block by block.
-class UpdateSource {
- public:
-  virtual ~UpdateSource() = default;
-  virtual Status read(size_t offset, std::span<std::byte> into) const = 0;
-};
-
-class ArenaUpdateSource final : public UpdateSource {
- public:
-  explicit ArenaUpdateSource(const Arena& arena) : arena_(arena) {}
-  Status read(size_t offset, std::span<std::byte> into) const override;
-
- private:
-  const Arena& arena_;
 };
 
 struct AsyncContribution {

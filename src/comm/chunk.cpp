@@ -155,4 +155,11 @@ Status ArenaWriter::finish() const {
   return Status::Ok();
 }
 
+Status ArenaUpdateSource::read(size_t offset, std::span<std::byte> into) const {
+  if (offset + into.size() > arena_.size())
+    return invalid_argument("update read of {} bytes at {} runs past its {} bytes", into.size(), offset, arena_.size());
+  std::memcpy(into.data(), arena_.data() + offset, into.size());
+  return Status::Ok();
+}
+
 }  // namespace memfl

@@ -85,6 +85,23 @@ class UpdateStream : public ChunkSink {
   virtual Status commit() = 0;
 };
 
+// A client's update, whole and checked, read back block by block (an
+// asynchronous server applies it from where it waits: a spool slot).
+class UpdateSource {
+ public:
+  virtual ~UpdateSource() = default;
+  virtual Status read(size_t offset, std::span<std::byte> into) const = 0;
+};
+
+class ArenaUpdateSource final : public UpdateSource {
+ public:
+  explicit ArenaUpdateSource(const Arena& arena) : arena_(arena) {}
+  Status read(size_t offset, std::span<std::byte> into) const override;
+
+ private:
+  const Arena& arena_;
+};
+
 // Sends `arena` (the whole of `layout.total_bytes()`) to `sink` in chunks of
 // at most `chunk_size` bytes, straight from the arena: no staging copy.
 // Returns the number of bytes sent.

@@ -16,7 +16,9 @@
 #include <string>
 #include <vector>
 
+#include <functional>
 #include <memory>
+#include <utility>
 
 #include "comm/chunk.h"
 #include "common/status.h"
@@ -82,6 +84,47 @@ class ServerTransport {
   // Clients that were out and have come back since the last call (a client
   // process restarted after it died): the driver selects them again.
   virtual std::vector<int> take_rejoined() { return {}; }
+};
+
+// One client update: where its bytes wait and what the server knows of it.
+struct AsyncTripRecord {
+  int client = -1;
+  std::shared_ptr<UpdateSource> update;  // whole and checked
+  int64_t base_version = 0;              // the global version it trained from
+  double dispatched_at = 0, arrived_at = 0;
+  int64_t local_steps = 0;
+  double train_loss = 0;
+  int64_t update_number = 0;  // arrival order, from 1 (set by the core)
+  std::string how;            // alone | group N | late | buffer
+  int64_t staleness = 0;
+  double alpha = 0;
+};
+
+struct AsyncDispatch {
+  int client;
+  int local_steps;  // 0: the config's own
+};
+
+struct AsyncNext {
+  std::vector<AsyncDispatch> send;                // clients to send the model to now
+  std::vector<std::pair<double, int>> deadlines;  // FedCompass: (time, group) to call deadline() at
+};
+
+// What an asynchronous server's rules offer a transport (server/async_core.h
+// implements them; comm/ sees only this): a client's first trip, each
+// update as it arrives whole, a FedCompass group's deadline — each answered
+// with the clients to send the model to next.
+class AsyncUpdateHandler {
+ public:
+  virtual ~AsyncUpdateHandler() = default;
+  virtual int start(int client, double now) = 0;
+  virtual StatusOr<AsyncNext> arrive(AsyncTripRecord trip, double now) = 0;
+  virtual StatusOr<AsyncNext> deadline(int group, double now) = 0;
+  virtual int64_t version() const = 0;
+  virtual int64_t arrivals() const = 0;
+  // Where an update's bytes go once it is no longer needed.
+  virtual void set_release(std::function<void(AsyncTripRecord&)> release) = 0;
+  virtual Status flush_log() = 0;
 };
 
 // How every transport names client `c` to the aggregator (and in messages).

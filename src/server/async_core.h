@@ -25,36 +25,13 @@
 #include <vector>
 
 #include "aggregate/async_aggregator.h"
+#include "comm/transport.h"
 #include "config/config.h"
 #include "schedule/compass.h"
 
 namespace memfl {
 
-// One client update: where its bytes wait and what the server knows of it.
-struct AsyncTripRecord {
-  int client = -1;
-  std::shared_ptr<UpdateSource> update;  // whole and checked
-  int64_t base_version = 0;              // the global version it trained from
-  double dispatched_at = 0, arrived_at = 0;
-  int64_t local_steps = 0;
-  double train_loss = 0;
-  int64_t update_number = 0;  // arrival order, from 1 (set by the core)
-  std::string how;            // alone | group N | late | buffer
-  int64_t staleness = 0;
-  double alpha = 0;
-};
-
-struct AsyncDispatch {
-  int client;
-  int local_steps;  // 0: the config's own
-};
-
-struct AsyncNext {
-  std::vector<AsyncDispatch> send;                // clients to send the model to now
-  std::vector<std::pair<double, int>> deadlines;  // FedCompass: (time, group) to call deadline() at
-};
-
-class AsyncServerCore {
+class AsyncServerCore final : public AsyncUpdateHandler {
  public:
   // `weights`: w per client; `release` is called when an update's bytes are
   // no longer needed (applied, or folded into FedBuff's buffer).
@@ -64,21 +41,21 @@ class AsyncServerCore {
   Status open_log(const std::string& path);
   // Where an update's bytes go once it is no longer needed (a transport
   // that owns the spool sets it).
-  void set_release(std::function<void(AsyncTripRecord&)> release) { release_ = std::move(release); }
+  void set_release(std::function<void(AsyncTripRecord&)> release) override { release_ = std::move(release); }
 
   // The client's first trip: its local steps (FedCompass: max_local_steps).
-  int start(int client, double now);
+  int start(int client, double now) override;
   // An update arrived at `now` (whole and checked).
-  StatusOr<AsyncNext> arrive(AsyncTripRecord trip, double now);
+  StatusOr<AsyncNext> arrive(AsyncTripRecord trip, double now) override;
   // A FedCompass group's latest arrival time passed.
-  StatusOr<AsyncNext> deadline(int group, double now);
+  StatusOr<AsyncNext> deadline(int group, double now) override;
 
-  int64_t version() const { return version_; }
-  int64_t arrivals() const { return arrivals_; }
+  int64_t version() const override { return version_; }
+  int64_t arrivals() const override { return arrivals_; }
   double mean_staleness() const { return applied_ > 0 ? staleness_sum_ / static_cast<double>(applied_) : 0.0; }
   int64_t max_staleness() const { return max_staleness_; }
   bool compass() const { return compass_; }
-  Status flush_log();
+  Status flush_log() override;
 
  private:
   StatusOr<bool> apply(std::vector<AsyncTripRecord>& trips);

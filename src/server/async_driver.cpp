@@ -11,7 +11,7 @@
 
 #include <spdlog/spdlog.h>
 
-#include "io/spool_file.h"
+#include "comm/spool_update.h"
 #include "server/async_core.h"
 
 namespace memfl {
@@ -51,20 +51,6 @@ struct Event {
   }
 };
 
-// An update waiting in a spool slot.
-class SpoolSource final : public UpdateSource {
- public:
-  SpoolSource(const SpoolFile& spool, size_t slot, uint64_t slot_bytes)
-      : spool_(spool), slot_(slot), base_(static_cast<uint64_t>(slot) * slot_bytes) {}
-  Status read(size_t offset, std::span<std::byte> into) const override { return spool_.read(base_ + offset, into); }
-  size_t slot() const { return slot_; }
-
- private:
-  const SpoolFile& spool_;
-  size_t slot_;
-  uint64_t base_;
-};
-
 }  // namespace
 
 struct AsyncDriver::Impl {
@@ -85,27 +71,15 @@ struct AsyncDriver::Impl {
   AsyncDriverOptions opts;
   AsyncServerCore core;
 
-  SpoolFile spool{"asynchronous update spool"};
-  std::vector<size_t> free_slots;
-  size_t next_slot = 0;
+  SpoolSlots slots{"asynchronous update spool", layout.total_bytes()};
   std::priority_queue<Event, std::vector<Event>, std::greater<>> events;
   uint64_t seq = 0;
   std::map<int, AsyncTripRecord> in_flight;
   double now = 0;
 
-  size_t alloc_slot() {
-    if (!free_slots.empty()) {
-      const size_t slot = free_slots.back();
-      free_slots.pop_back();
-      return slot;
-    }
-    return next_slot++;
-  }
   void release(AsyncTripRecord& t) {
-    const auto* src = dynamic_cast<const SpoolSource*>(t.update.get());
-    if (src == nullptr) return;
-    spool.release(static_cast<uint64_t>(src->slot()) * layout.total_bytes(), layout.total_bytes());
-    free_slots.push_back(src->slot());
+    const auto* src = dynamic_cast<const SpoolSlotSource*>(t.update.get());
+    if (src != nullptr) slots.give_back(src->slot());
     t.update.reset();
   }
 
@@ -116,8 +90,8 @@ struct AsyncDriver::Impl {
     MEMFL_ASSIGN_OR_RETURN(const Arena* trained, opts.train(client, local_steps, global, &t));
     AsyncTripRecord trip;
     trip.client = client;
-    const size_t slot = alloc_slot();
-    trip.update = std::make_shared<SpoolSource>(spool, slot, layout.total_bytes());
+    const size_t slot = slots.take();
+    trip.update = std::make_shared<SpoolSlotSource>(slots.spool(), slot, layout.total_bytes());
     trip.base_version = core.version();
     trip.dispatched_at = now;
     trip.local_steps = t.steps > 0 ? t.steps : std::max(1, local_steps);
@@ -125,13 +99,13 @@ struct AsyncDriver::Impl {
     trip.arrived_at = now + static_cast<double>(trip.local_steps) * opts.step_time_s[static_cast<size_t>(client)];
     const uint64_t base = static_cast<uint64_t>(slot) * layout.total_bytes();
     if (!agg.options().gradient_based) {
-      MEMFL_RETURN_IF_ERROR(spool.write(base, trained->bytes(0, layout.total_bytes())));
+      MEMFL_RETURN_IF_ERROR(slots.spool().write(base, trained->bytes(0, layout.total_bytes())));
     } else {
       // The change from its base model, g = x_base − y (what APPFL's clients
       // send with send_gradient); counters as they are.
       MEMFL_RETURN_IF_ERROR(
           write_gradient(layout, global, *trained, agg.options().block_elements,
-                         [&](size_t off, std::span<const std::byte> b) { return spool.write(base + off, b); }));
+                         [&](size_t off, std::span<const std::byte> b) { return slots.spool().write(base + off, b); }));
     }
     events.push({trip.arrived_at, 0, seq++, client});
     in_flight[client] = std::move(trip);
@@ -162,7 +136,7 @@ Status AsyncDriver::run() {
   if (static_cast<int>(s.opts.step_time_s.size()) != n || static_cast<int>(s.opts.weights.size()) != n)
     return invalid_argument("asynchronous driver: {} clients but {} speeds and {} weights", n,
                             s.opts.step_time_s.size(), s.opts.weights.size());
-  MEMFL_RETURN_IF_ERROR(s.spool.open(s.cfg.memory.scratch_dir.empty() ? s.opts.run_dir : s.cfg.memory.scratch_dir));
+  MEMFL_RETURN_IF_ERROR(s.slots.open(s.cfg.memory.scratch_dir.empty() ? s.opts.run_dir : s.cfg.memory.scratch_dir));
   MEMFL_RETURN_IF_ERROR(s.core.open_log((fs::path(s.opts.run_dir) / "async_log.csv").string()));
   MEMFL_ASSIGN_OR_RETURN(auto metrics, MetricsWriter::open((fs::path(s.opts.run_dir) / "metrics.csv").string()));
 

@@ -26,8 +26,7 @@
 
 #include "comm/chunk.h"
 #include "comm/grpc/wire.h"
-#include "io/spool_file.h"
-#include "server/async_core.h"
+#include "comm/spool_update.h"
 
 namespace memfl {
 
@@ -42,20 +41,6 @@ std::string read_file(const std::string& path) {
 }
 
 enum class Phase { kWaiting, kBroadcast, kUpload, kFinished };
-
-// An asynchronous update waiting in its spool slot.
-class SpoolSlotSource final : public UpdateSource {
- public:
-  SpoolSlotSource(const SpoolFile& spool, size_t slot, uint64_t slot_bytes)
-      : spool_(spool), slot_(slot), base_(static_cast<uint64_t>(slot) * slot_bytes) {}
-  Status read(size_t offset, std::span<std::byte> into) const override { return spool_.read(base_ + offset, into); }
-  size_t slot() const { return slot_; }
-
- private:
-  const SpoolFile& spool_;
-  size_t slot_;
-  uint64_t base_;
-};
 
 struct ClientSlot {
   bool connected = false;
@@ -103,19 +88,17 @@ class ServerAgent final : public ServerTransport {
     return std::exchange(rejoined_, {});
   }
   // Asynchronous serving: see GrpcServerTransport::serve_async.
-  Status serve_async(AsyncServerCore& core, Arena& global, const AsyncServeOptions& options);
+  Status serve_async(AsyncUpdateHandler& core, Arena& global, const AsyncServeOptions& options);
 
  private:
   // Asynchronous mode's state (null in rounds). Lock order: model_mu, then mu_.
   struct Async {
-    AsyncServerCore* core = nullptr;
+    AsyncUpdateHandler* core = nullptr;
     Arena* global = nullptr;
     AsyncServeOptions options;
-    std::shared_mutex model_mu;  // senders share it; applying an update takes it alone
-    SpoolFile spool{"asynchronous update spool"};
-    std::vector<size_t> free_slots;
-    size_t next_slot = 0;
-    std::vector<int> ready_steps;  // per client: its next trip's local steps, -1 while it has none
+    std::shared_mutex model_mu;         // senders share it; applying an update takes it alone
+    std::unique_ptr<SpoolSlots> slots;  // updates wait here until applied
+    std::vector<int> ready_steps;       // per client: its next trip's local steps, -1 while it has none
     std::vector<int64_t> base_version;
     std::vector<double> dispatched_at;
     std::vector<std::pair<double, int>> deadlines;  // FedCompass groups
@@ -540,33 +523,26 @@ grpc::Status ServerAgent::async_receive_update(grpc::ServerReaderWriter<Frame, F
                                                const wire::UpdateMetadata& md, const std::string& peer) {
   Async& a = *async_;
   const Layout& layout = layout_;
-  const uint64_t bytes = layout.total_bytes();
   size_t slot = 0;
   {
     std::lock_guard lock(mu_);
-    if (a.free_slots.empty()) {
-      slot = a.next_slot++;
-    } else {
-      slot = a.free_slots.back();
-      a.free_slots.pop_back();
-    }
+    slot = a.slots->take();
   }
   auto give_back = [&] {
-    a.spool.release(static_cast<uint64_t>(slot) * bytes, bytes);
     std::lock_guard lock(mu_);
-    a.free_slots.push_back(slot);
+    a.slots->give_back(slot);
   };
   // The update is checked chunk by chunk into its spool slot; it touches the
   // model only once it is whole.
+  SpoolSlotWriter into(a.slots->spool(), slot, layout, peer);
   Frame frame;
   DecodedFrame d;
   wire::ClientMessage msg;
-  uint64_t received = 0;
   Status bad;
   while (true) {
     if (!stream->Read(&frame)) {
-      bad = Status(StatusCode::kUnavailable,
-                   fmt::format("{} disconnected after {} of {} bytes of its update", peer, received, bytes));
+      bad = Status(StatusCode::kUnavailable, fmt::format("{} disconnected after {} of {} bytes of its update", peer,
+                                                         into.received(), layout.total_bytes()));
       break;
     }
     Status st = decode_frame(frame, kClientChunkField, peer, &d, &msg);
@@ -579,21 +555,13 @@ grpc::Status ServerAgent::async_receive_update(grpc::ServerReaderWriter<Frame, F
       bad = data_loss("{}: unexpected message in the middle of an update", peer);
       break;
     }
-    st = verify_chunk(d.header, d.payload(), layout, received, peer);
-    uint64_t at = d.header.offset;
-    for (auto p : d.pieces) {
-      if (!st.ok()) break;
-      st = a.spool.write(static_cast<uint64_t>(slot) * bytes + at, p);
-      at += p.size();
-    }
+    st = into.accept(d.header, d.payload());
     if (!st.ok()) {
       bad = st;
       break;
     }
-    received += d.header.length;
   }
-  if (bad.ok() && received != bytes)
-    bad = data_loss("update from {} ended after {} of {} bytes", peer, received, bytes);
+  if (bad.ok()) bad = into.commit();
   if (!bad.ok()) {
     give_back();
     wire::ServerMessage nack;
@@ -610,13 +578,11 @@ grpc::Status ServerAgent::async_receive_update(grpc::ServerReaderWriter<Frame, F
     std::lock_guard lock(mu_);
     if (a.done || slots_[static_cast<size_t>(id)].session != session) {
       // The run has all its updates (or the session was replaced): not applied.
-      model_lock.unlock();
-      a.spool.release(static_cast<uint64_t>(slot) * bytes, bytes);
-      a.free_slots.push_back(slot);
+      a.slots->give_back(slot);
     } else {
       AsyncTripRecord trip;
       trip.client = id;
-      trip.update = std::make_shared<SpoolSlotSource>(a.spool, slot, bytes);
+      trip.update = std::make_shared<SpoolSlotSource>(a.slots->spool(), slot, layout.total_bytes());
       trip.base_version = a.base_version[static_cast<size_t>(id)];
       trip.dispatched_at = a.dispatched_at[static_cast<size_t>(id)];
       trip.local_steps = md.metrics().count("local_steps") ? static_cast<int64_t>(md.metrics().at("local_steps")) : 0;
@@ -626,7 +592,7 @@ grpc::Status ServerAgent::async_receive_update(grpc::ServerReaderWriter<Frame, F
         applied = next.status();
       } else {
         follow_locked(*next);
-        bytes_up_ += received;
+        bytes_up_ += layout.total_bytes();
         if (a.core->arrivals() % a.options.eval_every == 0 || a.core->arrivals() >= a.options.total) a.evals_due++;
         if (a.core->arrivals() >= a.options.total) a.done = true;
         cv_.notify_all();
@@ -641,7 +607,7 @@ grpc::Status ServerAgent::async_receive_update(grpc::ServerReaderWriter<Frame, F
   return grpc::Status::OK;
 }
 
-Status ServerAgent::serve_async(AsyncServerCore& core, Arena& global, const AsyncServeOptions& options) {
+Status ServerAgent::serve_async(AsyncUpdateHandler& core, Arena& global, const AsyncServeOptions& options) {
   {
     std::lock_guard lock(mu_);
     async_ = std::make_unique<Async>();
@@ -652,16 +618,14 @@ Status ServerAgent::serve_async(AsyncServerCore& core, Arena& global, const Asyn
     async_->ready_steps.assign(n, -1);
     async_->base_version.assign(n, 0);
     async_->dispatched_at.assign(n, 0.0);
-    MEMFL_RETURN_IF_ERROR(async_->spool.open(options.spool_dir));
+    async_->slots = std::make_unique<SpoolSlots>("asynchronous update spool", layout_.total_bytes());
+    MEMFL_RETURN_IF_ERROR(async_->slots->open(options.spool_dir));
     async_->t0 = Clock::now();
     // Applied (or folded into FedBuff's buffer) updates give their slot back;
     // the core calls this with mu_ held.
     core.set_release([this](AsyncTripRecord& t) {
       const auto* src = dynamic_cast<const SpoolSlotSource*>(t.update.get());
-      if (src == nullptr) return;
-      const uint64_t b = layout_.total_bytes();
-      async_->spool.release(static_cast<uint64_t>(src->slot()) * b, b);
-      async_->free_slots.push_back(src->slot());
+      if (src != nullptr) async_->slots->give_back(src->slot());
       t.update.reset();
     });
     for (size_t c = 0; c < n; ++c) {
@@ -933,7 +897,7 @@ Status GrpcServerTransport::collect(int round, const std::vector<int>& selected,
   return impl_->agent.collect(round, selected, global, aggregator, out);
 }
 std::vector<int> GrpcServerTransport::take_rejoined() { return impl_->agent.take_rejoined(); }
-Status GrpcServerTransport::serve_async(AsyncServerCore& core, Arena& global, const AsyncServeOptions& options) {
+Status GrpcServerTransport::serve_async(AsyncUpdateHandler& core, Arena& global, const AsyncServeOptions& options) {
   return impl_->agent.serve_async(core, global, options);
 }
 

@@ -18,8 +18,6 @@
 
 namespace memfl {
 
-class AsyncServerCore;
-
 struct AsyncServeOptions {
   int64_t total = 0;       // client updates to play (num_global_epochs)
   int64_t eval_every = 1;  // on_eval after every this many
@@ -53,7 +51,7 @@ class GrpcServerTransport final : public ServerTransport {
   // it is when it asks (and, from FedCompass, its local steps), its update
   // goes to a spool slot, checked chunk by chunk, and `core` applies it with
   // its staleness once whole. Returns after options.total updates.
-  Status serve_async(AsyncServerCore& core, Arena& global, const AsyncServeOptions& options);
+  Status serve_async(AsyncUpdateHandler& core, Arena& global, const AsyncServeOptions& options);
 
  private:
   GrpcServerTransport() = default;
