@@ -319,8 +319,8 @@ std::map<std::string, std::vector<float>> read_model(const std::string& path) {
   return out;
 }
 
-// (transport, aggregator): the simulator's virtual clock, or a gRPC server
-// and six client processes in real time.
+// (transport, aggregator, form): the simulator's virtual clock, or six
+// client processes in real time with a gRPC server or as MPI ranks.
 class AsyncSimulation : public ::testing::TestWithParam<std::tuple<std::string, std::string, bool>> {};
 
 // The final model is the initial one plus, for every update the log says
@@ -329,7 +329,7 @@ class AsyncSimulation : public ::testing::TestWithParam<std::tuple<std::string, 
 // are checked against client_speeds.csv and each other.
 TEST_P(AsyncSimulation, TheModelIsTheReplayOfTheAsyncLog) {
   const auto& [transport, aggregator, gradient_based] = GetParam();
-  const bool grpc = transport == "grpc";
+  const bool grpc = transport != "simulator";  // real processes, real time
   const int n = 6, updates = 40;
   const double scale = 0.01;
   TempDir tmp;
@@ -341,10 +341,13 @@ TEST_P(AsyncSimulation, TheModelIsTheReplayOfTheAsyncLog) {
   // With no change (scale 0) the gradient is 0: the model stays the initial one.
   Result init = memfl_cli("run " + tmp.file("init.yaml") + " -q --out " + tmp.file("init"));
   ASSERT_EQ(init.exit_code, 0) << init.output;
-  Result r = grpc ? memfl_cli("launch " + tmp.file("run.yaml") + " --clients 6 -q --out " + tmp.file("out"))
-                  : memfl_cli("run " + tmp.file("run.yaml") + " -q --out " + tmp.file("run"));
+  Result r = transport == "grpc"
+                 ? memfl_cli("launch " + tmp.file("run.yaml") + " --clients 6 -q --out " + tmp.file("out"))
+             : transport == "mpi" ? mpirun(n + 1, tmp.file("run.yaml") + " -q --out " + tmp.file("out"))
+                                  : memfl_cli("run " + tmp.file("run.yaml") + " -q --out " + tmp.file("run"));
   ASSERT_EQ(r.exit_code, 0) << r.output;
-  if (grpc) std::filesystem::rename(tmp.file("out/server"), tmp.file("run"));
+  if (transport == "grpc") std::filesystem::rename(tmp.file("out/server"), tmp.file("run"));
+  if (transport == "mpi") std::filesystem::rename(tmp.file("out/rank_0"), tmp.file("run"));
 
   std::vector<double> step_time(n);
   if (!grpc) {
@@ -490,11 +493,14 @@ TEST_P(AsyncSimulation, TheModelIsTheReplayOfTheAsyncLog) {
 }
 
 std::vector<std::string> async_transports() {
+  std::vector<std::string> t = {"simulator"};
 #ifdef MEMFL_HAVE_GRPC
-  return {"simulator", "grpc"};
-#else
-  return {"simulator"};
+  t.push_back("grpc");
 #endif
+#ifdef MEMFL_TEST_MPI
+  t.push_back("mpi");
+#endif
+  return t;
 }
 
 INSTANTIATE_TEST_SUITE_P(Rules, AsyncSimulation,

@@ -127,6 +127,16 @@ class AsyncUpdateHandler {
   virtual Status flush_log() = 0;
 };
 
+// How a transport serves an asynchronous run (its serve_async).
+struct AsyncServeOptions {
+  int64_t total = 0;       // client updates to play (num_global_epochs)
+  int64_t eval_every = 1;  // on_eval after every this many
+  std::string spool_dir;   // where updates wait until they are applied
+  // Called with the model unchanged while it runs: the evaluation number,
+  // updates so far, seconds since the start.
+  std::function<Status(int evaluation, int64_t updates, double seconds)> on_eval;
+};
+
 // How every transport names client `c` to the aggregator (and in messages).
 inline std::string client_id(int c) { return "client_" + std::to_string(c); }
 

@@ -17,8 +17,7 @@
 #include "io/run_dir.h"
 #include "memory/sampler.h"
 #include "roles/grpc_roles.h"
-#include "aggregate/async_aggregator.h"
-#include "server/async_core.h"
+#include "roles/async_server.h"
 #include "server/global_model.h"
 #include "server/model_worker.h"
 #include "server/round_driver.h"
@@ -48,102 +47,23 @@ namespace {
 // Asynchronous FL over gRPC (AsyncScheduler, CompassScheduler): the same
 // sessions, the rules of server/async_core.h, real time.
 Status run_async_grpc_server(const ExperimentConfig& cfg, const RoleOptions& opts) {
-  const auto& sc = cfg.server;
-  if (opts.resume) return failed_precondition("--resume: an asynchronous run ({}) cannot be resumed yet", sc.scheduler);
-  if (sc.client_weights_mode != "equal") {
-    return invalid_argument(
-        "server_configs.aggregator_kwargs.client_weights_mode: '{}' needs every client's sample count, which the "
-        "gRPC server does not see before the clients train; use equal (or the simulator)",
-        sc.client_weights_mode);
-  }
+  if (opts.resume)
+    return failed_precondition("--resume: an asynchronous run ({}) cannot be resumed yet", cfg.server.scheduler);
   MemorySampler sampler("server", cfg.memory.sample_interval_ms);
   sampler.start();
   WriteMemoryOnExit write_on_exit(sampler, opts.run_dir);
   sampler.mark(0, "setup");
   const int64_t baseline_rss = read_rss_bytes();
-  // The global model and its initial weights as in rounds; its aggregator
-  // (an in-place FedAvg, holding nothing) is not used.
-  ExperimentConfig gcfg = cfg;
-  gcfg.server.scheduler = "SyncScheduler";
-  gcfg.server.aggregator = "FedAvgAggregator";
-  MEMFL_ASSIGN_OR_RETURN(auto global, GlobalModel::create(gcfg, InputSpec{}, opts.run_dir, /*naive=*/false));
-  const Layout& layout = global->layout();
-  AsyncAggregatorOptions ao;
-  ao.alpha = sc.alpha;
-  MEMFL_ASSIGN_OR_RETURN(ao.staleness, make_staleness_fn(sc.staleness_fn, sc.staleness_a, sc.staleness_b));
-  ao.buffer_size = sc.buffer_size;
-  ao.gradient_based = sc.gradient_based;
-  MEMFL_ASSIGN_OR_RETURN(auto aggregator, AsyncAggregator::create(sc.aggregator, ao, layout, [&](size_t bytes) {
-                           return make_model_arena(cfg, bytes, opts.run_dir, MemoryCategory::kAggregation);
-                         }));
-  MEMFL_ASSIGN_OR_RETURN(auto transport, GrpcServerTransport::listen(cfg, layout, /*naive=*/false, opts.run_dir));
-  spdlog::info("server: {} with {}, model {} ({}), {} updates", sc.scheduler, sc.aggregator, cfg.model.model_name,
-               format_bytes(static_cast<double>(layout.payload_bytes())), sc.num_global_epochs);
+  MEMFL_ASSIGN_OR_RETURN(auto global, make_async_global_model(cfg, opts.run_dir));
+  MEMFL_ASSIGN_OR_RETURN(auto transport,
+                         GrpcServerTransport::listen(cfg, global->layout(), /*naive=*/false, opts.run_dir));
   transport->wait_for_clients();
-
-  AsyncServerCore core(cfg, layout, global->arena(), *aggregator,
-                       std::vector<double>(static_cast<size_t>(sc.num_clients), 1.0 / sc.num_clients), nullptr);
-  MEMFL_RETURN_IF_ERROR(core.open_log((fs::path(opts.run_dir) / "async_log.csv").string()));
-  MEMFL_ASSIGN_OR_RETURN(auto metrics, MetricsWriter::open((fs::path(opts.run_dir) / "metrics.csv").string()));
-  std::unique_ptr<ModelWorker> evaluator;
-  if (sc.do_server_eval && !is_spec_only(cfg)) {
-    MEMFL_ASSIGN_OR_RETURN(evaluator,
-                           ModelWorker::start((fs::path(opts.run_dir) / "config.yaml").string(), layout,
-                                              transfer_chunk_bytes(true, sc.model_chunk_size, layout.total_bytes()),
-                                              (fs::path(opts.run_dir) / "model_worker.log").string()));
-  }
-  std::vector<RoundMetrics> evals;
-  auto t_window = Clock::now();
-  AsyncServeOptions so;
-  so.total = sc.num_global_epochs;
-  so.eval_every = sc.async_eval_every > 0 ? sc.async_eval_every : sc.num_clients;
-  so.spool_dir = cfg.memory.scratch_dir.empty() ? opts.run_dir : cfg.memory.scratch_dir;
-  so.on_eval = [&](int k, int64_t updates, double seconds) -> Status {
-    RoundMetrics m;
-    m.round = k;
-    m.clients = static_cast<int>(updates - (evals.empty() ? 0 : static_cast<int64_t>(evals.size()) * so.eval_every));
-    if (evaluator) {
-      MEMFL_ASSIGN_OR_RETURN(EvalResult ev, evaluator->evaluate(k, global->arena()));
-      m.test_loss = ev.loss;
-      m.test_accuracy = ev.accuracy;
-    }
-    m.round_seconds = std::chrono::duration<double>(Clock::now() - t_window).count();
-    m.virtual_seconds = seconds;  // real seconds here, on the same axis as the simulator's clock
-    m.rss_bytes = read_rss_bytes();
-    m.peak_rss_bytes = sampler.peak_rss();
-    m.threads = count_threads();
-    m.open_fds = count_open_fds();
-    MEMFL_RETURN_IF_ERROR(metrics->append(m));
-    evals.push_back(m);
-    t_window = Clock::now();
-    if (opts.progress) {
-      fmt::print("server updates {:>5}/{}  versions {}  test_acc {:.4f}  {:.1f} s  peak RSS {}\n", updates,
-                 sc.num_global_epochs, core.version(), m.test_accuracy, seconds,
-                 format_bytes(static_cast<double>(m.peak_rss_bytes)));
-      std::fflush(stdout);
-    }
-    return Status::Ok();
-  };
-  Status result = transport->serve_async(core, global->arena(), so);
-  transport->finish(sc.num_global_epochs);
-  if (result.ok()) result = global->write_checkpoint(static_cast<int>(core.version()));
-  nlohmann::ordered_json summary;
-  summary["role"] = "server";
-  summary["scheduler"] = sc.scheduler;
-  summary["aggregator"] = sc.aggregator;
-  summary["updates"] = core.arrivals();
-  summary["global_versions"] = core.version();
-  summary["mean_staleness"] = core.mean_staleness();
-  summary["max_staleness"] = core.max_staleness();
-  summary["model_bytes"] = layout.payload_bytes();
-  summary["num_params"] = layout.num_params();
-  summary["baseline_rss_bytes"] = baseline_rss;
-  summary["peak_rss_bytes"] = std::max(sampler.peak_rss(), read_peak_rss_bytes());
-  summary["aggregator_state_bytes"] = aggregator->state_bytes();
-  summary["maps_libtorch"] = maps_library("libtorch");
-  summary["final_test_accuracy"] = evals.empty() ? 0.0 : evals.back().test_accuracy;
-  summary["status"] = result.ok() ? "ok" : result.message();
-  MEMFL_RETURN_IF_ERROR(write_text_file((fs::path(opts.run_dir) / "summary.json").string(), summary.dump(2) + "\n"));
+  Status result = run_async_server(cfg, opts.run_dir, opts.progress, *global, sampler, baseline_rss,
+                                   [&](AsyncUpdateHandler& core, Arena& g, const AsyncServeOptions& so) {
+                                     Status s = transport->serve_async(core, g, so);
+                                     transport->finish(cfg.server.num_global_epochs);
+                                     return s;
+                                   });
   return result;
 }
 

@@ -26,6 +26,8 @@
 #include "comm/mpi/mpi_transport.h"
 #include "memory/sampler.h"
 #include "client/client_work.h"
+#include "aggregate/async_aggregator.h"
+#include "roles/async_server.h"
 #include "server/global_model.h"
 #include "server/model_worker.h"
 #include "io/run_dir.h"
@@ -76,11 +78,21 @@ Status run_server(const ExperimentConfig& cfg, int world, const std::string& dir
   so.num_clients = cfg.server.num_clients;
   so.clients_per_round = cfg.server.clients_per_round;
   so.seed = cfg.server.seed;
-  MEMFL_ASSIGN_OR_RETURN(auto scheduler, make_scheduler(cfg.server.scheduler, so));
+  std::unique_ptr<Scheduler> scheduler;
+  if (!cfg.server.is_async()) {
+    MEMFL_ASSIGN_OR_RETURN(scheduler, make_scheduler(cfg.server.scheduler, so));
+  }
   const int64_t baseline = read_rss_bytes();
   // No data set and no network on rank 0: a network's initial weights and
   // the server-side evaluation come from a model worker process.
-  MEMFL_ASSIGN_OR_RETURN(auto global, GlobalModel::create(cfg, InputSpec{}, dir, /*naive=*/false));
+  if (cfg.server.is_async() && resume)
+    return failed_precondition("--resume: an asynchronous run ({}) cannot be resumed yet", cfg.server.scheduler);
+  std::unique_ptr<GlobalModel> global;
+  if (cfg.server.is_async()) {
+    MEMFL_ASSIGN_OR_RETURN(global, make_async_global_model(cfg, dir));
+  } else {
+    MEMFL_ASSIGN_OR_RETURN(global, GlobalModel::create(cfg, InputSpec{}, dir, /*naive=*/false));
+  }
   LocalModel& model = global->model();
   const Layout& layout = model.layout();
   const size_t chunk =
@@ -102,6 +114,20 @@ Status run_server(const ExperimentConfig& cfg, int world, const std::string& dir
   }
   ServerStreams streams(layout, chunk, shm);
   MpiServerTransport transport(cfg, layout, streams, world);
+  if (cfg.server.is_async()) {
+    Status result = run_async_server(
+        cfg, dir, progress, *global, st.sampler, baseline,
+        [&](AsyncUpdateHandler& core, Arena& g, const AsyncServeOptions& serve_options) {
+          return transport.serve_async(core, g, serve_options);
+        },
+        [&](nlohmann::ordered_json& summary) {
+          summary["chunk_path"] = shm.enabled() ? "shared_ring" : "point_to_point";
+          summary["excluded_ranks"] = transport.excluded_ranks();
+        });
+    if (!result.ok()) abort_job(result.message());
+    transport.finish(0);
+    return Status::Ok();
+  }
   RoundDriverOptions dopts;
   dopts.run_dir = dir;
   dopts.role = "mpi server";
@@ -198,7 +224,61 @@ Status run_client_rank(const ExperimentConfig& cfg, int rank, const std::string&
     stopped_once = true;
     std::raise(SIGSTOP);
   };
-  while (true) {
+  // Asynchronous (one client per rank): each trip trains from the model as
+  // the server sends it, for the steps it says (FedCompass), and sends the
+  // model or — gradient_based — its change from the model received.
+  const bool async = cfg.server.is_async();
+  Arena base;
+  int64_t trips = 0;
+  while (async) {
+    WireModelBegin b{};
+    quiet_recv(&b, sizeof b, 0, kTagModelBegin);
+    if (b.finished) break;
+    if (b.layout_hash != layout.hash() || b.total_bytes != layout.total_bytes()) {
+      abort_job(fmt::format("rank {}: the server's model (layout {:016x}) is not this rank's ({:016x})", rank,
+                            b.layout_hash, layout.hash()));
+    }
+    st.sampler.mark(b.round, "broadcast");
+    streams.receive_model(model.arena());
+    int32_t ok = 1;
+    MPI_Send(&ok, 1, MPI_INT32_T, 0, kTagModelReceived, MPI_COMM_WORLD);
+    const int c = rank - 1;
+    ExperimentConfig trip_cfg = local;
+    if (b.local_steps > 0) {
+      trip_cfg.train.mode = "step";
+      trip_cfg.train.num_local_steps = b.local_steps;
+    }
+    if (cfg.server.gradient_based) {
+      if (base.empty()) base = Arena(layout.total_bytes(), MemoryCategory::kCommBuffers);
+      std::memcpy(base.data(), model.arena().data(), layout.total_bytes());
+    }
+    st.sampler.mark(b.round, "train");
+    const ClientPartition* part = parts.empty() ? nullptr : &parts[static_cast<size_t>(c)];
+    MEMFL_ASSIGN_OR_RETURN(TrainResult tr,
+                           local_update(model, trip_cfg, data ? &*data : nullptr, part, static_cast<int>(++trips), c));
+    Arena* upload = &model.arena();
+    if (cfg.server.gradient_based) {
+      MEMFL_RETURN_IF_ERROR(
+          write_gradient(layout, base, model.arena(), 64 * 1024, [&](size_t off, std::span<const std::byte> bytes) {
+            std::memcpy(base.data() + off, bytes.data(), bytes.size());
+            return Status::Ok();
+          }));
+      upload = &base;
+    }
+    int64_t steps = tr.num_steps;
+    if (steps <= 0) {
+      const int64_t n = part != nullptr ? static_cast<int64_t>(part->train.size()) : 0;
+      const int64_t bs = std::max(1, trip_cfg.train.train_batch_size);
+      steps = trip_cfg.train.mode == "step" || n == 0 ? trip_cfg.train.num_local_steps
+                                                      : trip_cfg.train.num_local_epochs * ((n + bs - 1) / bs);
+    }
+    st.sampler.mark(b.round, "upload");
+    WireUpdateMeta md{
+        b.round, c, update_sample_count(cfg, part, c), tr.train_loss, tr.val_accuracy, static_cast<double>(steps)};
+    MPI_Send(&md, sizeof md, MPI_BYTE, 0, kTagUpdateMeta, MPI_COMM_WORLD);
+    streams.send_update(*upload);
+  }
+  while (!async) {
     WireModelBegin b{};
     quiet_recv(&b, sizeof b, 0, kTagModelBegin);
     if (b.finished) break;
@@ -223,7 +303,7 @@ Status run_client_rank(const ExperimentConfig& cfg, int rank, const std::string&
         MEMFL_RETURN_IF_ERROR(record_client_privacy(cfg, dir, b.round, c, dp_steps[c], tr.dp_sample_rate).status());
       }
       st.sampler.mark(b.round, "upload");
-      WireUpdateMeta md{b.round, c, update_sample_count(cfg, part, c), tr.train_loss, tr.val_accuracy};
+      WireUpdateMeta md{b.round, c, update_sample_count(cfg, part, c), tr.train_loss, tr.val_accuracy, 0.0};
       MPI_Send(&md, sizeof md, MPI_BYTE, 0, kTagUpdateMeta, MPI_COMM_WORLD);
       stop_here("stop_mid_upload");
       streams.send_update(model.arena());

@@ -18,15 +18,6 @@
 
 namespace memfl {
 
-struct AsyncServeOptions {
-  int64_t total = 0;       // client updates to play (num_global_epochs)
-  int64_t eval_every = 1;  // on_eval after every this many
-  std::string spool_dir;   // where updates wait until they are applied
-  // Called with the model unchanged while it runs: the evaluation number,
-  // updates so far, seconds since the start.
-  std::function<Status(int evaluation, int64_t updates, double seconds)> on_eval;
-};
-
 class GrpcServerTransport final : public ServerTransport {
  public:
   // Listens on server_configs.comm_configs.grpc_configs.server_uri and writes

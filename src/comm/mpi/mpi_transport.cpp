@@ -1,6 +1,7 @@
 // The MPI transport's control plane (comm/mpi/mpi_transport.h): aborting the
 // job, the quiet waits, and the server core's transport (MpiServerTransport).
 #include "comm/mpi/mpi_transport.h"
+#include "comm/spool_update.h"
 
 #include <mpi.h>
 
@@ -271,13 +272,143 @@ Status MpiServerTransport::collect(int round, const std::vector<int>& selected, 
   return Status::Ok();
 }
 
+bool MpiServerTransport::send_model_to(int r, int round, int local_steps, const Arena& global) {
+  WireModelBegin b{round, 0, 1, local_steps, layout_.hash(), layout_.total_bytes()};
+  MPI_Send(&b, sizeof b, MPI_BYTE, r, kTagModelBegin, MPI_COMM_WORLD);
+  const std::chrono::seconds stall(cfg_.server.broadcast_deadline_s());
+  if (!streams_.broadcast({r}, global, stall).empty()) {
+    exclude(r, round, fmt::format("left a chunk of the global model untaken for {} s", stall.count()));
+    return false;
+  }
+  int32_t ok = 0;
+  MPI_Request rq;
+  MPI_Irecv(&ok, sizeof ok, MPI_BYTE, r, kTagModelReceived, MPI_COMM_WORLD, &rq);
+  if (!mpi_detail::quiet_waitall_until(1, &rq, MPI_STATUS_IGNORE, mpi_detail::kIdle, Clock::now() + stall)) {
+    mpi_detail::cancel_receive(&rq);
+    exclude(r, round, fmt::format("did not confirm the global model within {} s", stall.count()));
+    return false;
+  }
+  return true;
+}
+
+Status MpiServerTransport::serve_async(AsyncUpdateHandler& core, Arena& global, const AsyncServeOptions& options) {
+  if (excluded_.empty()) excluded_.assign(static_cast<size_t>(world_), false);
+  if (cfg_.server.clients_per_rank != 1)
+    return invalid_argument(
+        "server_configs.clients_per_rank: {} — an asynchronous run over MPI has one client per rank",
+        cfg_.server.clients_per_rank);
+  const int n = world_ - 1;
+  SpoolSlots slots("asynchronous update spool", layout_.total_bytes());
+  MEMFL_RETURN_IF_ERROR(slots.open(options.spool_dir));
+  core.set_release([&](AsyncTripRecord& t) {
+    const auto* src = dynamic_cast<const SpoolSlotSource*>(t.update.get());
+    if (src != nullptr) slots.give_back(src->slot());
+    t.update.reset();
+  });
+  const auto t0 = Clock::now();
+  auto now = [&] { return since(t0); };
+  std::vector<bool> training(static_cast<size_t>(n), false);
+  std::vector<int64_t> base(static_cast<size_t>(n), 0);
+  std::vector<double> left(static_cast<size_t>(n), 0.0);
+  std::vector<std::pair<double, int>> deadlines;
+  auto send = [&](int c, int steps) {
+    const int r = c + 1;
+    if (excluded_[static_cast<size_t>(r)]) return;
+    base[static_cast<size_t>(c)] = core.version();
+    left[static_cast<size_t>(c)] = now();
+    training[static_cast<size_t>(c)] = send_model_to(r, static_cast<int>(core.version()), steps, global);
+  };
+  auto follow = [&](const AsyncNext& next) {
+    for (const auto& d : next.deadlines) deadlines.push_back(d);
+    for (const auto& d : next.send) send(d.client, d.local_steps);
+  };
+  for (int c = 0; c < n; ++c) send(c, core.start(c, 0.0));
+  const std::chrono::seconds stall(cfg_.server.upload_deadline_s());
+  int evaluated = 0;
+  while (core.arrivals() < options.total) {
+    std::vector<int> sources;
+    for (int c = 0; c < n; ++c) {
+      if (training[static_cast<size_t>(c)] && !excluded_[static_cast<size_t>(c + 1)]) sources.push_back(c + 1);
+    }
+    auto first = std::min_element(deadlines.begin(), deadlines.end());
+    if (sources.empty() && first == deadlines.end())
+      return failed_precondition("no client rank is training and no group is due; {} updates of {} arrived",
+                                 core.arrivals(), options.total);
+    const auto due =
+        first == deadlines.end()
+            ? Clock::now() + stall
+            : t0 + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(first->first));
+    const int r = sources.empty() ? -1 : quiet_probe_first(sources, kTagUpdateMeta, std::chrono::microseconds(0), due);
+    if (r < 0) {
+      if (sources.empty()) std::this_thread::sleep_until(due);
+      if (first != deadlines.end() && Clock::now() >= due) {
+        const int group = first->second;
+        deadlines.erase(first);
+        MEMFL_ASSIGN_OR_RETURN(AsyncNext next, core.deadline(group, now()));
+        follow(next);
+      } else if (first == deadlines.end()) {
+        for (int late : sources) {
+          exclude(late, static_cast<int>(core.version()),
+                  fmt::format("sent no update for {} s (server_configs.upload_timeout_s)", stall.count()));
+        }
+      }
+      continue;
+    }
+    WireUpdateMeta md{};
+    quiet_recv(&md, sizeof md, r, kTagUpdateMeta);
+    const int c = r - 1;
+    if (md.client != c)
+      abort_job(fmt::format("rank {} sent an update of client {}; it hosts client {}", r, md.client, c));
+    const std::string peer = fmt::format("client_{} (rank {})", c, r);
+    const size_t slot = slots.take();
+    auto writer = std::make_shared<SpoolSlotWriter>(slots.spool(), slot, layout_, peer);
+    Status received = streams_.receive_update(r, peer, writer, stall);
+    streams_.drain();  // checked and written whole before it is used
+    training[static_cast<size_t>(c)] = false;
+    if (!received.ok()) {
+      slots.give_back(slot);
+      exclude(r, static_cast<int>(core.version()), received.message());
+      continue;
+    }
+    AsyncTripRecord trip;
+    trip.client = c;
+    trip.update = std::make_shared<SpoolSlotSource>(slots.spool(), slot, layout_.total_bytes());
+    trip.base_version = base[static_cast<size_t>(c)];
+    trip.dispatched_at = left[static_cast<size_t>(c)];
+    trip.local_steps = static_cast<int64_t>(md.local_steps);
+    trip.train_loss = md.train_loss;
+    MEMFL_ASSIGN_OR_RETURN(AsyncNext next, core.arrive(std::move(trip), now()));
+    if (core.arrivals() < options.total) follow(next);
+    if (core.arrivals() % options.eval_every == 0 || core.arrivals() >= options.total)
+      MEMFL_RETURN_IF_ERROR(options.on_eval(++evaluated, core.arrivals(), now()));
+  }
+  // Ranks still training send their update; it is taken (not applied) so
+  // that they come to hear that the run is over.
+  for (int c = 0; c < n; ++c) {
+    const int r = c + 1;
+    if (!training[static_cast<size_t>(c)] || excluded_[static_cast<size_t>(r)]) continue;
+    if (quiet_probe_first({r}, kTagUpdateMeta, std::chrono::microseconds(0), Clock::now() + stall) < 0) {
+      exclude(r, static_cast<int>(core.version()), "sent no update after the run's last one");
+      continue;
+    }
+    WireUpdateMeta md{};
+    quiet_recv(&md, sizeof md, r, kTagUpdateMeta);
+    const size_t slot = slots.take();
+    auto writer = std::make_shared<SpoolSlotWriter>(slots.spool(), slot, layout_, fmt::format("rank {}", r));
+    (void)streams_.receive_update(r, fmt::format("rank {}", r), writer, stall);
+    streams_.drain();
+    slots.give_back(slot);
+  }
+  return core.flush_log();
+}
+
 void MpiServerTransport::finish(int) {
   if (excluded_.empty()) excluded_.assign(static_cast<size_t>(world_), false);
   std::vector<MPI_Request> byes;
   std::vector<int32_t> bye(static_cast<size_t>(world_), 0);
   for (int r = 1; r < world_; ++r) {
     if (excluded_[static_cast<size_t>(r)]) continue;
-    WireModelBegin b{0, 1, 0, 0, layout_.hash(), layout_.total_bytes()};
+    WireModelBegin b{0, 1, 0, 0, layout_.hash(), layout_.total_bytes()};  // finished
     MPI_Send(&b, sizeof b, MPI_BYTE, r, kTagModelBegin, MPI_COMM_WORLD);
     byes.emplace_back();
     MPI_Irecv(&bye[static_cast<size_t>(r)], 1, MPI_INT32_T, r, kTagBye, MPI_COMM_WORLD, &byes.back());

@@ -59,13 +59,15 @@ enum MpiTag : int {
 // The server's word to each client rank at a round's start (kTagModelBegin):
 // whether it takes part, or whether the run is over.
 struct WireModelBegin {
-  int32_t round, finished, participate, pad;
+  int32_t round, finished, participate;
+  int32_t local_steps;  // asynchronous (FedCompass): this trip's local steps (0: the config's)
   uint64_t layout_hash, total_bytes;
 };
 // A client's metadata ahead of its update's bytes (kTagUpdateMeta).
 struct WireUpdateMeta {
   int32_t round, client;
   double sample_count, train_loss, val_accuracy;
+  double local_steps;  // the steps it took (asynchronous runs log them)
 };
 
 // A peer's wrong bytes are not survivable in an MPI job (no rank can leave
@@ -206,9 +208,17 @@ class MpiServerTransport final : public ServerTransport {
   // Ranks that missed a deadline: out of the run (MPI cannot take a rank
   // back, and one that stalls would hang MPI_Finalize).
   std::vector<int> excluded_ranks() const;
+  // Asynchronous FL (one client per rank): a rank gets the model as it is
+  // when its previous update was applied (FedCompass: when its group was),
+  // with its local steps; its update, checked chunk by chunk into a spool
+  // slot, goes to `core` whole. Deadlines of FedCompass groups are kept
+  // between probes. Returns after options.total updates, once the ranks
+  // still training have sent theirs (not applied); finish() then ends them.
+  Status serve_async(AsyncUpdateHandler& core, Arena& global, const AsyncServeOptions& options);
 
  private:
   void exclude(int rank, int round, const std::string& why);
+  bool send_model_to(int rank, int round, int local_steps, const Arena& global);
   const ExperimentConfig& cfg_;
   const Layout& layout_;
   ServerStreams& streams_;
