@@ -532,6 +532,32 @@ TEST(AsyncSimulationScale, AThousandClientsInOneProcessInVirtualTime) {
   EXPECT_GT(std::stod(metrics[3].back()), std::stod(metrics[1].back()));
 }
 
+// compare-algorithms on the same clients: a synchronous round lasts as long
+// as its slowest client (10 steps × the largest time per step in the
+// speeds the asynchronous run wrote), asynchronous clients do not wait.
+TEST(CompareAlgorithms, SyncRoundsWaitForTheSlowestClientAsyncOnesDoNot) {
+  TempDir tmp;
+  std::ofstream(tmp.file("c.yaml")) << async_config("FedAsyncAggregator", 4, 3, 0.01);
+  Result r =
+      memfl_cli("compare-algorithms " + tmp.file("c.yaml") + " --algorithms FedAvg,FedAsync --out " + tmp.file("cmp"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  auto speeds = read_csv(tmp.file("cmp/FedAsync/client_speeds.csv"));
+  ASSERT_EQ(speeds.size(), 5u);
+  double slowest = 0;
+  for (size_t i = 1; i < speeds.size(); ++i) slowest = std::max(slowest, std::stod(speeds[i][1]));
+  auto results = read_csv(tmp.file("cmp/results.csv"));
+  ASSERT_EQ(results.size(), 3u);
+  EXPECT_EQ(results[1][0], "FedAvg");
+  EXPECT_EQ(results[2][0], "FedAsync");
+  const double sync_time = std::stod(results[1][4]), async_time = std::stod(results[2][4]);
+  EXPECT_NEAR(sync_time, 3 * 10 * slowest, 1e-3);
+  EXPECT_LT(async_time, sync_time);  // 12 updates, without waiting for the slowest
+  auto log = read_csv(tmp.file("cmp/FedAsync/async_log.csv"));
+  EXPECT_EQ(log.size(), 13u);  // 3 rounds × 4 clients of updates
+  for (const char* f : {"compare.html", "accuracy_vs_time.svg", "accuracy_vs_rounds.svg", "curves.csv"})
+    EXPECT_TRUE(std::filesystem::exists(tmp.file(std::string("cmp/") + f))) << f;
+}
+
 // APPFL's example server_configs blocks for the asynchronous algorithms
 // (examples/resources/configs/mnist/server_fed{async,buff,compass}.yaml), as
 // APPFL writes them.

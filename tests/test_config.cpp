@@ -53,6 +53,26 @@ TEST(Config, TheServerOptimizerExamplesLoadWithAppflsValues) {
   }
 }
 
+// The asynchronous examples load with their scheduler, rule and keys.
+TEST(Config, TheAsynchronousExamplesLoad) {
+  struct Example {
+    const char* file;
+    const char* scheduler;
+    const char* aggregator;
+  };
+  for (const Example& e : {Example{"fedasync_fmnist_cnn.yaml", "AsyncScheduler", "FedAsyncAggregator"},
+                           Example{"fedbuff_fmnist_cnn.yaml", "AsyncScheduler", "FedBuffAggregator"},
+                           Example{"fedcompass_fmnist_cnn.yaml", "CompassScheduler", "FedCompassAggregator"}}) {
+    auto c = load_config_file(std::string(MEMFL_SOURCE_DIR_FOR_TESTS) + "/configs/" + e.file);
+    ASSERT_TRUE(c.ok()) << e.file << ": " << c.status().to_string();
+    EXPECT_EQ(c->server.scheduler, e.scheduler) << e.file;
+    EXPECT_EQ(c->server.aggregator, e.aggregator) << e.file;
+    EXPECT_EQ(c->server.staleness_fn, "polynomial") << e.file;
+    EXPECT_EQ(c->data.partition_strategy, "dirichlet") << e.file;
+    EXPECT_EQ(c->server.client_speed_distribution, "lognormal") << e.file;
+  }
+}
+
 // An APPFL key that names Python code is refused with what to use instead.
 TEST(Config, AppflPythonPathKeysAreRefusedWithWhatToUseInstead) {
   auto c =

@@ -85,8 +85,7 @@ std::string svg_xy_plot(const std::vector<std::string>& names, const std::vector
       fmt::format("<text x=\"14\" y=\"{}\" transform=\"rotate(-90 14 {})\" text-anchor=\"middle\">test accuracy</text>",
                   (t + h - b) / 2, (t + h - b) / 2);
   for (size_t m = 0; m < ys.size(); ++m) {
-    std::string pts = fmt::format("{:.1f},{:.1f} ", X(0), Y(ys[m].empty() ? 0.0 : 0.1));
-    pts.clear();
+    std::string pts;
     for (size_t i = 0; i < ys[m].size(); ++i) pts += fmt::format("{:.1f},{:.1f} ", X(xs[m][i]), Y(ys[m][i]));
     out += fmt::format("<polyline fill=\"none\" stroke-width=\"2\" stroke=\"{}\" points=\"{}\"/>", colors[m % 8], pts);
     out += fmt::format("<text x=\"{}\" y=\"{}\" fill=\"{}\">{}</text>", w - r + 10, t + 16 * (m + 1), colors[m % 8],
