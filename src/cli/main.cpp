@@ -256,7 +256,8 @@ int main(int argc, char** argv) {
   compare_algorithms
       ->add_option("--algorithms", algorithms_csv, "comma-separated, e.g. FedAvg,FedAsync,FedBuff,FedCompass")
       ->required();
-  compare_algorithms->add_option("--target", ca.target_accuracy, "accuracy for 'time to target'")
+  std::string targets_csv = "0.8";
+  compare_algorithms->add_option("--target", targets_csv, "accuracies for 'time to target', comma-separated")
       ->capture_default_str();
   compare_algorithms->add_option("--out", out_dir, "output directory (default: runs/compare-algorithms-<pid>)");
   compare_algorithms->add_option("--set", sets, "override a config key (repeatable)");
@@ -319,6 +320,8 @@ int main(int argc, char** argv) {
   transfer->add_option("--chunk-mb", tb.chunk_mb, "chunk size in MiB")->capture_default_str();
   transfer->add_option("--memory-mode", tb.memory_mode, "streaming | naive")->capture_default_str();
   transfer->add_option("--aggregator", tb.aggregator, "server_configs.aggregator")->capture_default_str();
+  transfer->add_option("--arena-backing", tb.arena_backing, "memory_configs.arena_backing: memory | file")
+      ->capture_default_str();
   transfer
       ->add_option("--mpi-path", tb.mpi_path,
                    "MPI on one node: shared_ring (chunks through a shared-memory ring) | point_to_point")
@@ -403,6 +406,16 @@ int main(int argc, char** argv) {
     std::string a;
     while (std::getline(ss, a, ',')) {
       if (!a.empty()) ca.algorithms.push_back(a);
+    }
+    ca.targets.clear();
+    std::stringstream ts(targets_csv);
+    for (std::string t; std::getline(ts, t, ',');) {
+      if (t.empty()) continue;
+      try {
+        ca.targets.push_back(std::stod(t));
+      } catch (...) {
+        return fail(memfl::invalid_argument("--target: '{}' is not a number", t));
+      }
     }
     ca.out_dir = out_dir.empty() ? fmt::format("runs/compare-algorithms-{}", getpid()) : out_dir;
     auto r = memfl::run_compare_algorithms(*cfg, ca);

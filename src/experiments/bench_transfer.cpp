@@ -76,9 +76,11 @@ server_configs:
     grpc_configs:
       server_uri: 127.0.0.1:0
       model_chunk_size: {}
+memory_configs:
+  arena_backing: {}
 )",
                                           o.dummy_delays, num_params, o.dtype, o.clients, o.memory_mode, o.aggregator,
-                                          o.mpi_path == "shared_ring", chunk)));
+                                          o.mpi_path == "shared_ring", chunk, o.arena_backing)));
   std::string server_dir = (fs::path(dir) / "server").string();
   std::string client_prefix = "client_";
   int client_base = 0;
@@ -110,6 +112,7 @@ server_configs:
   j["transport"] = o.transport;
   j["memory_mode"] = o.memory_mode;
   j["aggregator"] = o.aggregator;
+  j["arena_backing"] = o.arena_backing;
   j["dtype"] = o.dtype;
   j["model_bytes"] = server["model_bytes"];
   j["clients"] = o.clients;

@@ -17,6 +17,7 @@ struct TransferBenchOptions {
   std::string memory_mode = "streaming";
   std::string mpi_path = "shared_ring";         // MPI on one node: shared_ring | point_to_point
   std::string aggregator = "FedAvgAggregator";  // server_configs.aggregator
+  std::string arena_backing = "memory";         // memory_configs.arena_backing: memory | file
   std::string dummy_delays;                     // train_configs.dummy_delay_s (a slow client: "1.5,0.5,0.5,0.5")
   std::string json_out;
   std::string run_dir;  // kept when given, else a temporary directory

@@ -117,19 +117,23 @@ StatusOr<std::pair<std::string, std::string>> algorithm_components(const std::st
 
 StatusOr<std::string> run_compare_algorithms(const ExperimentConfig& cfg, const CompareAlgorithmsOptions& o) {
   if (o.algorithms.empty()) return invalid_argument("--algorithms: name at least one (e.g. FedAvg,FedAsync)");
+  if (o.targets.empty()) return invalid_argument("--target: name at least one accuracy (e.g. 0.7,0.8)");
   for (const auto& a : o.algorithms) MEMFL_RETURN_IF_ERROR(algorithm_components(a).status());
   fs::create_directories(o.out_dir);
   const int per_round = cfg.server.clients_per_round > 0 && cfg.server.clients_per_round < cfg.server.num_clients
                             ? cfg.server.clients_per_round
                             : cfg.server.num_clients;
-  std::string csv =
-      "algorithm,final_accuracy,best_accuracy,rounds,virtual_seconds,virtual_seconds_to_target,rounds_to_target,"
-      "wall_seconds,peak_rss_bytes\n";
+  std::string csv = "algorithm,final_accuracy,best_accuracy,rounds,virtual_seconds";
+  std::string table = "| algorithm | final accuracy | best";
+  for (double t : o.targets) {
+    csv += fmt::format(",virtual_seconds_to_{:.2f},rounds_to_{:.2f}", t, t);
+    table += fmt::format(" | virtual time to {:.2f} | rounds to {:.2f}", t, t);
+  }
+  csv += ",wall_seconds,peak_rss_bytes\n";
+  table += " | virtual time, all | wall seconds | peak RSS MiB |\n|---|---|---";
+  for (size_t i = 0; i < o.targets.size(); ++i) table += "|---|---";
+  table += "|---|---|---|\n";
   std::string curves_csv = "algorithm,round,updates,virtual_seconds,test_accuracy,test_loss\n";
-  std::string table = fmt::format(
-      "| algorithm | final accuracy | best | virtual time to {:.2f} | rounds to {:.2f} | virtual time, all | wall "
-      "seconds | peak RSS MiB |\n|---|---|---|---|---|---|---|---|\n",
-      o.target_accuracy, o.target_accuracy);
   std::vector<std::vector<double>> xs_time, xs_round, ys;
   for (const auto& algorithm : o.algorithms) {
     MEMFL_ASSIGN_OR_RETURN(auto parts, algorithm_components(algorithm));
@@ -145,16 +149,19 @@ StatusOr<std::string> run_compare_algorithms(const ExperimentConfig& cfg, const 
     MEMFL_ASSIGN_OR_RETURN(SimulationResult res, run_simulation(c, {dir, false}));
     malloc_trim(0);  // as compare-methods: the next run starts where this one did
     std::vector<double> xt, xr, y;
-    double best = 0, time_to = -1;
-    int rounds_to = -1;
+    double best = 0;
+    std::vector<double> time_to(o.targets.size(), -1.0);
+    std::vector<int> rounds_to(o.targets.size(), -1);
     for (const auto& m : res.rounds) {
       xt.push_back(m.virtual_seconds);
       xr.push_back(m.round);
       y.push_back(m.test_accuracy);
       best = std::max(best, m.test_accuracy);
-      if (rounds_to < 0 && m.test_accuracy >= o.target_accuracy) {
-        rounds_to = m.round;
-        time_to = m.virtual_seconds;
+      for (size_t t = 0; t < o.targets.size(); ++t) {
+        if (rounds_to[t] < 0 && m.test_accuracy >= o.targets[t]) {
+          rounds_to[t] = m.round;
+          time_to[t] = m.virtual_seconds;
+        }
       }
       curves_csv +=
           fmt::format("{},{},{},{:.3f},{:.4f},{:.4f}\n", algorithm, m.round, static_cast<int64_t>(m.round) * per_round,
@@ -162,11 +169,16 @@ StatusOr<std::string> run_compare_algorithms(const ExperimentConfig& cfg, const 
     }
     const double final_acc = res.rounds.empty() ? 0.0 : res.rounds.back().test_accuracy;
     const double vt = res.rounds.empty() ? 0.0 : res.rounds.back().virtual_seconds;
-    csv += fmt::format("{},{:.4f},{:.4f},{},{:.3f},{:.3f},{},{:.2f},{}\n", algorithm, final_acc, best,
-                       res.rounds.size(), vt, time_to, rounds_to, res.wall_seconds, res.peak_rss_bytes);
-    table += fmt::format("| {} | {:.4f} | {:.4f} | {} | {} | {:.1f} s | {:.1f} | {:.1f} |\n", algorithm, final_acc,
-                         best, time_to < 0 ? std::string("not reached") : fmt::format("{:.1f} s", time_to),
-                         rounds_to < 0 ? std::string("not reached") : std::to_string(rounds_to), vt, res.wall_seconds,
+    csv += fmt::format("{},{:.4f},{:.4f},{},{:.3f}", algorithm, final_acc, best, res.rounds.size(), vt);
+    table += fmt::format("| {} | {:.4f} | {:.4f}", algorithm, final_acc, best);
+    for (size_t t = 0; t < o.targets.size(); ++t) {
+      csv += fmt::format(",{:.3f},{}", time_to[t], rounds_to[t]);
+      table +=
+          fmt::format(" | {} | {}", time_to[t] < 0 ? std::string("not reached") : fmt::format("{:.1f} s", time_to[t]),
+                      rounds_to[t] < 0 ? std::string("not reached") : std::to_string(rounds_to[t]));
+    }
+    csv += fmt::format(",{:.2f},{}\n", res.wall_seconds, res.peak_rss_bytes);
+    table += fmt::format(" | {:.1f} s | {:.1f} | {:.1f} |\n", vt, res.wall_seconds,
                          static_cast<double>(res.peak_rss_bytes) / (1 << 20));
     fmt::print("compare-algorithms: {}: accuracy {:.4f}, virtual {:.1f} s, wall {:.1f} s\n", algorithm, final_acc, vt,
                res.wall_seconds);
@@ -175,9 +187,9 @@ StatusOr<std::string> run_compare_algorithms(const ExperimentConfig& cfg, const 
     xs_round.push_back(std::move(xr));
     ys.push_back(std::move(y));
   }
-  const std::string by_time = svg_xy_plot(o.algorithms, xs_time, ys, "virtual time (s)", o.target_accuracy);
+  const std::string by_time = svg_xy_plot(o.algorithms, xs_time, ys, "virtual time (s)", o.targets.back());
   const std::string by_round =
-      svg_xy_plot(o.algorithms, xs_round, ys, fmt::format("round (= {} client updates)", per_round), o.target_accuracy);
+      svg_xy_plot(o.algorithms, xs_round, ys, fmt::format("round (= {} client updates)", per_round), o.targets.back());
   MEMFL_RETURN_IF_ERROR(write_text_file((fs::path(o.out_dir) / "results.csv").string(), csv));
   MEMFL_RETURN_IF_ERROR(write_text_file((fs::path(o.out_dir) / "curves.csv").string(), curves_csv));
   MEMFL_RETURN_IF_ERROR(write_text_file((fs::path(o.out_dir) / "results.md").string(), table));

@@ -31,7 +31,7 @@ StatusOr<std::string> run_compare_methods(const ExperimentConfig& cfg, const Com
 // round waits for its slowest client, asynchronous clients do not wait.
 struct CompareAlgorithmsOptions {
   std::vector<std::string> algorithms;  // FedAvg, FedAvgM, FedAdam, FedYogi, FedAdagrad, FedAsync, FedBuff, FedCompass
-  double target_accuracy = 0.8;
+  std::vector<double> targets = {0.8};  // accuracies for "time to target"
   std::string out_dir;
 };
 
