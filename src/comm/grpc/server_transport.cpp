@@ -72,7 +72,16 @@ class ServerAgent final : public ServerTransport {
         layout_(layout),
         chunk_(transfer_chunk_bytes(cfg.server.use_model_chunking, cfg.server.model_chunk_size, layout.total_bytes())),
         naive_(naive),
-        slots_(static_cast<size_t>(cfg.server.num_clients)) {}
+        slots_(static_cast<size_t>(cfg.server.num_clients)) {
+    // Asynchronous from the first message: a client may ask for the model
+    // before serve_async starts, and must then wait for it, not for a round.
+    if (cfg.server.is_async()) {
+      async_ = std::make_unique<Async>();
+      async_->ready_steps.assign(slots_.size(), -1);
+      async_->base_version.assign(slots_.size(), 0);
+      async_->dispatched_at.assign(slots_.size(), 0.0);
+    }
+  }
   grpc::Status session(grpc::ServerContext* ctx, grpc::ServerReaderWriter<Frame, Frame>* stream);
   // Waits (round_timeout_s at most) for every client to register.
   void wait_for_clients();
@@ -108,6 +117,12 @@ class ServerAgent final : public ServerTransport {
     double now() const { return std::chrono::duration<double>(Clock::now() - t0).count(); }
   };
   void follow_locked(const AsyncNext& next);
+  // Chunks of the global model are handed to gRPC without a copy: before the
+  // model changes, gRPC must have let go of every one (senders are done:
+  // the caller holds the model lock alone).
+  void wait_for_sent_chunks() {
+    while (inflight_.load() > 0) std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }
   grpc::Status async_send_model(grpc::ServerReaderWriter<Frame, Frame>* stream, int id, uint64_t session,
                                 const std::string& peer, bool* finished);
   grpc::Status async_receive_update(grpc::ServerReaderWriter<Frame, Frame>* stream, int id, uint64_t session,
@@ -371,7 +386,7 @@ grpc::Status ServerAgent::session(grpc::ServerContext* ctx, grpc::ServerReaderWr
         s.failed = false;
         s.selected = false;
         rejoined_.push_back(id);
-        if (async_ && !async_->done)
+        if (async_ && async_->core != nullptr && !async_->done)
           async_->ready_steps[static_cast<size_t>(id)] = async_->core->start(id, async_->now());
         spdlog::info("client_{} rejoined from {}; it takes part from the next round", id, peer_addr);
       }
@@ -497,7 +512,7 @@ grpc::Status ServerAgent::async_send_model(grpc::ServerReaderWriter<Frame, Frame
     // A FedCompass client whose group has not aggregated yet waits here.
     cv_.wait(lock, [&] {
       return phase_ == Phase::kFinished || a.done || s.failed || s.session != session ||
-             a.ready_steps[static_cast<size_t>(id)] >= 0;
+             (a.core != nullptr && a.ready_steps[static_cast<size_t>(id)] >= 0);
     });
     if (s.failed || s.session != session) return {grpc::StatusCode::ABORTED, peer + " was dropped from the run"};
     if (phase_ == Phase::kFinished || a.done) {
@@ -575,6 +590,7 @@ grpc::Status ServerAgent::async_receive_update(grpc::ServerReaderWriter<Frame, F
   Status applied;
   {
     std::unique_lock model_lock(a.model_mu);
+    wait_for_sent_chunks();
     std::lock_guard lock(mu_);
     if (a.done || slots_[static_cast<size_t>(id)].session != session) {
       // The run has all its updates (or the session was replaced): not applied.
@@ -608,19 +624,17 @@ grpc::Status ServerAgent::async_receive_update(grpc::ServerReaderWriter<Frame, F
 }
 
 Status ServerAgent::serve_async(AsyncUpdateHandler& core, Arena& global, const AsyncServeOptions& options) {
+  if (!async_) return failed_precondition("serve_async: the config's scheduler ({}) is not asynchronous",
+                                          cfg_.server.scheduler);
   {
     std::lock_guard lock(mu_);
-    async_ = std::make_unique<Async>();
-    async_->core = &core;
     async_->global = &global;
     async_->options = options;
     const size_t n = slots_.size();
-    async_->ready_steps.assign(n, -1);
-    async_->base_version.assign(n, 0);
-    async_->dispatched_at.assign(n, 0.0);
     async_->slots = std::make_unique<SpoolSlots>("asynchronous update spool", layout_.total_bytes());
     MEMFL_RETURN_IF_ERROR(async_->slots->open(options.spool_dir));
     async_->t0 = Clock::now();
+    async_->core = &core;  // last: sessions wait for it
     // Applied (or folded into FedBuff's buffer) updates give their slot back;
     // the core calls this with mu_ held.
     core.set_release([this](AsyncTripRecord& t) {
@@ -667,6 +681,7 @@ Status ServerAgent::serve_async(AsyncUpdateHandler& core, Arena& global, const A
       a.deadlines.erase(a.deadlines.begin() + static_cast<std::ptrdiff_t>(first));
       lock.unlock();
       std::unique_lock model_lock(a.model_mu);
+      wait_for_sent_chunks();
       std::lock_guard relock(mu_);
       MEMFL_ASSIGN_OR_RETURN(AsyncNext next, core.deadline(group, a.now()));
       follow_locked(next);
