@@ -556,6 +556,19 @@ TEST(CompareAlgorithms, SyncRoundsWaitForTheSlowestClientAsyncOnesDoNot) {
   EXPECT_EQ(log.size(), 13u);  // 3 rounds × 4 clients of updates
   for (const char* f : {"compare.html", "accuracy_vs_time.svg", "accuracy_vs_rounds.svg", "curves.csv"})
     EXPECT_TRUE(std::filesystem::exists(tmp.file(std::string("cmp/") + f))) << f;
+  // --equal-time: FedAsync runs until FedAvg's virtual time, and takes more
+  // updates in it than FedAvg did.
+  Result eq = memfl_cli("compare-algorithms " + tmp.file("c.yaml") +
+                        " --algorithms FedAsync,FedAvg --equal-time --out " + tmp.file("eq"));
+  ASSERT_EQ(eq.exit_code, 0) << eq.output;
+  auto eq_results = read_csv(tmp.file("eq/results.csv"));
+  ASSERT_EQ(eq_results.size(), 3u);
+  EXPECT_EQ(eq_results[1][0], "FedAvg");  // the synchronous one runs first: its time is the budget
+  EXPECT_NEAR(std::stod(eq_results[2][4]), sync_time, 1e-3);
+  auto eq_log = read_csv(tmp.file("eq/FedAsync/async_log.csv"));
+  EXPECT_GT(eq_log.size(), 13u);
+  for (size_t i = 1; i < eq_log.size(); ++i)
+    EXPECT_LE(std::stod(eq_log[i][7]), sync_time + 1e-3);  // (results.csv rounds to ms)
 }
 
 // APPFL's example server_configs blocks for the asynchronous algorithms

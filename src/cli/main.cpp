@@ -259,6 +259,8 @@ int main(int argc, char** argv) {
   std::string targets_csv = "0.8";
   compare_algorithms->add_option("--target", targets_csv, "accuracies for 'time to target', comma-separated")
       ->capture_default_str();
+  compare_algorithms->add_flag("--equal-time", ca.equal_time,
+                               "asynchronous algorithms run as long in virtual time as the synchronous ones took");
   compare_algorithms->add_option("--out", out_dir, "output directory (default: runs/compare-algorithms-<pid>)");
   compare_algorithms->add_option("--set", sets, "override a config key (repeatable)");
   auto* compare_methods =

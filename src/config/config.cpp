@@ -722,6 +722,7 @@ const std::vector<KeySpec>& schema() {
       {"server_configs.client_speed_sigma", Type::kFloat, "0.5", {}, 0, 10, "simulator, lognormal: sigma of log(time per step)", F(server.client_speed_sigma)},
       {"server_configs.client_speed_max_ratio", Type::kFloat, "4", {}, 1, 1e6, "simulator, uniform: slowest / fastest time per step", F(server.client_speed_max_ratio)},
       {"server_configs.async_eval_every", Type::kInt, "0", {}, 0, 1e9, "asynchronous: evaluate the global model every N client updates (0 = num_clients)", I(server.async_eval_every)},
+      {"server_configs.async_virtual_seconds", Type::kFloat, "0", {}, 0, 1e12, "simulator, asynchronous: stop at this virtual time, with num_global_epochs updates as a cap (0 = no time limit)", F(server.async_virtual_seconds)},
       {"server_configs.logging_output_filename", Type::kString, "result", {}, -kInf, kInf, "APPFL's log file name; memfl writes a run directory (metrics.csv, summary.json) and keeps it only for the record", S(server.logging_output_filename)},
       {"server_configs.aggregator_kwargs.dp_fedavg_clip_norm", Type::kFloat, "0", {}, 0, 1e12, "client-level DP-FedAvg: clip each client's update to this L2 norm (0 = off)", F(server.dp_fedavg_clip_norm)},
       {"server_configs.aggregator_kwargs.dp_fedavg_noise_multiplier", Type::kFloat, "1.0", {}, 0, 1e6, "client-level DP-FedAvg: server noise std = this × clip norm ÷ clients", F(server.dp_fedavg_noise_multiplier)},

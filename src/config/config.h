@@ -101,6 +101,9 @@ struct ServerConfig {
   std::string client_speed_distribution = "constant";
   double client_step_time_s = 0.1, client_speed_sigma = 0.5, client_speed_max_ratio = 4;
   int async_eval_every = 0;
+  // Simulator, asynchronous: stop at this virtual time (0 = when
+  // num_global_epochs updates have arrived); compare-algorithms --equal-time.
+  double async_virtual_seconds = 0;
   // APPFL's copies and aliases, checked against the keys above.
   std::string weights_alias;  // aggregator_kwargs.weights (FedCompass's name for client_weights_mode)
   int kwargs_num_clients = 0, scheduler_num_clients = 0;

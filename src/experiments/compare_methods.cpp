@@ -135,7 +135,15 @@ StatusOr<std::string> run_compare_algorithms(const ExperimentConfig& cfg, const 
   table += "|---|---|---|\n";
   std::string curves_csv = "algorithm,round,updates,virtual_seconds,test_accuracy,test_loss\n";
   std::vector<std::vector<double>> xs_time, xs_round, ys;
-  for (const auto& algorithm : o.algorithms) {
+  // Synchronous algorithms first: with equal_time their virtual time is the
+  // asynchronous ones' budget.
+  std::vector<std::string> order = o.algorithms;
+  std::stable_sort(order.begin(), order.end(), [](const std::string& a, const std::string& b) {
+    return (*algorithm_components(a)).first == "SyncScheduler" && (*algorithm_components(b)).first != "SyncScheduler";
+  });
+  double sync_virtual = 0;
+  std::vector<std::string> names;
+  for (const auto& algorithm : order) {
     MEMFL_ASSIGN_OR_RETURN(auto parts, algorithm_components(algorithm));
     ExperimentConfig c = cfg;
     c.server.scheduler = parts.first;
@@ -143,6 +151,12 @@ StatusOr<std::string> run_compare_algorithms(const ExperimentConfig& cfg, const 
     if (c.server.is_async()) {
       c.server.num_global_epochs = cfg.server.num_global_epochs * per_round;
       c.server.async_eval_every = per_round;
+      if (o.equal_time) {
+        if (sync_virtual <= 0)
+          return invalid_argument("--equal-time needs a synchronous algorithm (FedAvg, ...) among --algorithms");
+        c.server.async_virtual_seconds = sync_virtual;
+        c.server.num_global_epochs *= o.max_update_factor;
+      }
     }
     const std::string dir = (fs::path(o.out_dir) / algorithm).string();
     fs::create_directories(dir);
@@ -169,6 +183,8 @@ StatusOr<std::string> run_compare_algorithms(const ExperimentConfig& cfg, const 
     }
     const double final_acc = res.rounds.empty() ? 0.0 : res.rounds.back().test_accuracy;
     const double vt = res.rounds.empty() ? 0.0 : res.rounds.back().virtual_seconds;
+    if (!c.server.is_async()) sync_virtual = std::max(sync_virtual, vt);
+    names.push_back(algorithm);
     csv += fmt::format("{},{:.4f},{:.4f},{},{:.3f}", algorithm, final_acc, best, res.rounds.size(), vt);
     table += fmt::format("| {} | {:.4f} | {:.4f}", algorithm, final_acc, best);
     for (size_t t = 0; t < o.targets.size(); ++t) {
@@ -187,9 +203,9 @@ StatusOr<std::string> run_compare_algorithms(const ExperimentConfig& cfg, const 
     xs_round.push_back(std::move(xr));
     ys.push_back(std::move(y));
   }
-  const std::string by_time = svg_xy_plot(o.algorithms, xs_time, ys, "virtual time (s)", o.targets.back());
+  const std::string by_time = svg_xy_plot(names, xs_time, ys, "virtual time (s)", o.targets.back());
   const std::string by_round =
-      svg_xy_plot(o.algorithms, xs_round, ys, fmt::format("round (= {} client updates)", per_round), o.targets.back());
+      svg_xy_plot(names, xs_round, ys, fmt::format("round (= {} client updates)", per_round), o.targets.back());
   MEMFL_RETURN_IF_ERROR(write_text_file((fs::path(o.out_dir) / "results.csv").string(), csv));
   MEMFL_RETURN_IF_ERROR(write_text_file((fs::path(o.out_dir) / "curves.csv").string(), curves_csv));
   MEMFL_RETURN_IF_ERROR(write_text_file((fs::path(o.out_dir) / "results.md").string(), table));

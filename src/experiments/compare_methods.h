@@ -27,11 +27,18 @@ StatusOr<std::string> run_compare_methods(const ExperimentConfig& cfg, const Com
 // num_global_epochs rounds of the selected clients; an asynchronous one the
 // same number of client updates (rounds × clients per round), evaluated
 // every clients-per-round updates, so "round" k means the same work for
-// both. Virtual time comes from server_configs.client_speed_*: a synchronous
-// round waits for its slowest client, asynchronous clients do not wait.
+// both (or, with equal_time, the asynchronous ones run as long in virtual
+// time as the synchronous ones took). Virtual time comes from
+// server_configs.client_speed_*: a synchronous round waits for its slowest
+// client, asynchronous clients do not wait.
 struct CompareAlgorithmsOptions {
   std::vector<std::string> algorithms;  // FedAvg, FedAvgM, FedAdam, FedYogi, FedAdagrad, FedAsync, FedBuff, FedCompass
   std::vector<double> targets = {0.8};  // accuracies for "time to target"
+  // The asynchronous algorithms run for the virtual time the synchronous
+  // ones took (the longest), not for as many updates (at most
+  // `max_update_factor` × as many).
+  bool equal_time = false;
+  int max_update_factor = 100;
   std::string out_dir;
 };
 

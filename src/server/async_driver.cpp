@@ -146,11 +146,49 @@ Status AsyncDriver::run() {
   int window_updates = 0;
   double window_loss = 0;
 
+  // One metrics.csv row: the updates since the last, the model evaluated now.
+  auto evaluate_window = [&](double clock) -> Status {
+    const int64_t arrivals = s.core.arrivals();
+    RoundMetrics m;
+    m.round = static_cast<int>(evals_.size()) + 1;
+    m.clients = window_updates;
+    m.train_loss = window_updates > 0 ? window_loss / window_updates : 0.0;
+    if (s.opts.evaluate) {
+      s.sampler.mark(m.round, "evaluate");
+      auto ev2 = s.opts.evaluate(s.global);
+      if (!ev2.ok()) return ev2.status().with_context(fmt::format("evaluation after {} updates", arrivals));
+      m.test_loss = ev2->loss;
+      m.test_accuracy = ev2->accuracy;
+    }
+    m.bytes_down = m.bytes_up = static_cast<uint64_t>(window_updates) * s.layout.payload_bytes();
+    m.bytes_moved = m.bytes_down + m.bytes_up;
+    m.round_seconds = std::chrono::duration<double>(Clock::now() - t_window).count();
+    m.virtual_seconds = clock;
+    m.rss_bytes = read_rss_bytes();
+    m.peak_rss_bytes = s.sampler.peak_rss();
+    m.threads = count_threads();
+    m.open_fds = count_open_fds();
+    MEMFL_RETURN_IF_ERROR(metrics->append(m));
+    MEMFL_RETURN_IF_ERROR(s.core.flush_log());
+    evals_.push_back(m);
+    if (s.opts.on_eval) s.opts.on_eval(m);
+    t_window = Clock::now();
+    window_updates = 0;
+    window_loss = 0;
+    return Status::Ok();
+  };
+
   s.sampler.mark(0, "train");
   for (int c = 0; c < n; ++c) MEMFL_RETURN_IF_ERROR(s.dispatch(c, s.core.start(c, 0.0)));
   while (s.core.arrivals() < total) {
     if (s.events.empty()) return internal_error("asynchronous driver: no client is on its way");
     const Event ev = s.events.top();
+    if (sc.async_virtual_seconds > 0 && ev.time > sc.async_virtual_seconds) {
+      // The time budget is spent: what has arrived counts, and the window
+      // since the last evaluation gets one.
+      if (window_updates > 0) MEMFL_RETURN_IF_ERROR(evaluate_window(sc.async_virtual_seconds));
+      break;
+    }
     s.events.pop();
     s.now = ev.time;
     if (ev.kind == 1) {
@@ -167,34 +205,7 @@ Status AsyncDriver::run() {
     MEMFL_RETURN_IF_ERROR(s.follow(next));
 
     const int64_t arrivals = s.core.arrivals();
-    if (arrivals % eval_every == 0 || arrivals == total) {
-      RoundMetrics m;
-      m.round = static_cast<int>(evals_.size()) + 1;
-      m.clients = window_updates;
-      m.train_loss = window_updates > 0 ? window_loss / window_updates : 0.0;
-      if (s.opts.evaluate) {
-        s.sampler.mark(m.round, "evaluate");
-        auto ev2 = s.opts.evaluate(s.global);
-        if (!ev2.ok()) return ev2.status().with_context(fmt::format("evaluation after {} updates", arrivals));
-        m.test_loss = ev2->loss;
-        m.test_accuracy = ev2->accuracy;
-      }
-      m.bytes_down = m.bytes_up = static_cast<uint64_t>(window_updates) * s.layout.payload_bytes();
-      m.bytes_moved = m.bytes_down + m.bytes_up;
-      m.round_seconds = std::chrono::duration<double>(Clock::now() - t_window).count();
-      m.virtual_seconds = s.now;
-      m.rss_bytes = read_rss_bytes();
-      m.peak_rss_bytes = s.sampler.peak_rss();
-      m.threads = count_threads();
-      m.open_fds = count_open_fds();
-      MEMFL_RETURN_IF_ERROR(metrics->append(m));
-      MEMFL_RETURN_IF_ERROR(s.core.flush_log());
-      evals_.push_back(m);
-      if (s.opts.on_eval) s.opts.on_eval(m);
-      t_window = Clock::now();
-      window_updates = 0;
-      window_loss = 0;
-    }
+    if (arrivals % eval_every == 0 || arrivals == total) MEMFL_RETURN_IF_ERROR(evaluate_window(s.now));
   }
   return s.core.flush_log();
 }
