@@ -53,6 +53,11 @@ bench: build
 	bash bench/server_core.sh $(BUILD) > $(BUILD)/bench_server_core.jsonl
 	bash bench/soak.sh $(BUILD) 200 256 > $(BUILD)/bench_soak.json
 	bash bench/aggregators.sh $(BUILD) 1024 > $(BUILD)/bench_aggregators.jsonl
+	AGGREGATORS=FedAdamAggregator ARENA_BACKING=file bash bench/aggregators.sh $(BUILD) 1024 > $(BUILD)/bench_aggregators_file.jsonl
+	bash bench/async_memory.sh $(BUILD) > $(BUILD)/bench_async_memory.jsonl
+	./$(BUILD)/memfl compare-algorithms configs/fedasync_fmnist_cnn.yaml --algorithms FedAvg,FedAsync,FedBuff,FedCompass \
+	  --set server_configs.num_global_epochs=25 --set client_configs.data_configs.dataset_kwargs.max_test_samples=2000 \
+	  --target 0.6,0.7,0.8 --out $(BUILD)/compare_algorithms
 	bash bench/netem.sh $(BUILD) 64 6 > $(BUILD)/bench_netem.jsonl
 	./$(BUILD)/memfl bench dp --model llama-dp-tiny --seq 64,128 --batch 2 --json $(BUILD)/bench_dp.json
 	@echo "wrote $(BUILD)/bench.json (aggregation micro-benchmarks), $(BUILD)/bench_memory.json (in-process peak RSS vs model size and clients), $(BUILD)/bench_transfer.json (gRPC sweep)"

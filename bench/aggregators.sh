@@ -7,11 +7,12 @@ set -euo pipefail
 BUILD=${1:-build}
 MB=${2:-1024}
 AGGREGATORS=${AGGREGATORS:-"FedAvgAggregator FedAvgMAggregator FedAdamAggregator"}
+ARENA_BACKING=${ARENA_BACKING:-memory}  # file: model and optimizer state in mapped files
 for agg in $AGGREGATORS; do
   for transport in grpc mpi; do
     for n in 2 8; do
       echo "run: $agg $transport ${MB} MiB × $n" >&2
-      out=$("$BUILD/memfl" bench transfer --transport $transport --model-mb "$MB" --clients $n --aggregator $agg)
+      out=$("$BUILD/memfl" bench transfer --transport $transport --model-mb "$MB" --clients $n --aggregator $agg --arena-backing "$ARENA_BACKING")
       python3 -c 'import json,sys; j=json.loads(sys.argv[1]); j.pop("rounds",None); print(json.dumps(j))' "$out"
     done
   done

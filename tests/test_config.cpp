@@ -73,6 +73,13 @@ TEST(Config, TheAsynchronousExamplesLoad) {
   }
 }
 
+TEST(Config, TheFedProxExampleLoadsWithItsMu) {
+  auto c = load_config_file(std::string(MEMFL_SOURCE_DIR_FOR_TESTS) + "/configs/fedprox_fmnist_cnn.yaml");
+  ASSERT_TRUE(c.ok()) << c.status().to_string();
+  EXPECT_DOUBLE_EQ(c->train.mu, 0.01);
+  EXPECT_EQ(c->data.partition_strategy, "dirichlet");
+}
+
 // An APPFL key that names Python code is refused with what to use instead.
 TEST(Config, AppflPythonPathKeysAreRefusedWithWhatToUseInstead) {
   auto c =

@@ -576,25 +576,34 @@ TEST(Registries, TheConfigAcceptsExactlyTheRegisteredNames) {
   EXPECT_EQ(schema_choices("server_configs.aggregator"), aggregator_names());
   EXPECT_EQ(schema_choices("server_configs.scheduler"), scheduler_names());
   EXPECT_FALSE(aggregator_names().empty());
-  auto unknown = load_config_text("server_configs:\n  aggregator: FedCompassAggregator\n", "t.yaml");
+  auto unknown = load_config_text("server_configs:\n  aggregator: FedNovaAggregator\n", "t.yaml");
   ASSERT_FALSE(unknown.ok());
   EXPECT_NE(unknown.status().message().find("FedAvgAggregator"), std::string::npos) << unknown.status().message();
   Layout layout = f32_layout();
   AggregatorContext ctx;
   ctx.layout = &layout;
   ctx.make_state_arena = [](size_t n) { return StatusOr<Arena>(Arena(n, MemoryCategory::kAggregation)); };
-  auto made = make_aggregator("FedCompassAggregator", ctx);
+  auto made = make_aggregator("FedNovaAggregator", ctx);
   ASSERT_FALSE(made.ok());
   EXPECT_NE(made.status().message().find("server_configs.aggregator"), std::string::npos);
   EXPECT_NE(made.status().message().find("FedAvgAggregator"), std::string::npos);
+  // An asynchronous rule has no round to finalize: the message says where it runs.
+  auto async = make_aggregator("FedCompassAggregator", ctx);
+  ASSERT_FALSE(async.ok());
+  EXPECT_NE(async.status().message().find("CompassScheduler"), std::string::npos) << async.status().message();
   EXPECT_TRUE(make_aggregator("FedAvgAggregator", ctx).ok());
 }
 
 TEST(Scheduler, UnknownNameIsRefusedListingTheKnownOnes) {
-  auto s = make_scheduler("AsyncScheduler", SchedulerOptions{});
+  auto s = make_scheduler("RoundRobinScheduler", SchedulerOptions{});
   ASSERT_FALSE(s.ok());
   EXPECT_NE(s.status().message().find("server_configs.scheduler"), std::string::npos);
   EXPECT_NE(s.status().message().find("SyncScheduler"), std::string::npos);
+  EXPECT_NE(s.status().message().find("CompassScheduler"), std::string::npos);
+  // The asynchronous ones are known, and have no rounds to select for.
+  auto a = make_scheduler("AsyncScheduler", SchedulerOptions{});
+  ASSERT_FALSE(a.ok());
+  EXPECT_NE(a.status().message().find("asynchronous"), std::string::npos) << a.status().message();
 }
 
 TEST(Scheduler, ARestoredSchedulerSelectsAsTheUninterruptedOne) {

@@ -1,6 +1,8 @@
 #include <cassert>
 #include "client/client_work.h"
 
+#include "aggregate/async_aggregator.h"
+
 #include <chrono>
 #include <cstring>
 #include <filesystem>
@@ -193,6 +195,21 @@ void dummy_update(const ExperimentConfig& cfg, const Layout& layout, Arena& aren
       }
     }
   }
+}
+
+int64_t local_steps_taken(const TrainConfig& train, const ClientPartition* part, int64_t reported) {
+  if (reported > 0) return reported;
+  const int64_t n = part != nullptr ? static_cast<int64_t>(part->train.size()) : 0;
+  const int64_t bs = std::max(1, train.train_batch_size);
+  return train.mode == "step" || n == 0 ? train.num_local_steps : train.num_local_epochs * ((n + bs - 1) / bs);
+}
+
+Status change_from_base(const Layout& layout, Arena& base, const Arena& trained) {
+  // In place: each block of g is written where the x_base it came from was.
+  return write_gradient(layout, base, trained, 64 * 1024, [&](size_t off, std::span<const std::byte> bytes) {
+    std::memmove(base.data() + off, bytes.data(), bytes.size());
+    return Status::Ok();
+  });
 }
 
 double update_sample_count(const ExperimentConfig& cfg, const ClientPartition* part, int client) {

@@ -70,6 +70,15 @@ StatusOr<TrainResult> local_update(LocalModel& model, const ExperimentConfig& cf
 StatusOr<double> record_client_privacy(const ExperimentConfig& cfg, const std::string& run_dir, int round, int client,
                                        int64_t total_steps, double sample_rate);
 
+// The local steps a trip took: what the trainer reports, or — DummyTrainer
+// takes none — the steps a trainer would have taken (train_configs' mode).
+int64_t local_steps_taken(const TrainConfig& train, const ClientPartition* part, int64_t reported);
+
+// Asynchronous, gradient_based: a client sends g = x_base − y, the change
+// from the model it received. `base` holds x_base on entry (kept before
+// training) and g on return; `trained` is y.
+Status change_from_base(const Layout& layout, Arena& base, const Arena& trained);
+
 // The sample count client `client` reports with its update (FedAvg's weight).
 double update_sample_count(const ExperimentConfig& cfg, const ClientPartition* part, int client);
 

@@ -120,6 +120,13 @@ memory_configs:
   if (!o.dummy_delays.empty()) j["dummy_delay_s"] = o.dummy_delays;
   if (server.contains("chunk_path")) j["chunk_path"] = server["chunk_path"];  // MPI: shared_ring | point_to_point
   j["server_peak_rss_bytes"] = server["peak_rss_bytes"];
+  // At the peak, how much was anonymous memory and how much file pages (a
+  // file-backed server's model and optimizer state are mapped files).
+  if (fs::exists(fs::path(server_dir) / "memory.json")) {
+    auto mem = read_json(fs::path(server_dir) / "memory.json");
+    j["server_peak_anon_bytes"] = mem.value("peak_rss_anon_bytes", int64_t{0});
+    j["server_peak_file_bytes"] = mem.value("peak_rss_file_bytes", int64_t{0});
+  }
   j["server_baseline_rss_bytes"] = server["baseline_rss_bytes"];
   int64_t client_peak = 0, client_baseline = 0;
   for (int i = 0; i < o.clients; ++i) {

@@ -36,14 +36,7 @@ Status run_async_server(const ExperimentConfig& cfg, const std::string& run_dir,
         sc.client_weights_mode);
   }
   const Layout& layout = global.layout();
-  AsyncAggregatorOptions ao;
-  ao.alpha = sc.alpha;
-  MEMFL_ASSIGN_OR_RETURN(ao.staleness, make_staleness_fn(sc.staleness_fn, sc.staleness_a, sc.staleness_b));
-  ao.buffer_size = sc.buffer_size;
-  ao.gradient_based = sc.gradient_based;
-  MEMFL_ASSIGN_OR_RETURN(auto aggregator, AsyncAggregator::create(sc.aggregator, ao, layout, [&](size_t bytes) {
-                           return make_model_arena(cfg, bytes, run_dir, MemoryCategory::kAggregation);
-                         }));
+  MEMFL_ASSIGN_OR_RETURN(auto aggregator, make_async_aggregator(cfg, layout, run_dir));
   AsyncServerCore core(cfg, layout, global.arena(), *aggregator,
                        std::vector<double>(static_cast<size_t>(sc.num_clients), 1.0 / sc.num_clients), nullptr);
   MEMFL_RETURN_IF_ERROR(core.open_log((fs::path(run_dir) / "async_log.csv").string()));

@@ -15,7 +15,6 @@
 
 #include "comm/grpc/wire.h"
 #include "memory/sampler.h"
-#include "aggregate/async_aggregator.h"
 #include "client/client_work.h"
 #include "roles/grpc_roles.h"
 #include "io/run_dir.h"
@@ -240,21 +239,10 @@ Status run_grpc_client(const ExperimentConfig& local, int client_id, const RoleO
                                                         async ? rounds + 1 : round, client_id));
     const Arena* upload = &model.arena();
     if (send_change) {
-      Arena& g = base;
-      MEMFL_RETURN_IF_ERROR(
-          write_gradient(layout, base, model.arena(), 64 * 1024, [&](size_t off, std::span<const std::byte> b) {
-            std::memcpy(g.data() + off, b.data(), b.size());
-            return Status::Ok();
-          }));
+      MEMFL_RETURN_IF_ERROR(change_from_base(layout, base, model.arena()));
       upload = &base;
     }
-    int64_t steps = tr.num_steps;
-    if (steps <= 0) {
-      const int64_t n = part != nullptr ? static_cast<int64_t>(part->train.size()) : 0;
-      const int64_t bs = std::max(1, tcfg->train.train_batch_size);
-      steps = tcfg->train.mode == "step" || n == 0 ? tcfg->train.num_local_steps
-                                                   : tcfg->train.num_local_epochs * ((n + bs - 1) / bs);
-    }
+    const int64_t steps = local_steps_taken(tcfg->train, part, tr.num_steps);
     double epsilon = 0;
     if (cfg.train.dp.enabled) {
       dp_steps += tr.dp_steps;

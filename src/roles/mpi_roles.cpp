@@ -26,7 +26,6 @@
 #include "comm/mpi/mpi_transport.h"
 #include "memory/sampler.h"
 #include "client/client_work.h"
-#include "aggregate/async_aggregator.h"
 #include "roles/async_server.h"
 #include "server/global_model.h"
 #include "server/model_worker.h"
@@ -258,20 +257,10 @@ Status run_client_rank(const ExperimentConfig& cfg, int rank, const std::string&
                            local_update(model, trip_cfg, data ? &*data : nullptr, part, static_cast<int>(++trips), c));
     Arena* upload = &model.arena();
     if (cfg.server.gradient_based) {
-      MEMFL_RETURN_IF_ERROR(
-          write_gradient(layout, base, model.arena(), 64 * 1024, [&](size_t off, std::span<const std::byte> bytes) {
-            std::memcpy(base.data() + off, bytes.data(), bytes.size());
-            return Status::Ok();
-          }));
+      MEMFL_RETURN_IF_ERROR(change_from_base(layout, base, model.arena()));
       upload = &base;
     }
-    int64_t steps = tr.num_steps;
-    if (steps <= 0) {
-      const int64_t n = part != nullptr ? static_cast<int64_t>(part->train.size()) : 0;
-      const int64_t bs = std::max(1, trip_cfg.train.train_batch_size);
-      steps = trip_cfg.train.mode == "step" || n == 0 ? trip_cfg.train.num_local_steps
-                                                      : trip_cfg.train.num_local_epochs * ((n + bs - 1) / bs);
-    }
+    const int64_t steps = local_steps_taken(trip_cfg.train, part, tr.num_steps);
     st.sampler.mark(b.round, "upload");
     WireUpdateMeta md{
         b.round, c, update_sample_count(cfg, part, c), tr.train_loss, tr.val_accuracy, static_cast<double>(steps)};

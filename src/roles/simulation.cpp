@@ -20,6 +20,7 @@
 #include "comm/inproc.h"
 #include "memory/budget.h"
 #include "aggregate/async_aggregator.h"
+#include "server/async_core.h"
 #include "server/async_driver.h"
 #include "server/global_model.h"
 #include "server/round_driver.h"
@@ -60,15 +61,6 @@ void print_progress(const ExperimentConfig& cfg, const RoundMetrics& m, double e
   std::fflush(stdout);
 }
 
-// The local steps a trip takes: what the trainer reports, or — DummyTrainer
-// takes none — the steps a trainer would have taken.
-int64_t trip_steps(const TrainConfig& tc, const ClientPartition* part, int64_t reported) {
-  if (reported > 0) return reported;
-  const int64_t n = part != nullptr ? static_cast<int64_t>(part->train.size()) : 0;
-  const int64_t bs = std::max(1, tc.train_batch_size);
-  return tc.mode == "step" || n == 0 ? tc.num_local_steps : tc.num_local_epochs * ((n + bs - 1) / bs);
-}
-
 // Asynchronous FL (AsyncScheduler, CompassScheduler) in virtual time: one
 // worker replica trains each client when it is sent off; server/async_driver.h
 // plays the clock.
@@ -89,14 +81,7 @@ StatusOr<SimulationResult> run_async_simulation(const ExperimentConfig& cfg, con
   const Layout& layout = global.layout();
   result.model_bytes = layout.payload_bytes();
   result.num_params = layout.num_params();
-  AsyncAggregatorOptions ao;
-  ao.alpha = sc.alpha;
-  MEMFL_ASSIGN_OR_RETURN(ao.staleness, make_staleness_fn(sc.staleness_fn, sc.staleness_a, sc.staleness_b));
-  ao.buffer_size = sc.buffer_size;
-  ao.gradient_based = sc.gradient_based;
-  MEMFL_ASSIGN_OR_RETURN(auto aggregator, AsyncAggregator::create(sc.aggregator, ao, layout, [&](size_t bytes) {
-                           return make_model_arena(cfg, bytes, opts.run_dir, MemoryCategory::kAggregation);
-                         }));
+  MEMFL_ASSIGN_OR_RETURN(auto aggregator, make_async_aggregator(cfg, layout, opts.run_dir));
 
   AsyncDriverOptions dopts;
   dopts.run_dir = opts.run_dir;
@@ -125,7 +110,7 @@ StatusOr<SimulationResult> run_async_simulation(const ExperimentConfig& cfg, con
     // Each trip trains with a seed of its own (the trip number plays the round).
     MEMFL_ASSIGN_OR_RETURN(TrainResult tr, local_update(worker, tc, data, part, ++trips[static_cast<size_t>(c)], c));
     trip->train_loss = tr.train_loss;
-    trip->steps = trip_steps(tc.train, part, tr.num_steps);
+    trip->steps = local_steps_taken(tc.train, part, tr.num_steps);
     return &worker.arena();
   };
   if (sc.do_server_eval && global.replica() != nullptr) {
@@ -334,7 +319,7 @@ StatusOr<SimulationResult> run_simulation(const ExperimentConfig& cfg, const Sim
     {
       // Simulated time: the round lasts as long as its slowest client.
       const double d =
-          static_cast<double>(trip_steps(cfg.train, part, tr.num_steps)) * step_times[static_cast<size_t>(c)];
+          static_cast<double>(local_steps_taken(cfg.train, part, tr.num_steps)) * step_times[static_cast<size_t>(c)];
       std::lock_guard vlock(virtual_mu);
       round_virtual[round] = std::max(round_virtual[round], d);
     }

@@ -6,6 +6,8 @@
 
 #include <fmt/format.h>
 
+#include "client/client_work.h"
+
 namespace memfl {
 
 AsyncServerCore::AsyncServerCore(const ExperimentConfig& cfg, const Layout& layout, Arena& global,
@@ -161,6 +163,19 @@ StatusOr<AsyncNext> AsyncServerCore::deadline(int group, double now) {
   AsyncNext next;
   MEMFL_RETURN_IF_ERROR(group_aggregate(group, now, &next));
   return next;
+}
+
+StatusOr<std::unique_ptr<AsyncAggregator>> make_async_aggregator(const ExperimentConfig& cfg, const Layout& layout,
+                                                                 const std::string& run_dir) {
+  const auto& sc = cfg.server;
+  AsyncAggregatorOptions o;
+  o.alpha = sc.alpha;
+  MEMFL_ASSIGN_OR_RETURN(o.staleness, make_staleness_fn(sc.staleness_fn, sc.staleness_a, sc.staleness_b));
+  o.buffer_size = sc.buffer_size;
+  o.gradient_based = sc.gradient_based;
+  return AsyncAggregator::create(sc.aggregator, o, layout, [&](size_t bytes) {
+    return make_model_arena(cfg, bytes, run_dir, MemoryCategory::kAggregation);
+  });
 }
 
 }  // namespace memfl

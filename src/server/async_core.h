@@ -79,4 +79,10 @@ class AsyncServerCore final : public AsyncUpdateHandler {
   std::string log_path_;
 };
 
+// The asynchronous rule the config names (server_configs.aggregator and
+// aggregator_kwargs), with FedBuff's Δ where memory_configs.arena_backing
+// says (in run_dir unless scratch_dir is set).
+StatusOr<std::unique_ptr<AsyncAggregator>> make_async_aggregator(const ExperimentConfig& cfg, const Layout& layout,
+                                                                 const std::string& run_dir);
+
 }  // namespace memfl

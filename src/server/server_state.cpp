@@ -139,7 +139,7 @@ StatusOr<CommittedState> load_committed_state(const std::string& run_dir, const 
       continue;
     }
     const std::string body = outer["body"].get<std::string>();
-    if (fmt::format("{:016x}", text_checksum(body)) != outer["body_xxh3"]) {
+    if (fmt::format("{:016x}", text_checksum(body)) != outer["body_xxh3"].get<std::string>()) {
       fail("checksum of its text does not match");
       continue;
     }

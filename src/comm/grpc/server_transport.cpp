@@ -42,6 +42,29 @@ std::string read_file(const std::string& path) {
 
 enum class Phase { kWaiting, kBroadcast, kUpload, kFinished };
 
+// Reads an update's frames until UpdateEnd, giving each chunk to `on_chunk`
+// (which checks it and takes its bytes); returns the first failure: the
+// stream broke, a frame was malformed, or a chunk was refused.
+Status read_update_frames(grpc::ServerReaderWriter<Frame, Frame>* stream, const std::string& peer, uint64_t total,
+                          uint64_t* received, const std::function<Status(const DecodedFrame&)>& on_chunk) {
+  Frame frame;
+  DecodedFrame d;
+  wire::ClientMessage msg;
+  while (true) {
+    if (!stream->Read(&frame)) {
+      return Status(StatusCode::kUnavailable,
+                    fmt::format("{} disconnected after {} of {} bytes of its update", peer, *received, total));
+    }
+    MEMFL_RETURN_IF_ERROR(decode_frame(frame, kClientChunkField, peer, &d, &msg));
+    if (!d.is_chunk) {
+      if (msg.has_update_end()) return Status::Ok();
+      return data_loss("{}: unexpected message in the middle of an update", peer);
+    }
+    MEMFL_RETURN_IF_ERROR(on_chunk(d));
+    *received += d.header.length;
+  }
+}
+
 struct ClientSlot {
   bool connected = false;
   bool failed = false;  // disconnected, timed out or sent bad bytes: out for the run
@@ -272,45 +295,17 @@ grpc::Status ServerAgent::receive_update(grpc::ServerReaderWriter<Frame, Frame>*
     if (!(md.sample_count() > 0)) return {grpc::StatusCode::INVALID_ARGUMENT, peer + ": bad sample count"};
     naive_copy.resize(layout.total_bytes());
   }
-  Frame frame;
-  DecodedFrame d;
-  wire::ClientMessage msg;
   uint64_t received = 0;
-  Status bad;
-  while (true) {
-    if (!stream->Read(&frame)) {
-      bad = Status(StatusCode::kUnavailable, fmt::format("{} disconnected after {} of {} bytes of its update", peer,
-                                                         received, layout.total_bytes()));
-      break;
+  Status bad = read_update_frames(stream, peer, layout.total_bytes(), &received, [&](const DecodedFrame& d) {
+    if (!naive_) return update->accept(d.header, d.payload());
+    MEMFL_RETURN_IF_ERROR(verify_chunk(d.header, d.payload(), layout, received, peer));
+    size_t at = d.header.offset;
+    for (auto p : d.pieces) {
+      std::memcpy(naive_copy.data() + at, p.data(), p.size());
+      at += p.size();
     }
-    Status st = decode_frame(frame, kClientChunkField, peer, &d, &msg);
-    if (!st.ok()) {
-      bad = st;
-      break;
-    }
-    if (!d.is_chunk) {
-      if (msg.has_update_end()) break;
-      bad = data_loss("{}: unexpected message in the middle of an update", peer);
-      break;
-    }
-    if (!naive_) {
-      st = update->accept(d.header, d.payload());
-    } else {
-      st = verify_chunk(d.header, d.payload(), layout, received, peer);
-      if (st.ok()) {
-        size_t at = d.header.offset;
-        for (auto p : d.pieces) {
-          std::memcpy(naive_copy.data() + at, p.data(), p.size());
-          at += p.size();
-        }
-      }
-    }
-    if (!st.ok()) {
-      bad = st;
-      break;
-    }
-    received += d.header.length;
-  }
+    return Status::Ok();
+  });
   if (bad.ok() && !naive_) bad = update->commit();
   if (bad.ok() && naive_ && received != layout.total_bytes()) {
     bad = data_loss("update from {} ended after {} of {} bytes", peer, received, layout.total_bytes());
@@ -550,32 +545,9 @@ grpc::Status ServerAgent::async_receive_update(grpc::ServerReaderWriter<Frame, F
   // The update is checked chunk by chunk into its spool slot; it touches the
   // model only once it is whole.
   SpoolSlotWriter into(a.slots->spool(), slot, layout, peer);
-  Frame frame;
-  DecodedFrame d;
-  wire::ClientMessage msg;
-  Status bad;
-  while (true) {
-    if (!stream->Read(&frame)) {
-      bad = Status(StatusCode::kUnavailable, fmt::format("{} disconnected after {} of {} bytes of its update", peer,
-                                                         into.received(), layout.total_bytes()));
-      break;
-    }
-    Status st = decode_frame(frame, kClientChunkField, peer, &d, &msg);
-    if (!st.ok()) {
-      bad = st;
-      break;
-    }
-    if (!d.is_chunk) {
-      if (msg.has_update_end()) break;
-      bad = data_loss("{}: unexpected message in the middle of an update", peer);
-      break;
-    }
-    st = into.accept(d.header, d.payload());
-    if (!st.ok()) {
-      bad = st;
-      break;
-    }
-  }
+  uint64_t received = 0;
+  Status bad = read_update_frames(stream, peer, layout.total_bytes(), &received,
+                                  [&](const DecodedFrame& d) { return into.accept(d.header, d.payload()); });
   if (bad.ok()) bad = into.commit();
   if (!bad.ok()) {
     give_back();
@@ -624,8 +596,8 @@ grpc::Status ServerAgent::async_receive_update(grpc::ServerReaderWriter<Frame, F
 }
 
 Status ServerAgent::serve_async(AsyncUpdateHandler& core, Arena& global, const AsyncServeOptions& options) {
-  if (!async_) return failed_precondition("serve_async: the config's scheduler ({}) is not asynchronous",
-                                          cfg_.server.scheduler);
+  if (!async_)
+    return failed_precondition("serve_async: the config's scheduler ({}) is not asynchronous", cfg_.server.scheduler);
   {
     std::lock_guard lock(mu_);
     async_->global = &global;
