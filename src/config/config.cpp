@@ -17,8 +17,9 @@
 namespace memfl {
 
 const std::vector<std::string>& known_model_names() {
-  static const std::vector<std::string> names = {"CNN",        "MLP",      "ResNet18", "CNN_GN",    "synthetic",
-                                                 "llama-tiny", "llama-1b", "llama-8b", "llama-70b", "llama"};
+  static const std::vector<std::string> names = {"CNN",       "MLP",        "ResNet18",   "CNN_GN",
+                                                 "synthetic", "llama-tiny", "llama-1b",   "llama-8b",
+                                                 "llama-70b", "llama",      "TorchScript"};
   return names;
 }
 
@@ -297,6 +298,14 @@ const std::vector<KeySpec>& schema() {
        1e6,
        "output classes (0 = from the data set)",
        I(model.num_classes)},
+      {"client_configs.model_configs.torchscript_path",
+       Type::kString,
+       "\"\"",
+       {},
+       -kInf,
+       kInf,
+       "model_name TorchScript: the file torch.jit.save wrote (its forward takes N x C x H x W and returns logits)",
+       S(model.torchscript_path)},
       {"client_configs.model_configs.model_kwargs.hidden_size",
        Type::kInt,
        "200",
@@ -1006,6 +1015,11 @@ Status cross_checks(const ExperimentConfig& c, const std::string& source) {
         "{}: 'client_configs.train_configs.dp.enabled' needs a model built from DP layers; model '{}' is not one "
         "(use CNN_GN: the CNN with GroupNorm, since BatchNorm mixes samples and DP cannot use it)",
         source, c.model.model_name);
+  }
+  if (c.model.model_name == "TorchScript" && c.model.torchscript_path.empty()) {
+    return invalid_argument(
+        "{}: model_name TorchScript needs 'client_configs.model_configs.torchscript_path' (a torch.jit.save'd module)",
+        source);
   }
   if (c.model.model_name == "synthetic" && c.train.trainer != "DummyTrainer") {
     return invalid_argument(

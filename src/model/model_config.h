@@ -21,6 +21,9 @@ struct ModelConfig {
   int64_t intermediate_size = 172, vocab_size = 256;
   bool tie_word_embeddings = false;
   int seq_length = 64;  // llama training: tokens per sample
+  // model_name "TorchScript": a torch.jit.save'd module (scripted or traced)
+  // whose forward takes an N×C×H×W batch and returns logits.
+  std::string torchscript_path;
 };
 
 }  // namespace memfl

@@ -2,6 +2,8 @@
 
 #include <fmt/ranges.h>  // fmt::join
 
+#include <torch/script.h>
+
 #include "train/dp_sgd.h"  // CNN_GN
 #include "train/llama_module.h"
 
@@ -101,7 +103,53 @@ struct ResNet18 : Net {
 
 }  // namespace
 
+namespace {
+
+// A user's TorchScript module (torch.jit.save, scripted or traced) as a Net:
+// its parameters and buffers are registered here as the same tensors (one
+// TensorImpl each), so binding them to the arena rebinds the script's too,
+// and the optimizer, train/eval and device moves see them; the checkpoint
+// keeps the script's own names.
+struct ScriptNet final : Net {
+  explicit ScriptNet(torch::jit::Module module) : script(std::move(module)) {
+    int i = 0;
+    for (const auto& p : script.named_parameters(/*recurse=*/true)) {
+      register_parameter(fmt::format("p{}", i++), p.value, p.value.requires_grad());
+      names.emplace_back(p.name, p.value);
+    }
+    i = 0;
+    for (const auto& b : script.named_buffers(/*recurse=*/true)) {
+      register_buffer(fmt::format("b{}", i++), b.value);
+      names.emplace_back(b.name, b.value);
+    }
+  }
+  torch::Tensor forward(torch::Tensor x) override { return script.forward({x}).toTensor(); }
+  void train(bool on) override {
+    script.train(on);
+    Net::train(on);
+  }
+  std::vector<std::pair<std::string, torch::Tensor>> named_tensors() override { return names; }
+  torch::jit::Module script;
+  std::vector<std::pair<std::string, torch::Tensor>> names;
+};
+
+}  // namespace
+
 StatusOr<std::shared_ptr<Net>> make_model(const ModelConfig& m, const InputSpec& in) {
+  if (m.model_name == "TorchScript") {
+    torch::jit::Module module;
+    try {
+      module = torch::jit::load(m.torchscript_path);
+    } catch (const std::exception& e) {
+      return invalid_argument("client_configs.model_configs.torchscript_path: cannot load {} as TorchScript: {}",
+                              m.torchscript_path, e.what());
+    }
+    auto net = std::make_shared<ScriptNet>(std::move(module));
+    if (net->names.empty())
+      return invalid_argument("client_configs.model_configs.torchscript_path: {} has no parameters to train",
+                              m.torchscript_path);
+    return std::shared_ptr<Net>(net);
+  }
   if (m.model_name == "CNN") {
     if (in.height != in.width) return invalid_argument("model CNN needs square inputs, got {}×{}", in.height, in.width);
     if (in.height < 16) return invalid_argument("model CNN needs inputs of at least 16×16, got {}", in.height);
@@ -171,9 +219,7 @@ torch::ScalarType scalar_type_of(DType d) {
 }
 
 StatusOr<BoundModel> bind_to_arena(Net& net) {
-  std::vector<std::pair<std::string, torch::Tensor>> tensors;
-  for (auto& kv : net.named_parameters(true)) tensors.emplace_back(kv.key(), kv.value());
-  for (auto& kv : net.named_buffers(true)) tensors.emplace_back(kv.key(), kv.value());
+  std::vector<std::pair<std::string, torch::Tensor>> tensors = net.named_tensors();
   LayoutBuilder b;
   for (auto& [name, t] : tensors) {
     MEMFL_ASSIGN_OR_RETURN(DType d, dtype_of(t.scalar_type()));

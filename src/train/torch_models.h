@@ -17,6 +17,14 @@ struct Net : torch::nn::Module {
   // Language models take token ids [B, T] and return logits [B, T, vocab];
   // they are trained on next-token loss.
   virtual bool is_language_model() const { return false; }
+  // The tensors the arena holds, with the names a checkpoint gives them:
+  // parameters, then buffers (a TorchScript module keeps its own names).
+  virtual std::vector<std::pair<std::string, torch::Tensor>> named_tensors() {
+    std::vector<std::pair<std::string, torch::Tensor>> out;
+    for (auto& kv : named_parameters(true)) out.emplace_back(kv.key(), kv.value());
+    for (auto& kv : named_buffers(true)) out.emplace_back(kv.key(), kv.value());
+    return out;
+  }
 };
 
 // Builds `model.model_name` for `input`; unknown names fail with the list.

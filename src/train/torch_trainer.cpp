@@ -358,7 +358,8 @@ class TorchReplica final : public ModelReplica {
 class TorchBackend final : public TrainerBackend {
  public:
   std::vector<std::string> model_names() const override {
-    return {"CNN", "MLP", "ResNet18", "CNN_GN", "llama-tiny", "llama-1b", "llama-8b", "llama-70b", "llama"};
+    return {"CNN",      "MLP",      "ResNet18",  "CNN_GN", "llama-tiny",
+            "llama-1b", "llama-8b", "llama-70b", "llama",  "TorchScript"};
   }
 
   StatusOr<std::unique_ptr<ModelReplica>> create_replica(const ModelConfig& model, const InputSpec& input,
