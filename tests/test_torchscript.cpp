@@ -71,6 +71,35 @@ TEST(TorchScript, AScriptedModuleTrainsFederatedlyUnderItsOwnNames) {
   EXPECT_GT(std::stod(metrics[2][7]), 0.5) << r.output;
 }
 
+#ifdef MEMFL_HAVE_GRPC
+// Over gRPC the server never loads libtorch: its initial weights and
+// evaluation come from a model worker, which loads the script as clients do.
+TEST(TorchScript, TrainsOverGrpcWithAServerThatNeverMapsLibtorch) {
+  TempDir tmp;
+  const std::string model = tmp.file("mlp.pt");
+  save_script_mlp(model);
+  std::ofstream(tmp.file("c.yaml")) << "client_configs:\n  train_configs:\n    optim: SGD\n    optim_args:\n"
+                                       "      lr: 0.05\n      momentum: 0.9\n    do_validation: false\n"
+                                       "  model_configs:\n    model_name: TorchScript\n    torchscript_path: "
+                                    << model
+                                    << "\n  data_configs:\n    dataset_kwargs:\n      max_train_samples: 2000\n"
+                                       "      max_test_samples: 500\nserver_configs:\n  num_clients: 2\n"
+                                       "  num_global_epochs: 2\n  comm_configs:\n    grpc_configs:\n"
+                                       "      server_uri: 127.0.0.1:0\n";
+  Result r = memfl_cli("launch " + tmp.file("c.yaml") + " --clients 2 -q --out " + tmp.file("g"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  std::ifstream in(tmp.file("g/server/summary.json"));
+  std::string summary((std::istreambuf_iterator<char>(in)), {});
+  EXPECT_NE(summary.find("\"maps_libtorch\": false"), std::string::npos) << summary;
+  auto f = SafetensorsFile::open(tmp.file("g/server/global_model.safetensors"));
+  ASSERT_TRUE(f.ok()) << f.status().to_string();
+  EXPECT_NE((*f)->find("fc1.weight"), nullptr);
+  auto metrics = read_csv(tmp.file("g/server/metrics.csv"));
+  ASSERT_EQ(metrics.size(), 3u);
+  EXPECT_GT(std::stod(metrics[2][7]), 0.3);  // evaluated by the model worker, above chance (0.1)
+}
+#endif
+
 TEST(TorchScript, AMissingOrBadFileIsNamed) {
   TempDir tmp;
   std::ofstream(tmp.file("bad.pt")) << "not a zip archive";
