@@ -100,6 +100,29 @@ TEST(TorchScript, TrainsOverGrpcWithAServerThatNeverMapsLibtorch) {
 }
 #endif
 
+#ifdef MEMFL_TEST_MPI
+// As ranks of an MPI job: rank 0's model worker loads the script too.
+TEST(TorchScript, TrainsAsRanksOfAnMpiJob) {
+  TempDir tmp;
+  const std::string model = tmp.file("mlp.pt");
+  save_script_mlp(model);
+  std::ofstream(tmp.file("c.yaml")) << "client_configs:\n  train_configs:\n    optim: SGD\n    optim_args:\n"
+                                       "      lr: 0.05\n      momentum: 0.9\n    do_validation: false\n"
+                                       "  model_configs:\n    model_name: TorchScript\n    torchscript_path: "
+                                    << model
+                                    << "\n  data_configs:\n    dataset_kwargs:\n      max_train_samples: 2000\n"
+                                       "      max_test_samples: 500\nserver_configs:\n  num_global_epochs: 2\n";
+  Result r = mpirun(3, tmp.file("c.yaml") + " -q --out " + tmp.file("m"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  auto f = SafetensorsFile::open(tmp.file("m/rank_0/global_model.safetensors"));
+  ASSERT_TRUE(f.ok()) << f.status().to_string();
+  EXPECT_NE((*f)->find("fc2.bias"), nullptr);
+  auto metrics = read_csv(tmp.file("m/rank_0/metrics.csv"));
+  ASSERT_EQ(metrics.size(), 3u);
+  EXPECT_GT(std::stod(metrics[2][7]), 0.3);
+}
+#endif
+
 TEST(TorchScript, AMissingOrBadFileIsNamed) {
   TempDir tmp;
   std::ofstream(tmp.file("bad.pt")) << "not a zip archive";
