@@ -41,17 +41,21 @@ def forward(self, x):
   net.save(path);
 }
 
+// A config that trains the saved script for 2 rounds on the first
+// `train_samples` Fashion-MNIST images; `server` adds server_configs keys.
+std::string script_config(const std::string& model, int train_samples, int test_samples, const std::string& server) {
+  return "client_configs:\n  train_configs:\n    optim: SGD\n    optim_args:\n      lr: 0.05\n      momentum: 0.9\n"
+         "    do_validation: false\n  model_configs:\n    model_name: TorchScript\n    torchscript_path: " +
+         model + "\n  data_configs:\n    dataset_kwargs:\n      max_train_samples: " + std::to_string(train_samples) +
+         "\n      max_test_samples: " + std::to_string(test_samples) + "\nserver_configs:\n  num_global_epochs: 2\n" +
+         server;
+}
+
 TEST(TorchScript, AScriptedModuleTrainsFederatedlyUnderItsOwnNames) {
   TempDir tmp;
   const std::string model = tmp.file("mlp.pt");
   save_script_mlp(model);
-  std::ofstream(tmp.file("c.yaml")) << "client_configs:\n  train_configs:\n    optim: SGD\n    optim_args:\n"
-                                       "      lr: 0.05\n      momentum: 0.9\n    do_validation: false\n"
-                                       "  model_configs:\n    model_name: TorchScript\n    torchscript_path: "
-                                    << model
-                                    << "\n  data_configs:\n    dataset_kwargs:\n      max_train_samples: 3000\n"
-                                       "      max_test_samples: 1000\nserver_configs:\n  num_clients: 3\n"
-                                       "  num_global_epochs: 2\n";
+  std::ofstream(tmp.file("c.yaml")) << script_config(model, 3000, 1000, "  num_clients: 3\n");
   Result r = memfl_cli("run " + tmp.file("c.yaml") + " -q --out " + tmp.file("run"));
   ASSERT_EQ(r.exit_code, 0) << r.output;
   // The global model keeps the script's names, values moved by training.
@@ -78,14 +82,9 @@ TEST(TorchScript, TrainsOverGrpcWithAServerThatNeverMapsLibtorch) {
   TempDir tmp;
   const std::string model = tmp.file("mlp.pt");
   save_script_mlp(model);
-  std::ofstream(tmp.file("c.yaml")) << "client_configs:\n  train_configs:\n    optim: SGD\n    optim_args:\n"
-                                       "      lr: 0.05\n      momentum: 0.9\n    do_validation: false\n"
-                                       "  model_configs:\n    model_name: TorchScript\n    torchscript_path: "
-                                    << model
-                                    << "\n  data_configs:\n    dataset_kwargs:\n      max_train_samples: 2000\n"
-                                       "      max_test_samples: 500\nserver_configs:\n  num_clients: 2\n"
-                                       "  num_global_epochs: 2\n  comm_configs:\n    grpc_configs:\n"
-                                       "      server_uri: 127.0.0.1:0\n";
+  std::ofstream(tmp.file("c.yaml")) << script_config(model, 2000, 500,
+                                                     "  num_clients: 2\n  comm_configs:\n    grpc_configs:\n"
+                                                     "      server_uri: 127.0.0.1:0\n");
   Result r = memfl_cli("launch " + tmp.file("c.yaml") + " --clients 2 -q --out " + tmp.file("g"));
   ASSERT_EQ(r.exit_code, 0) << r.output;
   std::ifstream in(tmp.file("g/server/summary.json"));
@@ -106,12 +105,7 @@ TEST(TorchScript, TrainsAsRanksOfAnMpiJob) {
   TempDir tmp;
   const std::string model = tmp.file("mlp.pt");
   save_script_mlp(model);
-  std::ofstream(tmp.file("c.yaml")) << "client_configs:\n  train_configs:\n    optim: SGD\n    optim_args:\n"
-                                       "      lr: 0.05\n      momentum: 0.9\n    do_validation: false\n"
-                                       "  model_configs:\n    model_name: TorchScript\n    torchscript_path: "
-                                    << model
-                                    << "\n  data_configs:\n    dataset_kwargs:\n      max_train_samples: 2000\n"
-                                       "      max_test_samples: 500\nserver_configs:\n  num_global_epochs: 2\n";
+  std::ofstream(tmp.file("c.yaml")) << script_config(model, 2000, 500, "");
   Result r = mpirun(3, tmp.file("c.yaml") + " -q --out " + tmp.file("m"));
   ASSERT_EQ(r.exit_code, 0) << r.output;
   auto f = SafetensorsFile::open(tmp.file("m/rank_0/global_model.safetensors"));

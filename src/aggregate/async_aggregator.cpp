@@ -83,9 +83,7 @@ Status AsyncAggregator::fold(Arena& global, std::span<const AsyncContribution> g
   for (const auto& e : layout_.entries()) {
     if (e.dtype != DType::kF32) {
       // Counters: the newest contribution's value.
-      std::vector<std::byte> bytes(e.nbytes());
-      MEMFL_RETURN_IF_ERROR(group.back().update->read(e.offset, bytes));
-      std::memcpy(global.data() + e.offset, bytes.data(), bytes.size());
+      MEMFL_RETURN_IF_ERROR(group.back().update->read(e.offset, global.bytes(e.offset, e.nbytes())));
       continue;
     }
     float* x = global.as<float>(e.offset);

@@ -204,6 +204,20 @@ int64_t local_steps_taken(const TrainConfig& train, const ClientPartition* part,
   return train.mode == "step" || n == 0 ? train.num_local_steps : train.num_local_epochs * ((n + bs - 1) / bs);
 }
 
+void keep_base(const Layout& layout, Arena& base, const Arena& received) {
+  if (base.empty()) base = Arena(layout.total_bytes(), MemoryCategory::kCommBuffers);
+  std::memcpy(base.data(), received.data(), layout.total_bytes());
+}
+
+ExperimentConfig with_local_steps(const ExperimentConfig& cfg, int local_steps) {
+  ExperimentConfig out = cfg;
+  if (local_steps > 0) {
+    out.train.mode = "step";
+    out.train.num_local_steps = local_steps;
+  }
+  return out;
+}
+
 Status change_from_base(const Layout& layout, Arena& base, const Arena& trained) {
   // In place: each block of g is written where the x_base it came from was.
   return write_gradient(layout, base, trained, 64 * 1024, [&](size_t off, std::span<const std::byte> bytes) {

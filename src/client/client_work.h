@@ -75,9 +75,15 @@ StatusOr<double> record_client_privacy(const ExperimentConfig& cfg, const std::s
 int64_t local_steps_taken(const TrainConfig& train, const ClientPartition* part, int64_t reported);
 
 // Asynchronous, gradient_based: a client sends g = x_base − y, the change
-// from the model it received. `base` holds x_base on entry (kept before
-// training) and g on return; `trained` is y.
+// from the model it received. keep_base copies the received model into
+// `base` (allocated on first use: one more model on the client);
+// change_from_base then turns it into g, `trained` being y.
+void keep_base(const Layout& layout, Arena& base, const Arena& received);
 Status change_from_base(const Layout& layout, Arena& base, const Arena& trained);
+
+// The config a trip trains by: `local_steps` > 0 (FedCompass gives each
+// trip its own) makes it that many steps; 0 leaves train_configs as they are.
+ExperimentConfig with_local_steps(const ExperimentConfig& cfg, int local_steps);
 
 // The sample count client `client` reports with its update (FedAvg's weight).
 double update_sample_count(const ExperimentConfig& cfg, const ClientPartition* part, int client);

@@ -222,27 +222,17 @@ Status run_grpc_client(const ExperimentConfig& local, int client_id, const RoleO
     // the local steps the server gave (FedCompass), and a gradient_based
     // update is the change from the model received (one more model here).
     const bool async = cfg.server.is_async();
-    const ExperimentConfig* tcfg = &cfg;
-    ExperimentConfig trip_cfg;
-    if (async && begin.local_steps() > 0) {
-      trip_cfg = cfg;
-      trip_cfg.train.mode = "step";
-      trip_cfg.train.num_local_steps = begin.local_steps();
-      tcfg = &trip_cfg;
-    }
+    const ExperimentConfig tcfg = with_local_steps(cfg, async ? begin.local_steps() : 0);
     const bool send_change = async && cfg.server.gradient_based;
-    if (send_change) {
-      if (base.empty()) base = Arena(layout.total_bytes(), MemoryCategory::kCommBuffers);
-      std::memcpy(base.data(), model.arena().data(), layout.total_bytes());
-    }
-    MEMFL_ASSIGN_OR_RETURN(TrainResult tr, local_update(model, *tcfg, data ? &*data : nullptr, part,
+    if (send_change) keep_base(layout, base, model.arena());
+    MEMFL_ASSIGN_OR_RETURN(TrainResult tr, local_update(model, tcfg, data ? &*data : nullptr, part,
                                                         async ? rounds + 1 : round, client_id));
     const Arena* upload = &model.arena();
     if (send_change) {
       MEMFL_RETURN_IF_ERROR(change_from_base(layout, base, model.arena()));
       upload = &base;
     }
-    const int64_t steps = local_steps_taken(tcfg->train, part, tr.num_steps);
+    const int64_t steps = local_steps_taken(tcfg.train, part, tr.num_steps);
     double epsilon = 0;
     if (cfg.train.dp.enabled) {
       dp_steps += tr.dp_steps;

@@ -242,15 +242,8 @@ Status run_client_rank(const ExperimentConfig& cfg, int rank, const std::string&
     int32_t ok = 1;
     MPI_Send(&ok, 1, MPI_INT32_T, 0, kTagModelReceived, MPI_COMM_WORLD);
     const int c = rank - 1;
-    ExperimentConfig trip_cfg = local;
-    if (b.local_steps > 0) {
-      trip_cfg.train.mode = "step";
-      trip_cfg.train.num_local_steps = b.local_steps;
-    }
-    if (cfg.server.gradient_based) {
-      if (base.empty()) base = Arena(layout.total_bytes(), MemoryCategory::kCommBuffers);
-      std::memcpy(base.data(), model.arena().data(), layout.total_bytes());
-    }
+    const ExperimentConfig trip_cfg = with_local_steps(local, b.local_steps);
+    if (cfg.server.gradient_based) keep_base(layout, base, model.arena());
     st.sampler.mark(b.round, "train");
     const ClientPartition* part = parts.empty() ? nullptr : &parts[static_cast<size_t>(c)];
     MEMFL_ASSIGN_OR_RETURN(TrainResult tr,

@@ -101,11 +101,7 @@ StatusOr<SimulationResult> run_async_simulation(const ExperimentConfig& cfg, con
   MEMFL_RETURN_IF_ERROR(write_text_file((fs::path(opts.run_dir) / "client_speeds.csv").string(), speeds));
   dopts.train = [&](int c, int local_steps, const Arena& g, AsyncTrip* trip) -> StatusOr<const Arena*> {
     std::memcpy(worker.arena().data(), g.data(), layout.total_bytes());
-    ExperimentConfig tc = cfg;
-    if (local_steps > 0) {
-      tc.train.mode = "step";
-      tc.train.num_local_steps = local_steps;
-    }
+    const ExperimentConfig tc = with_local_steps(cfg, local_steps);
     const ClientPartition* part = synthetic ? nullptr : &clients[static_cast<size_t>(c)];
     // Each trip trains with a seed of its own (the trip number plays the round).
     MEMFL_ASSIGN_OR_RETURN(TrainResult tr, local_update(worker, tc, data, part, ++trips[static_cast<size_t>(c)], c));
