@@ -7,6 +7,7 @@ set -euo pipefail
 PACKAGES=(
   build-essential cmake ninja-build ccache pkg-config git
   libtorch-dev            # local training (trainer plugin only)
+  libgloo-dev             # headers of libtorch's c10d Gloo group: sharded DP-SGD on the CPU (tests)
   libopenblas0-pthread    # BLAS under libtorch: about 2x faster CPU training than the reference BLAS
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler  # gRPC transport
   libopenmpi-dev openmpi-bin   # MPI transport

@@ -1,0 +1,497 @@
+// Sharded DP-SGD (see train/sharded_dp.h for the scheme).
+#include "train/sharded_dp.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdlib>
+#include <stdexcept>
+
+// Gloo's headers come from libgloo-dev on Debian; c10d declares its Gloo and
+// NCCL groups only when told they were built in.
+#if __has_include(<gloo/algorithm.h>)
+#ifndef USE_C10D_GLOO
+#define USE_C10D_GLOO 1
+#endif
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#define MEMFL_HAVE_GLOO 1
+#endif
+#if __has_include(<c10/cuda/CUDACachingAllocator.h>) && __has_include(<cuda_runtime_api.h>) && \
+    __has_include(<torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>)
+#ifndef USE_C10D_NCCL
+#define USE_C10D_NCCL 1
+#endif
+#include <ATen/cuda/CUDAGeneratorImpl.h>
+#include <c10/cuda/CUDAFunctions.h>
+#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+#define MEMFL_HAVE_NCCL 1
+#endif
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+namespace memfl::torch_internal::sharded {
+
+using torch::Tensor;
+
+namespace {
+
+constexpr int64_t kNoiseBlock = int64_t{1} << 20;
+
+// An environment variable as an int; nullopt when unset.
+StatusOr<std::optional<int>> env_int(const char* name) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') return std::optional<int>();
+  char* end = nullptr;
+  const long x = std::strtol(v, &end, 10);
+  if (end == v || *end != '\0' || x < 0 || x > 1 << 20) {
+    return invalid_argument("environment variable {}='{}' is not a non-negative integer", name, v);
+  }
+  return std::optional<int>(static_cast<int>(x));
+}
+
+uint64_t mix(uint64_t x) {  // splitmix64's finaliser
+  x += 0x9e3779b97f4a7c15ULL;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+  return x ^ (x >> 31);
+}
+
+// The flat buffer's storage is dropped and brought back in place, so every
+// view of it (the parameters, and what autograd saved of them) follows.
+void drop_storage(const Tensor& t) {
+  c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
+  s->set_data_ptr_noswap(at::DataPtr(nullptr, t.device()));
+  s->set_nbytes(0);
+}
+void restore_storage(const Tensor& t, size_t nbytes) {
+  c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
+  s->set_data_ptr_noswap(s->allocator()->allocate(nbytes));
+  s->set_nbytes(nbytes);
+}
+
+}  // namespace
+
+StatusOr<std::optional<Rendezvous>> rendezvous_from_env() {
+  struct Names {
+    const char *rank, *world, *local, *port;
+  };
+  const Names sources[] = {
+      {"MEMFL_RANK", "MEMFL_WORLD_SIZE", "MEMFL_LOCAL_RANK", "MEMFL_MASTER_PORT"},
+      {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"},
+      {"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "MASTER_PORT"}};
+  for (const Names& n : sources) {
+    MEMFL_ASSIGN_OR_RETURN(auto rank, env_int(n.rank));
+    if (!rank) continue;
+    MEMFL_ASSIGN_OR_RETURN(auto world, env_int(n.world));
+    if (!world || *world < 1) return invalid_argument("{} is set but {} is not", n.rank, n.world);
+    if (*rank >= *world) return invalid_argument("{}={} is not below {}={}", n.rank, *rank, n.world, *world);
+    MEMFL_ASSIGN_OR_RETURN(auto local, env_int(n.local));
+    MEMFL_ASSIGN_OR_RETURN(auto port, env_int(n.port));
+    Rendezvous r;
+    r.rank = *rank;
+    r.world_size = *world;
+    r.local_rank = local.value_or(*rank);
+    if (port) {
+      if (*port < 1 || *port > 65535) return invalid_argument("{}={} is not a TCP port", n.port, *port);
+      r.port = *port;
+    }
+    if (const char* addr = std::getenv("MASTER_ADDR"); addr != nullptr && *addr != '\0' && n.rank[0] != 'M') {
+      r.host = addr;
+    }
+    return std::optional<Rendezvous>(r);
+  }
+  return std::optional<Rendezvous>();
+}
+
+// ------------------------------------------------------------------ group
+
+struct ShardGroup::Impl {
+  c10::intrusive_ptr<c10d::Store> store;
+#ifdef MEMFL_HAVE_GLOO
+  c10::intrusive_ptr<c10d::ProcessGroupGloo> gloo;
+#endif
+#ifdef MEMFL_HAVE_NCCL
+  c10::intrusive_ptr<c10d::ProcessGroupNCCL> nccl;
+#endif
+};
+
+StatusOr<std::unique_ptr<ShardGroup>> ShardGroup::create(const Rendezvous& where, const torch::Device& device) {
+  if (where.world_size < 1 || where.rank < 0 || where.rank >= where.world_size) {
+    return invalid_argument("sharded training: rank {} of world size {}", where.rank, where.world_size);
+  }
+  std::unique_ptr<ShardGroup> g(new ShardGroup());
+  g->impl_ = std::make_unique<Impl>();
+  g->rank_ = where.rank;
+  g->world_ = where.world_size;
+  const auto timeout = std::chrono::milliseconds(120000);
+  try {
+    c10d::TCPStoreOptions so;
+    so.port = static_cast<uint16_t>(where.port);
+    so.isServer = where.rank == 0;
+    so.numWorkers = static_cast<size_t>(where.world_size);
+    so.waitWorkers = true;
+    so.timeout = timeout;
+    g->impl_->store = c10::make_intrusive<c10d::TCPStore>(where.host, so);
+    if (device.is_cuda()) {
+#ifdef MEMFL_HAVE_NCCL
+      c10::cuda::set_device(device.has_index() ? device.index() : 0);
+      auto opts = c10d::ProcessGroupNCCL::Options::create();
+      g->impl_->nccl = c10::make_intrusive<c10d::ProcessGroupNCCL>(g->impl_->store, where.rank, where.world_size, opts);
+#else
+      return failed_precondition("sharded training on {}: this libtorch has no NCCL process group", device.str());
+#endif
+    } else {
+#ifdef MEMFL_HAVE_GLOO
+      auto opts = c10d::ProcessGroupGloo::Options::create(timeout);
+      opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
+      g->impl_->gloo = c10::make_intrusive<c10d::ProcessGroupGloo>(g->impl_->store, where.rank, where.world_size, opts);
+#else
+      return failed_precondition("sharded training on the CPU: this libtorch was built without Gloo headers");
+#endif
+    }
+  } catch (const std::exception& e) {
+    return failed_precondition("sharded training: rank {} of {} could not meet the others at {}:{}: {}", where.rank,
+                               where.world_size, where.host, where.port, e.what());
+  }
+  g->barrier();
+  return g;
+}
+
+ShardGroup::~ShardGroup() {
+#if defined(MEMFL_HAVE_NCCL) && (TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4))
+  if (impl_ && impl_->nccl) impl_->nccl->shutdown();
+#endif
+}
+
+const char* ShardGroup::backend() const {
+#ifdef MEMFL_HAVE_NCCL
+  if (impl_->nccl) return "nccl";
+#endif
+  return "gloo";
+}
+
+void ShardGroup::all_gather(Tensor& full, const Tensor& shard) {
+  const int64_t n = shard.numel();
+  TORCH_CHECK(full.numel() == n * world_, "all_gather: ", full.numel(), " != ", n, " x ", world_);
+#ifdef MEMFL_HAVE_NCCL
+  if (impl_->nccl) {
+    Tensor in = shard;
+    impl_->nccl->_allgather_base(full, in)->wait();
+    return;
+  }
+#endif
+#ifdef MEMFL_HAVE_GLOO
+  std::vector<std::vector<Tensor>> out(1);
+  for (int r = 0; r < world_; ++r) out[0].push_back(full.narrow(0, r * n, n));
+  std::vector<Tensor> in{shard};
+  impl_->gloo->allgather(out, in)->wait();
+#endif
+}
+
+void ShardGroup::reduce_scatter_sum(Tensor& shard, Tensor& full) {
+  const int64_t n = shard.numel();
+  TORCH_CHECK(full.numel() == n * world_, "reduce_scatter: ", full.numel(), " != ", n, " x ", world_);
+#ifdef MEMFL_HAVE_NCCL
+  if (impl_->nccl) {
+    impl_->nccl->_reduce_scatter_base(shard, full)->wait();
+    return;
+  }
+#endif
+#ifdef MEMFL_HAVE_GLOO
+  // Gloo 1.13 has no reduce-scatter: all-reduce, then keep this rank's slice
+  // (the CPU path is for correctness in CI; NCCL does the real one).
+  std::vector<Tensor> t{full};
+  impl_->gloo->allreduce(t)->wait();
+  shard.copy_(full.narrow(0, rank_ * n, n));
+#endif
+}
+
+void ShardGroup::all_reduce_sum(Tensor& t) {
+  std::vector<Tensor> v{t};
+#ifdef MEMFL_HAVE_NCCL
+  if (impl_->nccl) {
+    impl_->nccl->allreduce(v)->wait();
+    return;
+  }
+#endif
+#ifdef MEMFL_HAVE_GLOO
+  impl_->gloo->allreduce(v)->wait();
+#endif
+}
+
+void ShardGroup::barrier() {
+  // A one-element all-reduce: c10d's barrier() guesses a device for NCCL.
+  Tensor t = torch::zeros({1});
+#ifdef MEMFL_HAVE_NCCL
+  if (impl_->nccl) t = t.cuda();
+#endif
+  all_reduce_sum(t);
+  (void)t.item<float>();
+}
+
+// ------------------------------------------------------------------ model
+
+struct ShardedModel::Flat {
+  std::vector<Tensor> params;  // the module's parameters: views of `full`
+  std::vector<int64_t> offsets;
+  int64_t total = 0, padded = 0, shard = 0;
+  Tensor full;   // padded elements; storage empty unless gathered
+  Tensor local;  // this rank's shard: a leaf the optimizer steps
+  std::vector<dp::DpLayer*> layers;
+  bool has_conv = false;  // its clipped gradient reads the weight: gathered for the DP step
+  bool gathered = false;
+  size_t bytes() const { return static_cast<size_t>(padded) * full.element_size(); }
+};
+
+ShardedModel::~ShardedModel() {
+  dp_.reset();  // detach the layers before the modules go
+}
+
+StatusOr<std::unique_ptr<ShardedModel>> ShardedModel::create(ShardGroup* group, int num_units,
+                                                             const std::function<Unit(int)>& make_unit,
+                                                             const Options& options, const torch::Device& device) {
+  if (group == nullptr || num_units < 1) return invalid_argument("sharded model: no group or no units");
+  const bool dp_mode = options.mode != "no_dp";
+  if (dp_mode && !dp::parse_clip_mode(options.mode)) {
+    return invalid_argument("sharded model: unknown mode '{}' (no_dp, naive, ghost, fused)", options.mode);
+  }
+  if (options.optimizer != "sgd" && options.optimizer != "adam") {
+    return invalid_argument("sharded model: unknown optimizer '{}' (sgd, adam)", options.optimizer);
+  }
+  std::unique_ptr<ShardedModel> m(new ShardedModel());
+  m->group_ = group;
+  m->options_ = options;
+  m->device_ = device;
+  m->root_ = std::make_shared<torch::nn::Module>("ShardedModel");
+  const int64_t world = group->world_size(), rank = group->rank();
+  try {
+    for (int i = 0; i < num_units; ++i) {
+      Unit u = make_unit(i);
+      if (!u.module || !u.forward) return invalid_argument("sharded model: unit {} has no module or forward", i);
+      u.module->to(device, options.dtype);
+      auto f = std::make_unique<Flat>();
+      for (auto& p : u.module->parameters()) {
+        f->offsets.push_back(f->total);
+        f->params.push_back(p);
+        f->total += p.numel();
+      }
+      for (auto& mod : u.module->modules(/*include_self=*/true)) {
+        if (auto* layer = dynamic_cast<dp::DpLayer*>(mod.get())) f->layers.push_back(layer);
+        if (dynamic_cast<dp::Conv2dImpl*>(mod.get()) != nullptr) f->has_conv = true;
+      }
+      f->shard = (f->total + world - 1) / world;
+      f->padded = f->shard * world;
+      f->full = torch::zeros({f->padded}, torch::TensorOptions().dtype(options.dtype).device(device));
+      {
+        torch::NoGradGuard no_grad;
+        for (size_t k = 0; k < f->params.size(); ++k) {
+          Tensor& p = f->params[k];
+          Tensor view = f->full.narrow(0, f->offsets[k], p.numel());
+          view.copy_(p.reshape(-1));
+          p.set_data(view.view(p.sizes()));
+        }
+      }
+      f->local = f->full.narrow(0, rank * f->shard, f->shard).clone().requires_grad_(true);
+      drop_storage(f->full);
+      m->num_params_ += f->total;
+      std::string key = u.name.empty() ? fmt::format("unit{}", i) : u.name;
+      std::replace(key.begin(), key.end(), '.', '_');  // libtorch refuses dots in submodule names
+      m->root_->register_module(key, u.module);
+      m->units_.push_back(std::move(u));
+      m->flats_.push_back(std::move(f));
+    }
+    std::vector<Tensor> shards;
+    for (auto& f : m->flats_) shards.push_back(f->local);
+    if (options.optimizer == "adam") {
+      m->optimizer_ = std::make_unique<torch::optim::Adam>(shards, torch::optim::AdamOptions(options.lr));
+    } else {
+      m->optimizer_ = std::make_unique<torch::optim::SGD>(shards, torch::optim::SGDOptions(options.lr));
+    }
+    if (device.is_cuda()) {
+#ifdef MEMFL_HAVE_NCCL
+      m->noise_gen_ = at::cuda::detail::createCUDAGenerator(device.has_index() ? device.index() : 0);
+#endif
+    } else {
+      m->noise_gen_ = at::detail::createCPUGenerator(options.noise_seed);
+    }
+  } catch (const c10::Error& e) {
+    return internal_error("sharded model: building unit {} failed: {}", m->units_.size(), e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    return internal_error("sharded model: building unit {} failed: {}", m->units_.size(), e.what());
+  }
+  if (dp_mode) {
+    dp::DpOptions d;
+    d.mode = *dp::parse_clip_mode(options.mode);
+    d.max_grad_norm = options.max_grad_norm;
+    d.noise_multiplier = options.noise_multiplier;
+    MEMFL_ASSIGN_OR_RETURN(m->dp_, dp::DpSgd::create(m->root_, d));
+  }
+  return m;
+}
+
+int64_t ShardedModel::shard_numel() const {
+  int64_t n = 0;
+  for (const auto& f : flats_) n += f->shard;
+  return n;
+}
+
+void ShardedModel::gather(Flat& f) {
+  if (f.gathered) return;
+  restore_storage(f.full, f.bytes());
+  group_->all_gather(f.full, f.local.detach());
+  f.gathered = true;
+}
+
+void ShardedModel::release(Flat& f) {
+  if (!f.gathered) return;
+  drop_storage(f.full);
+  f.gathered = false;
+}
+
+Tensor ShardedModel::noise(size_t unit, int64_t begin, int64_t len) {
+  auto f32 = torch::TensorOptions().dtype(torch::kFloat32).device(device_);
+  Tensor out = torch::empty({len}, f32);
+  for (int64_t b = begin / kNoiseBlock; b * kNoiseBlock < begin + len; ++b) {
+    uint64_t seed = mix(options_.noise_seed);
+    seed = mix(seed ^ static_cast<uint64_t>(step_));
+    seed = mix(seed ^ (static_cast<uint64_t>(unit) << 32));
+    seed = mix(seed ^ static_cast<uint64_t>(b));
+    {
+      std::lock_guard<std::mutex> lock(noise_gen_->mutex());
+      noise_gen_->set_current_seed(seed);
+    }
+    Tensor block = at::randn({kNoiseBlock}, *noise_gen_, f32);
+    const int64_t lo = std::max(begin, b * kNoiseBlock), hi = std::min(begin + len, (b + 1) * kNoiseBlock);
+    out.narrow(0, lo - begin, hi - lo).copy_(block.narrow(0, lo - b * kNoiseBlock, hi - lo));
+  }
+  return out;
+}
+
+// The unit's full gradient (from the parameters' .grad) → summed over ranks →
+// this rank's slice, noised and divided, as the shard's gradient.
+void ShardedModel::reduce_grads(Flat& f, double divisor) {
+  Tensor flat = torch::zeros({f.padded}, f.full.options());
+  for (size_t k = 0; k < f.params.size(); ++k) {
+    Tensor& p = f.params[k];
+    if (p.grad().defined()) flat.narrow(0, f.offsets[k], p.numel()).copy_(p.grad().reshape(-1));
+    p.mutable_grad() = Tensor();
+  }
+  Tensor out = torch::empty({f.shard}, f.full.options());
+  group_->reduce_scatter_sum(out, flat);
+  flat = Tensor();
+  const double noise_std = dp_ ? options_.noise_multiplier * options_.max_grad_norm : 0.0;
+  if (noise_std > 0) {
+    size_t index = 0;
+    while (flats_[index].get() != &f) ++index;
+    out.add_(noise(index, group_->rank() * f.shard, f.shard).to(out.scalar_type()), noise_std);
+  }
+  out.div_(divisor);
+  f.local.mutable_grad() = out;
+}
+
+void ShardedModel::dp_step(double divisor, StepStats& st) {
+  torch::NoGradGuard no_grad;
+  const dp::DpOptions& o = dp_->options();
+  Tensor sq;
+  for (auto& f : flats_) {
+    // Conv2d's norms and clipped gradient read its weight (shape and layout);
+    // Linear, Embedding and the norms need only their records.
+    if (f->has_conv) gather(*f);
+    for (dp::DpLayer* layer : f->layers) {
+      if (!layer->has_records()) continue;
+      Tensor s = layer->per_sample_sq_norms(o).to(torch::kFloat32);
+      sq = sq.defined() ? sq.add_(s) : s;
+    }
+  }
+  Tensor clip;
+  if (sq.defined() && sq.size(0) > 0) {
+    Tensor norms = sq.sqrt();
+    clip = (o.max_grad_norm / (norms + 1e-6)).clamp_max(1.0);
+    Tensor n64 = norms.to(torch::kFloat64);
+    Tensor s =
+        torch::stack({n64.mean(), n64.max(), n64.gt(o.max_grad_norm).to(torch::kFloat64).mean()}).to(torch::kCPU);
+    st.mean_norm = s[0].item<double>();
+    st.max_norm = s[1].item<double>();
+    st.clipped_fraction = s[2].item<double>();
+  }
+  for (auto& f : flats_) {
+    for (dp::DpLayer* layer : f->layers) {
+      if (clip.defined() && layer->has_records()) {
+        layer->write_clipped_grads(clip.to(device_), o);
+      } else {
+        for (auto& p : layer->dp_parameters()) {
+          if (p.requires_grad()) p.mutable_grad() = Tensor();
+        }
+      }
+      layer->clear_records();
+    }
+    reduce_grads(*f, divisor);
+    release(*f);
+  }
+}
+
+StatusOr<StepStats> ShardedModel::step(const Tensor& input, const Tensor& labels, double expected_global_batch) {
+  if (!(expected_global_batch > 0)) {
+    return invalid_argument("sharded step: expected global batch must be > 0, got {}", expected_global_batch);
+  }
+  StepStats st;
+  st.batch_size = input.size(0);
+  ++step_;
+  try {
+    for (auto& f : flats_) f->local.mutable_grad() = Tensor();
+    const size_t n = units_.size();
+    std::vector<Tensor> ins(n), outs(n);
+    Tensor x = input;
+    for (size_t u = 0; u < n; ++u) {
+      gather(*flats_[u]);
+      ins[u] = x.is_floating_point() ? x.detach().requires_grad_(true) : x;
+      outs[u] = units_[u].forward(ins[u]);
+      release(*flats_[u]);
+      x = outs[u];
+    }
+    x = Tensor();
+    Tensor loss =
+        torch::nn::functional::cross_entropy(outs.back().to(torch::kFloat32), labels,
+                                             torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum));
+    st.loss = loss.item<double>();
+    Tensor grad;
+    for (size_t i = n; i-- > 0;) {
+      Flat& f = *flats_[i];
+      gather(f);
+      if (i + 1 == n) {
+        loss.backward();
+        loss = Tensor();
+      } else {
+        torch::autograd::backward({outs[i]}, {grad});
+      }
+      grad = ins[i].requires_grad() ? ins[i].grad() : Tensor();
+      ins[i] = Tensor();
+      outs[i] = Tensor();
+      if (!dp_) reduce_grads(f, expected_global_batch);
+      release(f);
+    }
+    if (dp_) dp_step(expected_global_batch, st);
+    optimizer_->step();
+  } catch (const c10::Error& e) {
+    if (dp_) dp_->clear();
+    for (auto& f : flats_) release(*f);
+    return internal_error("sharded step {} on rank {} failed in libtorch: {}", step_, group_->rank(),
+                          e.what_without_backtrace());
+  }
+  return st;
+}
+
+std::vector<std::pair<std::string, Tensor>> ShardedModel::gathered_parameters() {
+  std::vector<std::pair<std::string, Tensor>> out;
+  torch::NoGradGuard no_grad;
+  for (size_t u = 0; u < units_.size(); ++u) {
+    gather(*flats_[u]);
+    for (const auto& kv : units_[u].module->named_parameters()) {
+      out.emplace_back(units_[u].name + "." + kv.key(), kv.value().detach().clone());
+    }
+    release(*flats_[u]);
+  }
+  return out;
+}
+
+}  // namespace memfl::torch_internal::sharded

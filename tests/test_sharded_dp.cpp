@@ -1,0 +1,326 @@
+// Sharded DP-SGD (src/train/sharded_dp.*), on the CPU over libtorch's Gloo
+// group: two ranks (threads of this process, each with its own process group
+// and its own copy of the model) against the plain, unsharded DP-SGD of
+// train/dp_sgd.h on the whole batch in one model — an implementation that
+// has its own tests against per-sample autograd — for the Llama-style
+// classifier and the GroupNorm CNN, in every mode.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <thread>
+
+#include "train/dp_llama.h"
+#include "train/sharded_dp.h"
+
+namespace memfl::torch_internal {
+namespace {
+
+using sharded::Unit;
+using torch::Tensor;
+
+constexpr double kLr = 0.05;
+
+int next_port() {
+  static int n = 0;
+  return 20000 + static_cast<int>((getpid() * 37 + 1000 * n++) % 30000);
+}
+
+// The GroupNorm CNN of dp::make_groupnorm_cnn, cut into four units.
+Unit make_cnn_unit(int i) {
+  Unit u;
+  if (i == 0) {
+    auto seq = torch::nn::Sequential(dp::Conv2d(1, 8, 5), dp::GroupNorm(4, 8));
+    u = {"block1", seq.ptr(),
+         [m = seq.ptr()](const Tensor& x) { return torch::max_pool2d(torch::relu(m->forward(x)), 2); }};
+  } else if (i == 1) {
+    auto seq = torch::nn::Sequential(dp::Conv2d(8, 16, 5), dp::GroupNorm(4, 16));
+    u = {"block2", seq.ptr(),
+         [m = seq.ptr()](const Tensor& x) { return torch::max_pool2d(torch::relu(m->forward(x)), 2).flatten(1); }};
+  } else if (i == 2) {
+    auto l = dp::Linear(16 * 4 * 4, 32);
+    u = {"fc1", l.ptr(), [m = l.ptr()](const Tensor& x) { return torch::relu(m->forward(x)); }};
+  } else {
+    auto l = dp::Linear(32, 10);
+    u = {"fc2", l.ptr(), [m = l.ptr()](const Tensor& x) { return m->forward(x); }};
+  }
+  return u;
+}
+
+struct Model {
+  std::string name;
+  int num_units;
+  std::function<Unit(int)> make;
+  std::function<Tensor(int64_t, uint64_t)> inputs;  // a batch of n, seeded
+  int64_t classes;
+};
+
+Model llama_model() {
+  const DpLlamaSpec* s = find_preset("llama-dp-tiny");
+  return {"llama", dp_llama_num_units(*s), [s](int i) { return make_dp_llama_unit(*s, i); },
+          [s](int64_t n, uint64_t seed) {
+            torch::manual_seed(seed);
+            return torch::randint(0, s->vocab_size, {n, 12}, torch::kLong);
+          },
+          s->num_classes};
+}
+
+Model cnn_model() {
+  return {"cnn", 4, make_cnn_unit,
+          [](int64_t n, uint64_t seed) {
+            torch::manual_seed(seed);
+            return torch::randn({n, 1, 28, 28});
+          },
+          10};
+}
+
+// Every rank's copy of the units, built in order after one seed.
+std::vector<Unit> build(const Model& m, uint64_t seed) {
+  torch::manual_seed(seed);
+  std::vector<Unit> units;
+  for (int i = 0; i < m.num_units; ++i) units.push_back(m.make(i));
+  return units;
+}
+
+using Params = std::map<std::string, Tensor>;
+
+// The reference: one unsharded model, the whole batch, train/dp_sgd.h's
+// DpSgd (or plain autograd for no_dp), SGD.
+Params reference(const Model& m, const std::string& mode, const std::vector<Tensor>& xs,
+                 const std::vector<Tensor>& ys) {
+  std::vector<Unit> units = build(m, 11);
+  auto root = std::make_shared<torch::nn::Module>();
+  for (auto& u : units) {
+    std::string key = u.name;
+    std::replace(key.begin(), key.end(), '.', '_');
+    root->register_module(key, u.module);
+  }
+  std::unique_ptr<dp::DpSgd> dpsgd;
+  if (mode != "no_dp") {
+    dp::DpOptions o;
+    o.mode = *dp::parse_clip_mode(mode);
+    o.max_grad_norm = 0.05;  // small enough that most samples are clipped
+    o.noise_multiplier = 0;
+    dpsgd = std::move(*dp::DpSgd::create(root, o));
+  }
+  torch::optim::SGD opt(root->parameters(), torch::optim::SGDOptions(kLr));
+  for (size_t k = 0; k < xs.size(); ++k) {
+    opt.zero_grad();
+    Tensor x = xs[k];
+    for (auto& u : units) x = u.forward(x);
+    Tensor loss = torch::nn::functional::cross_entropy(
+        x, ys[k], torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum));
+    loss.backward();
+    const double batch = static_cast<double>(ys[k].size(0));
+    if (dpsgd) {
+      EXPECT_TRUE(dpsgd->step(batch).ok());
+    } else {
+      torch::NoGradGuard g;
+      for (auto& p : root->parameters()) p.mutable_grad().div_(batch);
+    }
+    opt.step();
+  }
+  Params out;
+  for (auto& u : units) {
+    for (const auto& kv : u.module->named_parameters()) out[u.name + "." + kv.key()] = kv.value().detach().clone();
+  }
+  return out;
+}
+
+// `world` ranks as threads; rank r trains on its slice of each batch.
+Params run_sharded(const Model& m, int world, const sharded::Options& opts, const std::vector<Tensor>& xs,
+                   const std::vector<Tensor>& ys) {
+  std::vector<std::vector<Unit>> copies;
+  for (int r = 0; r < world; ++r) copies.push_back(build(m, 11));
+  const int port = next_port();
+  std::vector<Params> results(static_cast<size_t>(world));
+  std::vector<std::string> errors(static_cast<size_t>(world));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < world; ++r) {
+    threads.emplace_back([&, r] {
+      sharded::Rendezvous where;
+      where.rank = r;
+      where.world_size = world;
+      where.port = port;
+      auto group = sharded::ShardGroup::create(where, torch::kCPU);
+      if (!group.ok()) {
+        errors[r] = group.status().to_string();
+        return;
+      }
+      auto model = sharded::ShardedModel::create(
+          group->get(), m.num_units, [&](int i) { return copies[r][static_cast<size_t>(i)]; }, opts, torch::kCPU);
+      if (!model.ok()) {
+        errors[r] = model.status().to_string();
+        return;
+      }
+      for (size_t k = 0; k < xs.size(); ++k) {
+        const int64_t n = xs[k].size(0) / world;
+        auto st =
+            (*model)->step(xs[k].narrow(0, r * n, n), ys[k].narrow(0, r * n, n), static_cast<double>(xs[k].size(0)));
+        if (!st.ok()) {
+          errors[r] = st.status().to_string();
+          return;
+        }
+      }
+      for (auto& [name, t] : (*model)->gathered_parameters()) results[r][name] = t;
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < world; ++r) EXPECT_EQ(errors[r], "") << "rank " << r;
+  // Every rank gathers the same model.
+  for (int r = 1; r < world; ++r) {
+    for (auto& [name, t] : results[0]) EXPECT_TRUE(torch::equal(t, results[r][name])) << name << " rank " << r;
+  }
+  return results[0];
+}
+
+void expect_close(const Params& a, const Params& b, double tol, const std::string& what) {
+  ASSERT_EQ(a.size(), b.size()) << what;
+  for (const auto& [name, t] : a) {
+    ASSERT_TRUE(b.count(name)) << what << ": " << name;
+    const double diff = (t - b.at(name)).abs().max().item<double>();
+    EXPECT_LE(diff, tol) << what << ": " << name;
+  }
+}
+
+double max_change(const Params& a, const Params& b) {
+  double m = 0;
+  for (const auto& [name, t] : a) m = std::max(m, (t - b.at(name)).abs().max().item<double>());
+  return m;
+}
+
+void batches(const Model& m, std::vector<Tensor>& xs, std::vector<Tensor>& ys) {
+  for (int k = 0; k < 2; ++k) {
+    xs.push_back(m.inputs(4, 100 + k));
+    ys.push_back(torch::randint(0, m.classes, {4}, torch::kLong));
+  }
+}
+
+class ShardedDpModes : public ::testing::TestWithParam<std::tuple<std::string, std::string>> {};
+
+TEST_P(ShardedDpModes, TwoRanksTakeTheSameStepsAsOneUnshardedModel) {
+  const auto& [model_name, mode] = GetParam();
+  torch::set_num_threads(1);
+  const Model m = model_name == "llama" ? llama_model() : cnn_model();
+  std::vector<Tensor> xs, ys;
+  batches(m, xs, ys);
+  const Params want = reference(m, mode, xs, ys);
+  sharded::Options o;
+  o.mode = mode;
+  o.max_grad_norm = 0.05;
+  o.noise_multiplier = 0;
+  o.lr = kLr;
+  const Params two = run_sharded(m, 2, o, xs, ys);
+  Params initial;
+  for (auto& u : build(m, 11)) {
+    for (const auto& kv : u.module->named_parameters()) initial[u.name + "." + kv.key()] = kv.value().detach().clone();
+  }
+  // The steps moved the model (so agreeing means something), and agree.
+  // Clipped DP steps move a weight by at most 2·lr·C = 5e-3; agreement is
+  // asked to within 1/50 of the smallest movement expected.
+  const double moved = max_change(want, initial);
+  EXPECT_GT(moved, 1e-4);
+  expect_close(two, want, 2e-6, model_name + " " + mode);
+}
+
+INSTANTIATE_TEST_SUITE_P(ShardedDp, ShardedDpModes,
+                         ::testing::Combine(::testing::Values("llama", "cnn"),
+                                            ::testing::Values("no_dp", "naive", "ghost", "fused")),
+                         [](const auto& info) { return std::get<0>(info.param) + "_" + std::get<1>(info.param); });
+
+// Noise on: each coordinate's draw depends on (seed, step, unit, coordinate)
+// only, so one rank and two ranks take the same noisy step; and one step's
+// noise has standard deviation lr·σ·C / B.
+TEST(ShardedDp, NoiseDoesNotDependOnTheNumberOfRanksAndHasStdLrSigmaCOverB) {
+  torch::set_num_threads(1);
+  const Model m = llama_model();
+  std::vector<Tensor> xs, ys;
+  batches(m, xs, ys);
+  xs.resize(1);
+  ys.resize(1);
+  sharded::Options o;
+  o.mode = "fused";
+  o.max_grad_norm = 0.05;
+  o.lr = kLr;
+  o.noise_seed = 1234;
+  const Params quiet = run_sharded(m, 2, o, xs, ys);
+  o.noise_multiplier = 2.0;
+  const Params one = run_sharded(m, 1, o, xs, ys);
+  const Params two = run_sharded(m, 2, o, xs, ys);
+  expect_close(two, one, 2e-5, "noisy, 1 vs 2 ranks");
+  // The difference from the noiseless step is the noise alone: lr·N(0, σ²C²)/B.
+  std::vector<Tensor> d;
+  for (const auto& [name, t] : two) d.push_back((t - quiet.at(name)).reshape(-1));
+  Tensor all = torch::cat(d);
+  const double want = kLr * 2.0 * 0.05 / 4.0;
+  EXPECT_GT(all.numel(), 50000);
+  EXPECT_NEAR(all.std().item<double>(), want, 0.02 * want);
+  EXPECT_NEAR(all.mean().item<double>(), 0.0, 0.02 * want);
+  // A different seed gives different noise.
+  o.noise_seed = 99;
+  const Params other = run_sharded(m, 2, o, xs, ys);
+  EXPECT_GT(max_change(other, two), want);
+}
+
+TEST(ShardedDp, ThreeRanksWithUnevenShardsAndAdam) {
+  // 3 does not divide the units' sizes: the padding must not leak into the model.
+  torch::set_num_threads(1);
+  const Model m = cnn_model();
+  std::vector<Tensor> xs, ys;
+  for (int k = 0; k < 2; ++k) {
+    xs.push_back(m.inputs(6, 300 + k));
+    ys.push_back(torch::randint(0, m.classes, {6}, torch::kLong));
+  }
+  sharded::Options o;
+  o.mode = "fused";
+  o.max_grad_norm = 0.05;
+  o.optimizer = "adam";
+  o.lr = 1e-3;
+  const Params one = run_sharded(m, 1, o, xs, ys);
+  const Params three = run_sharded(m, 3, o, xs, ys);
+  expect_close(three, one, 1e-5, "adam, 1 vs 3 ranks");
+  Params initial;
+  for (auto& u : build(m, 11)) {
+    for (const auto& kv : u.module->named_parameters()) initial[u.name + "." + kv.key()] = kv.value().detach().clone();
+  }
+  // Adam's first steps move every weight by about lr.
+  EXPECT_GT(max_change(one, initial), 0.5e-3);
+}
+
+TEST(ShardedDp, RendezvousFromTheEnvironmentNamesABadVariable) {
+  setenv("MEMFL_RANK", "1", 1);
+  setenv("MEMFL_WORLD_SIZE", "2", 1);
+  setenv("MEMFL_MASTER_PORT", "31234", 1);
+  auto r = sharded::rendezvous_from_env();
+  ASSERT_TRUE(r.ok());
+  ASSERT_TRUE(r->has_value());
+  EXPECT_EQ((*r)->rank, 1);
+  EXPECT_EQ((*r)->world_size, 2);
+  EXPECT_EQ((*r)->local_rank, 1);
+  EXPECT_EQ((*r)->port, 31234);
+  setenv("MEMFL_RANK", "2", 1);
+  r = sharded::rendezvous_from_env();
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("MEMFL_RANK=2"), std::string::npos) << r.status().message();
+  setenv("MEMFL_RANK", "x", 1);
+  r = sharded::rendezvous_from_env();
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("MEMFL_RANK"), std::string::npos);
+  unsetenv("MEMFL_RANK");
+  unsetenv("MEMFL_WORLD_SIZE");
+  unsetenv("MEMFL_MASTER_PORT");
+  setenv("OMPI_COMM_WORLD_RANK", "0", 1);
+  setenv("OMPI_COMM_WORLD_SIZE", "3", 1);
+  r = sharded::rendezvous_from_env();
+  unsetenv("OMPI_COMM_WORLD_RANK");
+  unsetenv("OMPI_COMM_WORLD_SIZE");
+  ASSERT_TRUE(r.ok());
+  ASSERT_TRUE(r->has_value());
+  EXPECT_EQ((*r)->world_size, 3);
+  EXPECT_EQ((*r)->port, 29500);
+}
+
+}  // namespace
+}  // namespace memfl::torch_internal
