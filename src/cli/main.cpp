@@ -15,6 +15,7 @@
 #include "config/config.h"
 #include "dp/rdp_accountant.h"
 #include "default_config.h"
+#include "io/process.h"
 #include "io/run_dir.h"
 #include "roles/simulation.h"
 #include "server/model_worker.h"
@@ -290,6 +291,14 @@ int main(int argc, char** argv) {
   bench_dp->add_option("--device", dpb.device, "cpu | cuda")->capture_default_str();
   bench_dp->add_option("--json", dp_json, "records (one per run) as a JSON array")->capture_default_str();
   bench_dp->add_option("--report", dp_report, "directory for dp_sweep.html and .csv (default: beside --json)");
+  bench_dp
+      ->add_option("--gpus", dpb.gpus,
+                   "ranks of a sharded model: one process per GPU (per process on the CPU), started by memfl")
+      ->capture_default_str();
+  bench_dp->add_flag("--sharded", dpb.sharded,
+                     "shard the model even on one rank (the 1-GPU figure of a sharded sweep)");
+  bench_dp->add_option("--optimizer", dpb.optimizer, "sgd | adam (sharded runs)")->capture_default_str();
+  bench_dp->add_option("--dtype", dpb.dtype, "float32 | bfloat16 parameters (sharded runs)")->capture_default_str();
 #ifdef MEMFL_HAVE_GRPC
   int client_id = -1, num_clients = 0;
   auto* server = app.add_subcommand("server", "Run the federated server over gRPC");
@@ -487,10 +496,22 @@ int main(int argc, char** argv) {
     if (dpb.seq_lengths.empty() || dpb.batch_size < 1 || dpb.iters < 1) {
       return fail(memfl::invalid_argument("bench dp: --seq, --batch and --iters must be positive"));
     }
+    if (dpb.gpus < 1) return fail(memfl::invalid_argument("bench dp: --gpus {} must be >= 1", dpb.gpus));
+    // A sharded sweep on N ranks: this process starts them (one process per
+    // GPU, each this command again with its rank in the environment) unless a
+    // launcher (mpirun, torchrun, or this one) already did.
+    const bool is_rank = std::getenv("MEMFL_RANK") != nullptr || std::getenv("RANK") != nullptr ||
+                         std::getenv("OMPI_COMM_WORLD_RANK") != nullptr;
+    if (dpb.gpus > 1 && !is_rank) {
+      auto st = memfl::launch_ranks(dpb.gpus, argc, argv, dp_json + ".rank");
+      if (!st.ok()) return fail(st);
+      return kExitOk;
+    }
     auto backend = memfl::load_trainer_backend();
     if (!backend.ok()) return fail(backend.status());
     auto recs = (*backend)->bench_dp(dpb);
     if (!recs.ok()) return fail(recs.status());
+    if (recs->empty()) return kExitOk;  // a rank other than 0: rank 0 writes the records
     std::vector<nlohmann::ordered_json> records;
     for (const auto& r : *recs) records.push_back(nlohmann::ordered_json::parse(r));
     const std::string dir =

@@ -1,8 +1,14 @@
 #include "io/process.h"
 
 #include <fcntl.h>
+#include <netinet/in.h>
+#include <signal.h>
 #include <spawn.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
+#include <cerrno>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -32,6 +38,81 @@ StatusOr<pid_t> spawn_process(const std::vector<std::string>& argv, const SpawnO
   posix_spawn_file_actions_destroy(&fa);
   if (rc != 0) return internal_error("cannot start {}: {}", argv[0], std::strerror(rc));
   return pid;
+}
+
+namespace {
+
+// A port the kernel had free on 127.0.0.1 a moment ago (rank 0's store binds it).
+StatusOr<int> free_loopback_port() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return internal_error("socket: {}", std::strerror(errno));
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  a.sin_port = 0;
+  socklen_t len = sizeof(a);
+  const bool ok = ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0 &&
+                  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0;
+  ::close(fd);
+  if (!ok) return internal_error("no free port on 127.0.0.1: {}", std::strerror(errno));
+  return static_cast<int>(ntohs(a.sin_port));
+}
+
+}  // namespace
+
+Status launch_ranks(int ranks, int argc, char** argv, const std::string& log_prefix) {
+  MEMFL_ASSIGN_OR_RETURN(int port, free_loopback_port());
+  std::vector<std::string> args{self_executable()};
+  for (int i = 1; i < argc; ++i) args.emplace_back(argv[i]);
+  std::vector<pid_t> pids;
+  auto stop_all = [&] {
+    for (pid_t p : pids) ::kill(p, SIGTERM);
+    for (pid_t p : pids) ::waitpid(p, nullptr, 0);
+  };
+  ::setenv("MEMFL_WORLD_SIZE", std::to_string(ranks).c_str(), 1);
+  ::setenv("MEMFL_MASTER_PORT", std::to_string(port).c_str(), 1);
+  for (int r = 0; r < ranks; ++r) {
+    ::setenv("MEMFL_RANK", std::to_string(r).c_str(), 1);
+    ::setenv("MEMFL_LOCAL_RANK", std::to_string(r).c_str(), 1);
+    SpawnOptions o;
+    o.log_path = log_prefix + std::to_string(r) + ".log";
+    if (r == 0) o.stdout_fd = 1;
+    auto pid = spawn_process(args, o);
+    if (!pid.ok()) {
+      stop_all();
+      return pid.status();
+    }
+    pids.push_back(*pid);
+  }
+  for (const char* v : {"MEMFL_RANK", "MEMFL_LOCAL_RANK", "MEMFL_WORLD_SIZE", "MEMFL_MASTER_PORT"}) ::unsetenv(v);
+  size_t running = pids.size();
+  while (running > 0) {
+    int status = 0;
+    const pid_t done = ::waitpid(-1, &status, 0);
+    if (done < 0) {
+      if (errno == EINTR) continue;
+      break;
+    }
+    size_t rank = 0;
+    while (rank < pids.size() && pids[rank] != done) ++rank;
+    if (rank == pids.size()) continue;  // not one of ours
+    pids[rank] = -1;
+    --running;
+    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+      std::vector<pid_t> rest;
+      for (pid_t p : pids) {
+        if (p > 0) rest.push_back(p);
+      }
+      pids = rest;
+      stop_all();
+      const std::string log = log_prefix + std::to_string(rank) + ".log";
+      return internal_error("rank {} of {} failed ({}); its log {} ends:\n{}", rank, ranks,
+                            WIFEXITED(status) ? "exit " + std::to_string(WEXITSTATUS(status))
+                                              : "signal " + std::to_string(WTERMSIG(status)),
+                            log, tail_of_file(log));
+    }
+  }
+  return Status();
 }
 
 std::string self_executable() {

@@ -23,6 +23,15 @@ struct SpawnOptions {
 // Starts argv[0] with argv; an error names what could not start.
 StatusOr<pid_t> spawn_process(const std::vector<std::string>& argv, const SpawnOptions& opts);
 
+// Starts `ranks` copies of this executable with argv, rank r with
+// MEMFL_RANK=r, MEMFL_LOCAL_RANK=r, MEMFL_WORLD_SIZE=ranks and
+// MEMFL_MASTER_PORT (a port that was free on 127.0.0.1) in its environment;
+// rank 0's stdout is this process's, every rank's stderr (and the others'
+// stdout) goes to log_prefix + "<r>.log". Waits for all of them. When one
+// fails the others are stopped, and the error names the rank and ends with
+// the tail of its log.
+Status launch_ranks(int ranks, int argc, char** argv, const std::string& log_prefix);
+
 // This executable's path (to start it again in another role).
 std::string self_executable();
 

@@ -243,6 +243,216 @@ json make_record(const DpBenchOptions& o, const DpLlamaSpec& s, const std::strin
   return r;
 }
 
+// ------------------------------------------------------------ sharded (#16)
+
+// What every rank measured in one sharded run, gathered to rank 0.
+struct RankFigures {
+  double peak = 0, reserved = 0, resident = 0, avg_ms = 0, min_ms = 0, failed = 0;
+};
+
+torch::Dtype parse_dtype(const std::string& name) {
+  return name == "bfloat16" || name == "bf16" ? torch::kBFloat16 : torch::kFloat32;
+}
+
+// One sharded run: every rank builds its shards of a fresh seeded model,
+// trains on its own random batch, and measures its own peak, as train_run
+// does for one process. Also reports what stays allocated between steps
+// (parameter shards, their gradients, the optimizer state).
+void sharded_run(const DpBenchOptions& o, const DpLlamaSpec& s, const std::string& mode, int seq,
+                 const torch::Device& dev, sharded::ShardGroup* group, Measured& m, double& resident_bytes) {
+  torch::manual_seed(o.seed);
+  sharded::Options so;
+  so.mode = mode;
+  so.max_grad_norm = o.max_grad_norm;
+  so.noise_multiplier = o.noise_multiplier;
+  so.noise_seed = o.seed;
+  so.optimizer = o.optimizer;
+  so.lr = kLearningRate;
+  so.dtype = parse_dtype(o.dtype);
+  auto created = sharded::ShardedModel::create(
+      group, dp_llama_num_units(s),
+      [&](int i) {
+        dp::InitDeviceGuard on(dev);  // built and initialised on its GPU: no host copy of a 6B model
+        return make_dp_llama_unit(s, i);
+      },
+      so, dev);
+  if (!created.ok()) throw std::runtime_error(created.status().to_string());
+  auto& model = *created;
+  m.num_params = model->num_params();
+  const int64_t batch = o.batch_size;
+  // Each rank its own samples.
+  torch::manual_seed(o.seed + 1000 * static_cast<uint64_t>(group->rank() + 1));
+  Tensor tokens = torch::randint(0, s.vocab_size, {batch, seq}, torch::kLong).to(dev);
+  Tensor labels = torch::randint(0, s.num_classes, {batch}, torch::kLong).to(dev);
+  const double global_batch = static_cast<double>(batch * group->world_size());
+#ifdef MEMFL_HAVE_CUDA_STATS
+  const c10::DeviceIndex index = dev.has_index() ? dev.index() : 0;
+  constexpr auto kAll = static_cast<size_t>(c10::CachingDeviceAllocator::StatType::AGGREGATE);
+  if (dev.is_cuda()) {
+    synchronize(dev);
+    c10::cuda::CUDACachingAllocator::resetPeakStats(index);
+    m.allocated_at_reset_bytes = c10::cuda::CUDACachingAllocator::getDeviceStats(index).allocated_bytes[kAll].current;
+  }
+#endif
+  auto iterate = [&] {
+    auto st = model->step(tokens, labels, global_batch);
+    if (!st.ok()) throw std::runtime_error(st.status().message());
+    if (mode != "no_dp") {
+      dp::DpStepStats d;
+      d.batch_size = st->batch_size;
+      d.mean_norm = st->mean_norm;
+      d.max_norm = st->max_norm;
+      d.clipped_fraction = st->clipped_fraction;
+      m.last_step = d;
+    }
+  };
+  for (int i = 0; i < o.warmup; ++i) iterate();
+  double total = 0, best = std::numeric_limits<double>::infinity();
+  for (int i = 0; i < o.iters; ++i) {
+    synchronize(dev);
+    group->barrier();  // the ranks start each timed step together
+    const auto t0 = std::chrono::steady_clock::now();
+    iterate();
+    synchronize(dev);
+    const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    total += ms;
+    best = std::min(best, ms);
+  }
+  m.avg_ms = total / o.iters;
+  m.min_ms = best;
+  resident_bytes = static_cast<double>(read_rss_bytes());
+#ifdef MEMFL_HAVE_CUDA_STATS
+  if (dev.is_cuda()) {
+    const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(index);
+    m.peak_bytes = stats.allocated_bytes[kAll].peak;
+    m.peak_reserved_bytes = stats.reserved_bytes[kAll].peak;
+    resident_bytes = static_cast<double>(stats.allocated_bytes[kAll].current);
+  }
+#endif
+}
+
+RankFigures measure_sharded(const DpBenchOptions& o, const DpLlamaSpec& s, const std::string& mode, int seq,
+                            const torch::Device& dev, sharded::ShardGroup* group, Measured& m) {
+  release_cached_memory(dev);
+  MemorySampler sampler("bench-dp", 1);
+  if (!dev.is_cuda()) {
+    sampler.start();
+    m.vm_hwm = reset_peak_rss();
+    m.baseline_bytes = read_rss_bytes();
+  }
+  double resident = 0;
+  try {
+    sharded_run(o, s, mode, seq, dev, group, m, resident);
+  } catch (const c10::Error& e) {
+    m.error = e.what_without_backtrace();
+  } catch (const std::exception& e) {
+    m.error = e.what();
+  }
+  if (!dev.is_cuda()) {
+    sampler.stop();
+    int64_t peak = sampler.peak_rss();
+    if (m.vm_hwm) peak = std::max(peak, read_peak_rss_bytes());
+    m.peak_bytes = std::max<int64_t>(0, peak - m.baseline_bytes);
+    resident = std::max(0.0, resident - static_cast<double>(m.baseline_bytes));
+  }
+  release_cached_memory(dev);
+  // Every rank's figures to every rank: one all-reduce of a world × 6 table.
+  const int64_t w = group->world_size();
+  Tensor table = torch::zeros({w, 6}, torch::kFloat64);
+  table[group->rank()] = torch::tensor({static_cast<double>(m.peak_bytes), static_cast<double>(m.peak_reserved_bytes),
+                                        resident, m.avg_ms, m.min_ms, m.error.empty() ? 0.0 : 1.0},
+                                       torch::kFloat64);
+  Tensor on = dev.is_cuda() ? table.to(dev) : table;
+  group->all_reduce_sum(on);
+  table = on.to(torch::kCPU);
+  RankFigures worst;
+  for (int64_t r = 0; r < w; ++r) {
+    auto row = table[r];
+    worst.peak = std::max(worst.peak, row[0].item<double>());
+    worst.reserved = std::max(worst.reserved, row[1].item<double>());
+    worst.resident = std::max(worst.resident, row[2].item<double>());
+    worst.avg_ms = std::max(worst.avg_ms, row[3].item<double>());
+    worst.min_ms = std::max(worst.min_ms, row[4].item<double>());
+    worst.failed += row[5].item<double>();
+  }
+  m.peak_bytes = static_cast<int64_t>(worst.peak);
+  m.peak_reserved_bytes = static_cast<int64_t>(worst.reserved);
+  m.avg_ms = worst.avg_ms;
+  m.min_ms = worst.min_ms;
+  if (m.error.empty() && worst.failed > 0) m.error = "another rank failed";
+  return worst;
+}
+
+StatusOr<std::vector<std::string>> run_sharded_sweep(const DpBenchOptions& o, const DpLlamaSpec& spec,
+                                                     torch::Device dev) {
+  MEMFL_ASSIGN_OR_RETURN(auto env, sharded::rendezvous_from_env());
+  sharded::Rendezvous where;
+  if (env) {
+    where = *env;
+  } else if (o.gpus > 1) {
+    return failed_precondition(
+        "bench dp --gpus {}: no rank in the environment; run it as `memfl bench dp --gpus {} …` (which starts the "
+        "ranks), or under mpirun/torchrun",
+        o.gpus, o.gpus);
+  } else {
+    where.port = 29500 + static_cast<int>(::getpid() % 20000);
+  }
+  if (where.world_size != o.gpus) {
+    return invalid_argument("bench dp: --gpus {} but the environment says world size {}", o.gpus, where.world_size);
+  }
+  if (o.optimizer != "sgd" && o.optimizer != "adam") {
+    return invalid_argument("bench dp: --optimizer '{}' (sgd, adam)", o.optimizer);
+  }
+  if (o.dtype != "float32" && o.dtype != "bfloat16") {
+    return invalid_argument("bench dp: --dtype '{}' (float32, bfloat16)", o.dtype);
+  }
+  if (dev.is_cuda()) {
+    if (where.local_rank >= static_cast<int>(torch::cuda::device_count())) {
+      return failed_precondition("bench dp: rank {} wants cuda:{} but libtorch sees {} device(s)", where.rank,
+                                 where.local_rank, torch::cuda::device_count());
+    }
+    dev = torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(where.local_rank));
+  }
+  std::optional<c10::DeviceGuard> on_device;
+  if (dev.is_cuda()) on_device.emplace(dev);
+  MEMFL_ASSIGN_OR_RETURN(auto group, sharded::ShardGroup::create(where, dev));
+  // The unmeasured first pass per mode, as in the unsharded sweep.
+  DpBenchOptions once = o;
+  once.warmup = 0;
+  once.iters = 1;
+  for (const auto& mode : o.modes) {
+    Measured m;
+    measure_sharded(once, presets().front(), mode, 16, dev, group.get(), m);
+    if (!m.error.empty() && !is_oom(m.error)) {
+      return internal_error("bench dp: {} failed on the warm-up model: {}", mode, m.error);
+    }
+  }
+  std::vector<std::string> records;
+  for (int seq : o.seq_lengths) {
+    for (const auto& mode : o.modes) {
+      Measured m;
+      const RankFigures worst = measure_sharded(o, spec, mode, seq, dev, group.get(), m);
+      if (!m.error.empty() && !is_oom(m.error) && m.error != "another rank failed") {
+        return internal_error("bench dp: {} at seq {} on rank {} failed: {}", mode, seq, where.rank, m.error);
+      }
+      if (where.rank != 0) continue;
+      json r = make_record(o, spec, mode, seq, dev, m);
+      r["gpus"] = o.gpus;
+      r["sharded"] = true;
+      r["peak_memory_is"] = "the largest of the ranks' peaks";
+      if (m.error.empty()) r["resident_between_steps_bytes"] = static_cast<int64_t>(worst.resident);
+      r["config"]["dtype"] = o.dtype;
+      r["config"]["optimizer"] =
+          o.optimizer == "adam" ? fmt::format("Adam(lr={})", kLearningRate) : fmt::format("SGD(lr={})", kLearningRate);
+      r["config"]["backend"] = group->backend();
+      r["config"]["sharding"] =
+          "per unit (embedding, each decoder block, head): all-gather before forward and "
+          "backward, free after; gradients reduce-scattered";
+      records.push_back(r.dump());
+    }
+  }
+  return records;
+}
 }  // namespace
 
 StatusOr<std::vector<std::string>> run_dp_bench(const DpBenchOptions& o) {
@@ -282,6 +492,11 @@ StatusOr<std::vector<std::string>> run_dp_bench(const DpBenchOptions& o) {
     }
   } else if (!dev.is_cpu()) {
     return invalid_argument("bench dp: device '{}' is neither cpu nor cuda", o.device);
+  }
+  if (o.gpus > 1 || o.sharded) return run_sharded_sweep(o, *spec, dev);
+  if (o.dtype != "float32" || o.optimizer != "sgd") {
+    return invalid_argument("bench dp: --dtype {} and --optimizer {} need --sharded (the unsharded sweep is fp32 SGD)",
+                            o.dtype, o.optimizer);
   }
   std::optional<c10::DeviceGuard> on_device;
   if (dev.is_cuda()) on_device.emplace(dev);

@@ -374,12 +374,17 @@ struct AffineFn : torch::autograd::Function<AffineFn> {
   }
 };
 
+thread_local torch::Device t_init_device(torch::kCPU);
+
 Tensor plain_uniform(std::vector<int64_t> shape, int64_t fan_in) {  // nn::Linear / nn::Conv2d's initialisation
   const double bound = 1.0 / std::sqrt(static_cast<double>(fan_in));
-  return torch::empty(shape).uniform_(-bound, bound);
+  return torch::empty(shape, torch::TensorOptions().device(t_init_device)).uniform_(-bound, bound);
 }
 
 }  // namespace
+
+InitDeviceGuard::InitDeviceGuard(torch::Device device) : previous_(t_init_device) { t_init_device = device; }
+InitDeviceGuard::~InitDeviceGuard() { t_init_device = previous_; }
 
 // ---------------------------------------------------------------- DpLayer
 
@@ -518,7 +523,8 @@ void LinearImpl::write_clipped_grads(const torch::Tensor& clip, const DpOptions&
 // ---------------------------------------------------------------- Embedding
 
 EmbeddingImpl::EmbeddingImpl(int64_t num_embeddings, int64_t embedding_dim) {
-  weight = register_parameter("weight", torch::randn({num_embeddings, embedding_dim}));  // nn::Embedding: N(0, 1)
+  weight = register_parameter("weight", torch::randn({num_embeddings, embedding_dim},
+                                                     torch::TensorOptions().device(t_init_device)));  // N(0, 1)
 }
 
 torch::Tensor EmbeddingImpl::forward(const torch::Tensor& indices) {
@@ -737,7 +743,7 @@ void LayerNormImpl::write_clipped_grads(const torch::Tensor& clip, const DpOptio
 }
 
 RMSNormImpl::RMSNormImpl(int64_t dim_, double eps_) : dim(dim_), eps(eps_) {
-  weight = register_parameter("weight", torch::ones({dim}));
+  weight = register_parameter("weight", torch::ones({dim}, torch::TensorOptions().device(t_init_device)));
 }
 
 torch::Tensor RMSNormImpl::forward(const torch::Tensor& x) {

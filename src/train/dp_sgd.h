@@ -96,6 +96,21 @@
 namespace memfl::dp {
 
 enum class ClipMode { kNaive, kGhost, kFused };
+
+// Where the layers below allocate and initialise their parameters when
+// constructed (this thread; default: the CPU). A sharded model of billions of
+// parameters builds each unit straight on its GPU under this guard, instead of
+// initialising it on the host and copying it over.
+class InitDeviceGuard {
+ public:
+  explicit InitDeviceGuard(torch::Device device);
+  ~InitDeviceGuard();
+  InitDeviceGuard(const InitDeviceGuard&) = delete;
+  InitDeviceGuard& operator=(const InitDeviceGuard&) = delete;
+
+ private:
+  torch::Device previous_;
+};
 // "naive" | "ghost" | "fused"; nullopt otherwise.
 std::optional<ClipMode> parse_clip_mode(std::string_view name);
 const char* clip_mode_name(ClipMode mode);

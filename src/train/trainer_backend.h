@@ -77,6 +77,14 @@ struct DpBenchOptions {
   std::string device = "cpu";
   double max_grad_norm = 1.0, noise_multiplier = 1.0;
   uint64_t seed = 42;
+  // Sharded DP-SGD (issue #16): ranks (one process and one GPU each; on the
+  // CPU, processes); with gpus > 1 or sharded, every run shards the model
+  // (train/sharded_dp.h). The ranks find each other through the environment
+  // (memfl's launcher, torchrun's or mpirun's variables).
+  int gpus = 1;
+  bool sharded = false;
+  std::string optimizer = "sgd";  // sgd | adam
+  std::string dtype = "float32";  // float32 | bfloat16: parameters, gradients, optimizer state
 };
 
 class TrainerBackend {
