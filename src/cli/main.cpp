@@ -280,7 +280,7 @@ int main(int argc, char** argv) {
   std::string dp_json = "dp_sweep.json", dp_report;
   auto* bench_dp =
       bench->add_subcommand("dp", "DP-SGD clipping modes: peak memory and time per mode and sequence length");
-  bench_dp->add_option("--model", dpb.model, "llama-dp-tiny | llama-dp-0.5b")->capture_default_str();
+  bench_dp->add_option("--model", dpb.model, "llama-dp-tiny | llama-dp-0.5b | llama-3.2-1b-dp | llama-dp-6b | llama-dp-11b")->capture_default_str();
   bench_dp->add_option("--seq", dpb.seq_lengths, "sequence lengths, comma separated")
       ->delimiter(',')
       ->capture_default_str();

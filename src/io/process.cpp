@@ -62,7 +62,9 @@ StatusOr<int> free_loopback_port() {
 
 Status launch_ranks(int ranks, int argc, char** argv, const std::string& log_prefix) {
   MEMFL_ASSIGN_OR_RETURN(int port, free_loopback_port());
-  std::vector<std::string> args{self_executable()};
+  // argv[0] as this process was started, when it still names it: behind a
+  // bind mount /proc/self/exe may give a path that does not exist here.
+  std::vector<std::string> args{argc > 0 && ::access(argv[0], X_OK) == 0 ? std::string(argv[0]) : self_executable()};
   for (int i = 1; i < argc; ++i) args.emplace_back(argv[i]);
   std::vector<pid_t> pids;
   auto stop_all = [&] {

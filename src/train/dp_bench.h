@@ -13,7 +13,8 @@
 namespace memfl::torch_internal {
 
 // The presets `--model` accepts: llama-dp-tiny (CPU/CI), llama-dp-0.5b
-// (hidden 2048, 8 layers, vocabulary 32000: ≈ 477M parameters, fp32).
+// (hidden 2048, 8 layers, vocabulary 32000: ≈ 477M parameters, fp32), and for
+// the sharded sweep (issue #16) llama-3.2-1b-dp, llama-dp-6b, llama-dp-11b.
 std::vector<std::string> dp_bench_models();
 
 // Runs the sweep: for each seq_length, each mode in options.modes, a fresh

@@ -79,6 +79,15 @@ inline const std::vector<DpLlamaSpec>& presets() {
        .num_kv_heads = 8,
        .intermediate_size = 11008,
        .vocab_size = 32000},
+      // ≈ 11.2B parameters: 179 GB for fp32 Adam DP-SGD, more than one 141 GB
+      // H200 holds; half of it fits on each of two.
+      {.name = "llama-dp-11b",
+       .hidden_size = 5120,
+       .num_layers = 40,
+       .num_heads = 40,
+       .num_kv_heads = 8,
+       .intermediate_size = 13824,
+       .vocab_size = 32000},
   };
   return all;
 }
