@@ -62,6 +62,11 @@ StatusOr<int> free_loopback_port() {
 
 Status launch_ranks(int ranks, int argc, char** argv, const std::string& log_prefix) {
   MEMFL_ASSIGN_OR_RETURN(int port, free_loopback_port());
+  if (auto dir = std::filesystem::path(log_prefix).parent_path(); !dir.empty()) {
+    std::error_code ec;
+    std::filesystem::create_directories(dir, ec);
+    if (ec) return internal_error("cannot create {} for the ranks' logs: {}", dir.string(), ec.message());
+  }
   // argv[0] as this process was started, when it still names it: behind a
   // bind mount /proc/self/exe may give a path that does not exist here.
   std::vector<std::string> args{argc > 0 && ::access(argv[0], X_OK) == 0 ? std::string(argv[0]) : self_executable()};
