@@ -348,9 +348,10 @@ void ShardedModel::release(Flat& f) {
   f.gathered = false;
 }
 
-Tensor ShardedModel::noise(size_t unit, int64_t begin, int64_t len) {
+void ShardedModel::add_noise(size_t unit, Tensor& grad, int64_t begin, double std) {
+  // Straight into the gradient, block by block: no shard-sized noise buffer.
   auto f32 = torch::TensorOptions().dtype(torch::kFloat32).device(device_);
-  Tensor out = torch::empty({len}, f32);
+  const int64_t len = grad.numel();
   for (int64_t b = begin / kNoiseBlock; b * kNoiseBlock < begin + len; ++b) {
     uint64_t seed = mix(options_.noise_seed);
     seed = mix(seed ^ static_cast<uint64_t>(step_));
@@ -362,9 +363,10 @@ Tensor ShardedModel::noise(size_t unit, int64_t begin, int64_t len) {
     }
     Tensor block = at::randn({kNoiseBlock}, *noise_gen_, f32);
     const int64_t lo = std::max(begin, b * kNoiseBlock), hi = std::min(begin + len, (b + 1) * kNoiseBlock);
-    out.narrow(0, lo - begin, hi - lo).copy_(block.narrow(0, lo - b * kNoiseBlock, hi - lo));
+    Tensor part = block.narrow(0, lo - b * kNoiseBlock, hi - lo);
+    grad.narrow(0, lo - begin, hi - lo)
+        .add_(part.scalar_type() == grad.scalar_type() ? part : part.to(grad.scalar_type()), std);
   }
-  return out;
 }
 
 // The unit's full gradient (from the parameters' .grad) → summed over ranks →
@@ -383,7 +385,7 @@ void ShardedModel::reduce_grads(Flat& f, double divisor) {
   if (noise_std > 0) {
     size_t index = 0;
     while (flats_[index].get() != &f) ++index;
-    out.add_(noise(index, group_->rank() * f.shard, f.shard).to(out.scalar_type()), noise_std);
+    add_noise(index, out, group_->rank() * f.shard, noise_std);
   }
   out.div_(divisor);
   f.local.mutable_grad() = out;

@@ -152,7 +152,8 @@ class ShardedModel {
   void gather(Flat& f);
   void release(Flat& f);
   void reduce_grads(Flat& f, double divisor);
-  torch::Tensor noise(size_t unit, int64_t begin, int64_t len);
+  // grad += std · N(0, 1) drawn for coordinates [begin, begin + numel) of the unit.
+  void add_noise(size_t unit, torch::Tensor& grad, int64_t begin, double std);
   void dp_step(double divisor, StepStats& st);
 
   ShardGroup* group_ = nullptr;
