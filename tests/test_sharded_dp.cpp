@@ -12,6 +12,10 @@
 #include <map>
 #include <thread>
 
+#include <nlohmann/json.hpp>
+
+#include "cli_util.h"
+#include "test_util.h"
 #include "train/dp_llama.h"
 #include "train/sharded_dp.h"
 
@@ -320,6 +324,54 @@ TEST(ShardedDp, RendezvousFromTheEnvironmentNamesABadVariable) {
   ASSERT_TRUE(r->has_value());
   EXPECT_EQ((*r)->world_size, 3);
   EXPECT_EQ((*r)->port, 29500);
+}
+
+// llama-dp-tiny's parameters, counted by hand from its shape (hidden 64,
+// 2 layers, 4 heads of 16, 2 KV heads, MLP 172, vocabulary 512, 2 classes):
+// embedding 512·64; per layer q, o 64·64, k, v 64·32, gate, up, down 64·172,
+// two norms 64; final norm 64; head 64·2 + 2.
+constexpr int64_t kTinyParams = 512 * 64 + 2 * (2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 172 + 2 * 64) + 64 + 64 * 2 + 2;
+
+void expect_sharded_records(const std::string& path, int gpus) {
+  std::ifstream in(path);
+  ASSERT_TRUE(in.good()) << path;
+  const auto records = nlohmann::json::parse(in);
+  ASSERT_EQ(records.size(), 2u);
+  for (const auto& r : records) {
+    EXPECT_EQ(r.value("gpus", 0), gpus);
+    EXPECT_TRUE(r.value("sharded", false));
+    EXPECT_EQ(r["config"].value("backend", ""), "gloo");
+    EXPECT_EQ(r.value("num_params", int64_t{0}), kTinyParams);
+    EXPECT_FALSE(r.contains("error")) << r.dump();
+    EXPECT_GT(r.value("avg_iteration_ms", 0.0), 0.0);
+  }
+  EXPECT_GT(records[1].value("mean_per_sample_norm", 0.0), 0.0);  // fused ran and clipped
+}
+
+// `memfl bench dp --gpus 2` starts its two ranks itself (processes, Gloo on
+// the CPU); under mpirun it takes the ranks mpirun started.
+TEST(ShardedDp, BenchDpStartsItsOwnRanksOrRunsUnderMpirun) {
+  memfl::testing::TempDir tmp;
+  const std::string common =
+      " bench dp --gpus 2 --model llama-dp-tiny --seq 16 --modes no_dp,fused --iters 1 --warmup 0";
+  Result r = memfl_cli(common + " --json " + tmp.file("own/out.json"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  expect_sharded_records(tmp.file("own/out.json"), 2);
+  EXPECT_TRUE(std::filesystem::exists(tmp.file("own/out.json.rank1.log")));
+#ifdef MEMFL_TEST_MPI
+  setenv("OMPI_ALLOW_RUN_AS_ROOT", "1", 1);
+  setenv("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1", 1);
+  const int port = next_port();
+  r = run_shell("mpirun -np 2 --oversubscribe -x MASTER_PORT=" + std::to_string(port) + " " +
+                std::string(MEMFL_BINARY) + common + " --json " + tmp.file("mpi/out.json"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  expect_sharded_records(tmp.file("mpi/out.json"), 2);
+#endif
+  // More ranks than the environment has: refused, naming both.
+  r = run_shell("MEMFL_RANK=0 MEMFL_WORLD_SIZE=3 " + std::string(MEMFL_BINARY) + common + " --json " +
+                tmp.file("bad/out.json"));
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.output.find("--gpus 2 but the environment says world size 3"), std::string::npos) << r.output;
 }
 
 }  // namespace
