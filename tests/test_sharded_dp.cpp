@@ -374,5 +374,81 @@ TEST(ShardedDp, BenchDpStartsItsOwnRanksOrRunsUnderMpirun) {
   EXPECT_NE(r.output.find("--gpus 2 but the environment says world size 3"), std::string::npos) << r.output;
 }
 
+// Largest |a − b| over every f32 tensor of two checkpoints.
+double max_model_difference(const std::string& a, const std::string& b) {
+  auto fa = SafetensorsFile::open(a);
+  auto fb = SafetensorsFile::open(b);
+  EXPECT_TRUE(fa.ok() && fb.ok()) << a << " " << b;
+  if (!fa.ok() || !fb.ok()) return 1e9;
+  double m = 0;
+  for (const auto& t : (*fa)->tensors()) {
+    const auto* u = (*fb)->find(t.name);
+    EXPECT_NE(u, nullptr) << t.name;
+    if (u == nullptr || u->data.size() != t.data.size()) return 1e9;
+    const auto* x = reinterpret_cast<const float*>(t.data.data());
+    const auto* y = reinterpret_cast<const float*>(u->data.data());
+    for (size_t i = 0; i < t.data.size() / 4; ++i) m = std::max(m, static_cast<double>(std::fabs(x[i] - y[i])));
+  }
+  return m;
+}
+
+double final_test_accuracy(const std::string& run) {
+  const auto rows = read_csv(run + "/metrics.csv");
+  EXPECT_GE(rows.size(), 2u);
+  return rows.size() < 2 ? -1 : std::stod(rows.back().at(7));
+}
+
+// DP-SGD federated training of the GroupNorm CNN on Fashion-MNIST, 2 clients ×
+// 2 rounds of 3 Poisson steps, short enough for CI.
+const std::string kFlArgs =
+    std::string(MEMFL_SOURCE_DIR) +
+    "/configs/dp_fmnist_cnn_gn.yaml -q --set client_configs.train_configs.mode=step"
+    " --set client_configs.train_configs.num_local_steps=3 --set client_configs.train_configs.train_batch_size=32"
+    " --set server_configs.num_clients=2 --set server_configs.num_global_epochs=2"
+    " --set client_configs.train_configs.optim_args.lr=0.5"
+    " --set client_configs.data_configs.dataset_kwargs.max_test_samples=500";
+
+// train_configs.num_gpus: the client shards its model over that many ranks
+// (processes it starts; Gloo on the CPU). Without noise the federated run is
+// the unsharded one to float rounding; with noise, 2 and 3 ranks draw the same.
+TEST(ShardedDp, AFederatedClientShardedOverRanksTrainsAsAnUnshardedOne) {
+  memfl::testing::TempDir tmp;
+  const std::string quiet = kFlArgs + " --set client_configs.train_configs.dp.noise_multiplier=0";
+  Result r = memfl_cli("run " + quiet + " --out " + tmp.file("one"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  r = memfl_cli("run " + quiet + " --set client_configs.train_configs.num_gpus=2 --out " + tmp.file("two"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const double diff =
+      max_model_difference(tmp.file("one/global_model.safetensors"), tmp.file("two/global_model.safetensors"));
+  EXPECT_LE(diff, 1e-6);
+  EXPECT_NEAR(final_test_accuracy(tmp.file("two")), final_test_accuracy(tmp.file("one")), 1e-9);
+  EXPECT_GT(final_test_accuracy(tmp.file("two")), 0.2);  // it learned: chance is 0.1
+
+  const std::string noisy = kFlArgs + " --set client_configs.train_configs.dp.noise_multiplier=0.5";
+  r = memfl_cli("run " + noisy + " --set client_configs.train_configs.num_gpus=2 --out " + tmp.file("n2"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  r = memfl_cli("run " + noisy + " --set client_configs.train_configs.num_gpus=3 --out " + tmp.file("n3"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_LE(max_model_difference(tmp.file("n2/global_model.safetensors"), tmp.file("n3/global_model.safetensors")),
+            1e-6);
+  // …and the noise is there: the noisy model is not the quiet one.
+  EXPECT_GT(max_model_difference(tmp.file("n2/global_model.safetensors"), tmp.file("two/global_model.safetensors")),
+            1e-4);
+  // The privacy ledger counts the client's whole batch, whatever the ranks.
+  EXPECT_EQ(read_csv(tmp.file("n2/privacy.csv")), read_csv(tmp.file("n3/privacy.csv")));
+}
+
+TEST(ShardedDp, ShardingAModelThatIsNotCutIntoUnitsIsRefusedNamingTheKey) {
+  memfl::testing::TempDir tmp;
+  Result r =
+      memfl_cli("run " + kFlArgs +
+                " --set client_configs.model_configs.model_name=CNN --set client_configs.train_configs.dp.enabled=false"
+                " --set client_configs.train_configs.num_gpus=2 --out " +
+                tmp.file("x"));
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.output.find("client_configs.train_configs.num_gpus"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("CNN_GN"), std::string::npos) << r.output;
+}
+
 }  // namespace
 }  // namespace memfl::torch_internal

@@ -278,9 +278,14 @@ int main(int argc, char** argv) {
   bench->require_subcommand(1);
   memfl::DpBenchOptions dpb;
   std::string dp_json = "dp_sweep.json", dp_report;
+  // A rank > 0 of a sharded client, started by rank 0 (train_configs.num_gpus).
+  auto* shard_rank = app.add_subcommand("shard-rank", "");
+  shard_rank->group("");  // hidden: only a sharded client starts it
   auto* bench_dp =
       bench->add_subcommand("dp", "DP-SGD clipping modes: peak memory and time per mode and sequence length");
-  bench_dp->add_option("--model", dpb.model, "llama-dp-tiny | llama-dp-0.5b | llama-3.2-1b-dp | llama-dp-6b | llama-dp-11b")->capture_default_str();
+  bench_dp
+      ->add_option("--model", dpb.model, "llama-dp-tiny | llama-dp-0.5b | llama-3.2-1b-dp | llama-dp-6b | llama-dp-11b")
+      ->capture_default_str();
   bench_dp->add_option("--seq", dpb.seq_lengths, "sequence lengths, comma separated")
       ->delimiter(',')
       ->capture_default_str();
@@ -487,6 +492,13 @@ int main(int argc, char** argv) {
     return kExitOk;
   }
 #endif
+  if (shard_rank->parsed()) {
+    auto backend = memfl::load_trainer_backend();
+    if (!backend.ok()) return fail(backend.status());
+    memfl::Status st = (*backend)->run_shard_rank();
+    if (!st.ok()) return fail(st);
+    return kExitOk;
+  }
   if (bench_dp->parsed()) {
     for (const auto& m : dpb.modes) {
       if (m != "no_dp" && m != "naive" && m != "ghost" && m != "fused") {

@@ -103,6 +103,10 @@ StatusOr<LocalModel> make_local_model(const ExperimentConfig& cfg, const InputSp
   const int threads = cfg.train.num_threads > 0 ? cfg.train.num_threads
                                                 : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   backend->set_num_threads(threads);
+  if (cfg.train.num_gpus > 1) {
+    MEMFL_ASSIGN_OR_RETURN(m.replica_, backend->create_sharded_replica(cfg, input, seed));
+    return m;
+  }
   MEMFL_ASSIGN_OR_RETURN(m.replica_, backend->create_replica(cfg.model, input, cfg.train.device, seed));
   return m;
 }

@@ -247,6 +247,15 @@ const std::vector<KeySpec>& schema() {
        1024,
        "libtorch intra-op threads (0 = cores)",
        I(train.num_threads)},
+      {"client_configs.train_configs.num_gpus",
+       Type::kInt,
+       "1",
+       {},
+       1,
+       64,
+       "ranks a client's model is sharded over (FSDP-style DP-SGD, model CNN_GN): one process per GPU (cuda), or per "
+       "Gloo rank on the CPU; the client starts them",
+       I(train.num_gpus)},
       // clang-format off
       {"client_configs.train_configs.dp.enabled", Type::kBool, "false", {}, -kInf, kInf, "DP-SGD: per-sample clipping, Gaussian noise, Poisson batches, RDP accounting", B(train.dp.enabled)},
       {"client_configs.train_configs.dp.noise_multiplier", Type::kFloat, "1.0", {}, 0, 1e6, "DP-SGD: noise std ÷ max_grad_norm (σ)", F(train.dp.noise_multiplier)},

@@ -219,6 +219,35 @@ void ShardGroup::all_reduce_sum(Tensor& t) {
 #endif
 }
 
+void ShardGroup::broadcast(Tensor& t, int root) {
+  std::vector<Tensor> v{t};
+  c10d::BroadcastOptions o;
+  o.rootRank = root;
+#ifdef MEMFL_HAVE_NCCL
+  if (impl_->nccl) {
+    impl_->nccl->broadcast(v, o)->wait();
+    return;
+  }
+#endif
+#ifdef MEMFL_HAVE_GLOO
+  impl_->gloo->broadcast(v, o)->wait();
+#endif
+}
+
+void ShardGroup::store_set(const std::string& key, const std::string& value) {
+  impl_->store->set(key, std::vector<uint8_t>(value.begin(), value.end()));
+}
+
+StatusOr<std::string> ShardGroup::store_get(const std::string& key, std::chrono::milliseconds timeout) {
+  try {
+    impl_->store->wait({key}, timeout);
+    const std::vector<uint8_t> v = impl_->store->get(key);
+    return std::string(v.begin(), v.end());
+  } catch (const std::exception& e) {
+    return failed_precondition("rank {}: no '{}' from rank 0: {}", rank_, key, e.what());
+  }
+}
+
 void ShardGroup::barrier() {
   // A one-element all-reduce: c10d's barrier() guesses a device for NCCL.
   Tensor t = torch::zeros({1});
@@ -230,6 +259,28 @@ void ShardGroup::barrier() {
 }
 
 // ------------------------------------------------------------------ model
+
+Unit make_groupnorm_cnn_unit(int64_t channels, int64_t pixels, int64_t classes, int i, int64_t groups) {
+  auto m = std::make_shared<torch::nn::Module>("CNN_GN unit");
+  Unit u{"", m, nullptr};
+  const int64_t side = ((pixels - 4) / 2 - 4) / 2;
+  if (i == 0 || i == 1) {
+    const std::string k = std::to_string(i + 1);
+    auto conv = m->register_module("conv" + k, i == 0 ? dp::Conv2d(channels, 32, 5) : dp::Conv2d(32, 64, 5));
+    auto gn = m->register_module("gn" + k, dp::GroupNorm(groups, i == 0 ? 32 : 64));
+    u.forward = [conv, gn, i](const Tensor& x) {
+      Tensor y = torch::max_pool2d(torch::relu(gn->forward(conv->forward(x))), 2);
+      return i == 1 ? y.flatten(1) : y;
+    };
+  } else if (i == 2) {
+    auto fc = m->register_module("fc1", dp::Linear(64 * side * side, 512));
+    u.forward = [fc](const Tensor& x) { return torch::relu(fc->forward(x)); };
+  } else {
+    auto fc = m->register_module("fc2", dp::Linear(512, classes));
+    u.forward = [fc](const Tensor& x) { return fc->forward(x); };
+  }
+  return u;
+}
 
 struct ShardedModel::Flat {
   std::vector<Tensor> params;  // the module's parameters: views of `full`
@@ -444,29 +495,40 @@ StatusOr<StepStats> ShardedModel::step(const Tensor& input, const Tensor& labels
     const size_t n = units_.size();
     std::vector<Tensor> ins(n), outs(n);
     Tensor x = input;
+    // A rank with no samples this step (a small or empty Poisson batch) still
+    // takes part in every collective, in the same order, and adds nothing.
+    const bool idle = input.size(0) == 0;
     for (size_t u = 0; u < n; ++u) {
       gather(*flats_[u]);
-      ins[u] = x.is_floating_point() ? x.detach().requires_grad_(true) : x;
-      outs[u] = units_[u].forward(ins[u]);
+      if (!idle) {
+        ins[u] = x.is_floating_point() ? x.detach().requires_grad_(true) : x;
+        outs[u] = units_[u].forward(ins[u]);
+        x = outs[u];
+      }
       release(*flats_[u]);
-      x = outs[u];
     }
     x = Tensor();
-    Tensor loss =
-        torch::nn::functional::cross_entropy(outs.back().to(torch::kFloat32), labels,
-                                             torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum));
-    st.loss = loss.item<double>();
+    Tensor loss;
+    if (!idle) {
+      loss =
+          torch::nn::functional::cross_entropy(outs.back().to(torch::kFloat32), labels,
+                                               torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum));
+      st.loss = loss.item<double>();
+      st.correct = outs.back().argmax(1).eq(labels).sum().item<int64_t>();
+    }
     Tensor grad;
     for (size_t i = n; i-- > 0;) {
       Flat& f = *flats_[i];
       gather(f);
-      if (i + 1 == n) {
+      if (idle) {
+        // no graph: nothing to run backward through
+      } else if (i + 1 == n) {
         loss.backward();
         loss = Tensor();
       } else {
         torch::autograd::backward({outs[i]}, {grad});
       }
-      grad = ins[i].requires_grad() ? ins[i].grad() : Tensor();
+      grad = !idle && ins[i].requires_grad() ? ins[i].grad() : Tensor();
       ins[i] = Tensor();
       outs[i] = Tensor();
       if (!dp_) reduce_grads(f, expected_global_batch);
@@ -483,13 +545,68 @@ StatusOr<StepStats> ShardedModel::step(const Tensor& input, const Tensor& labels
   return st;
 }
 
+namespace {
+std::string param_name(const Unit& u, const std::string& key) { return u.name.empty() ? key : u.name + "." + key; }
+}  // namespace
+
+void ShardedModel::load_from_rank0(const ReadParam& read) {
+  torch::NoGradGuard no_grad;
+  const bool root = group_->rank() == 0;
+  for (size_t u = 0; u < units_.size(); ++u) {
+    Flat& f = *flats_[u];
+    restore_storage(f.full, f.bytes());
+    f.gathered = true;
+    if (root) {
+      f.full.zero_();
+      for (const auto& kv : units_[u].module->named_parameters()) read(param_name(units_[u], kv.key()), kv.value());
+    }
+    group_->broadcast(f.full, 0);
+    f.local.detach().copy_(f.full.narrow(0, group_->rank() * f.shard, f.shard));
+    release(f);
+  }
+}
+
+void ShardedModel::store_to_rank0(const WriteParam& write) {
+  torch::NoGradGuard no_grad;
+  for (size_t u = 0; u < units_.size(); ++u) {
+    gather(*flats_[u]);
+    if (group_->rank() == 0) {
+      for (const auto& kv : units_[u].module->named_parameters()) write(param_name(units_[u], kv.key()), kv.value());
+    }
+    release(*flats_[u]);
+  }
+}
+
+void ShardedModel::reset_optimizer(const MakeOptimizer& make) {
+  std::vector<Tensor> shards;
+  for (auto& f : flats_) shards.push_back(f->local);
+  optimizer_ = make(shards);
+}
+
+std::pair<double, int64_t> ShardedModel::evaluate_sums(const Tensor& input, const Tensor& labels) {
+  torch::NoGradGuard no_grad;
+  const bool idle = input.size(0) == 0;
+  Tensor x = input;
+  for (size_t u = 0; u < units_.size(); ++u) {
+    gather(*flats_[u]);
+    if (!idle) x = units_[u].forward(x);
+    release(*flats_[u]);
+  }
+  if (idle) return {0.0, 0};
+  Tensor logits = x.to(torch::kFloat32);
+  const double loss = torch::nn::functional::cross_entropy(
+                          logits, labels, torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum))
+                          .item<double>();
+  return {loss, logits.argmax(1).eq(labels).sum().item<int64_t>()};
+}
+
 std::vector<std::pair<std::string, Tensor>> ShardedModel::gathered_parameters() {
   std::vector<std::pair<std::string, Tensor>> out;
   torch::NoGradGuard no_grad;
   for (size_t u = 0; u < units_.size(); ++u) {
     gather(*flats_[u]);
     for (const auto& kv : units_[u].module->named_parameters()) {
-      out.emplace_back(units_[u].name + "." + kv.key(), kv.value().detach().clone());
+      out.emplace_back(param_name(units_[u], kv.key()), kv.value().detach().clone());
     }
     release(*flats_[u]);
   }

@@ -41,6 +41,7 @@
 
 #include <torch/torch.h>
 
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -87,7 +88,12 @@ class ShardGroup {
   // shard ← this rank's n-element slice of Σ_ranks full. May overwrite full.
   void reduce_scatter_sum(torch::Tensor& shard, torch::Tensor& full);
   void all_reduce_sum(torch::Tensor& t);
+  void broadcast(torch::Tensor& t, int root);
   void barrier();
+  // The rendezvous store, for small messages between ranks (commands).
+  void store_set(const std::string& key, const std::string& value);
+  // Waits up to `timeout` for the key; an error when it does not come.
+  StatusOr<std::string> store_get(const std::string& key, std::chrono::milliseconds timeout);
 
  private:
   struct Impl;
@@ -104,6 +110,13 @@ struct Unit {
   std::function<torch::Tensor(const torch::Tensor&)> forward;
 };
 
+// dp::make_groupnorm_cnn (the registry's CNN_GN) as four units — conv1+gn1,
+// conv2+gn2, fc1, fc2 — whose parameters carry the plain model's names
+// (conv1.weight, gn1.bias, …), so a sharded client reads and writes the same
+// arena layout as an unsharded one.
+constexpr int kGroupNormCnnUnits = 4;
+Unit make_groupnorm_cnn_unit(int64_t channels, int64_t pixels, int64_t classes, int i, int64_t groups = 8);
+
 struct Options {
   std::string mode = "fused";  // no_dp | naive | ghost | fused
   double max_grad_norm = 1.0;
@@ -117,6 +130,7 @@ struct Options {
 struct StepStats {
   double loss = 0;  // Σ of this rank's per-sample losses
   int64_t batch_size = 0;
+  int64_t correct = 0;                                       // this rank's samples whose argmax was the label
   double mean_norm = 0, max_norm = 0, clipped_fraction = 0;  // this rank's samples (DP modes)
 };
 
@@ -137,14 +151,31 @@ class ShardedModel {
   // The gradient is divided by expected_global_batch (Σ over ranks).
   StatusOr<StepStats> step(const torch::Tensor& input, const torch::Tensor& labels, double expected_global_batch);
 
-  // Every parameter, gathered (name "unit.param"), in unit order: for tests
-  // and checkpoints; every rank must call it.
+  // Every parameter, gathered (name "unit.param", or "param" for a unit
+  // without a name), in unit order: for tests; every rank must call it.
   std::vector<std::pair<std::string, torch::Tensor>> gathered_parameters();
+
+  // The model from rank 0, unit by unit: rank 0's `read(name, dst)` fills
+  // each parameter of a unit, the unit is broadcast, and every rank keeps its
+  // shard. Every rank calls it (read is used on rank 0 only).
+  using ReadParam = std::function<void(const std::string& name, torch::Tensor dst)>;
+  using WriteParam = std::function<void(const std::string& name, const torch::Tensor& src)>;
+  void load_from_rank0(const ReadParam& read);
+  // The model to rank 0, unit by unit (one unit gathered at a time): rank
+  // 0's `write(name, src)` stores each parameter. Every rank calls it.
+  void store_to_rank0(const WriteParam& write);
+  // A fresh optimizer over the shards (each client turn starts afresh).
+  using MakeOptimizer = std::function<std::unique_ptr<torch::optim::Optimizer>(std::vector<torch::Tensor>)>;
+  void reset_optimizer(const MakeOptimizer& make);
+  // Σ loss and Σ correct predictions of this rank's batch, forward only
+  // (parameters gathered unit by unit); every rank calls it, even with none.
+  std::pair<double, int64_t> evaluate_sums(const torch::Tensor& input, const torch::Tensor& labels);
 
   int64_t num_params() const { return num_params_; }
   // Elements this rank holds of parameters (its shards, padding included).
   int64_t shard_numel() const;
   int64_t steps() const { return step_; }
+  const Options& options() const { return options_; }
 
  private:
   struct Flat;

@@ -1,5 +1,7 @@
 // VanillaTrainer on libtorch: the plugin's TrainerBackend and ModelReplica.
 #include <algorithm>
+#include <map>
+#include <thread>
 #include <optional>
 #include <numeric>
 #include <random>
@@ -14,8 +16,21 @@
 #include <c10/cuda/CUDAStream.h>
 #define MEMFL_HAVE_CUDA_STATS 1
 #endif
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <nlohmann/json.hpp>
+
+#include "client/client_work.h"
+#include "io/process.h"
 #include "train/dp_bench.h"
 #include "train/dp_sgd.h"
+#include "train/sharded_dp.h"
 #include "train/torch_models.h"
 
 namespace memfl::torch_internal {
@@ -355,6 +370,363 @@ class TorchReplica final : public ModelReplica {
 #endif
 };
 
+// ------------------------------------------------------ sharded client (#16)
+//
+// A client with train_configs.num_gpus = N: this process (rank 0) holds the
+// FL arena (the model as the transports see it) and starts N − 1
+// `memfl shard-rank` processes; all N hold one shard each of the CNN_GN cut
+// into units (train/sharded_dp.h). A turn: rank 0 posts a command (seed,
+// steps, sample indices) in the rendezvous store; every rank loads the arena
+// into its shard (one unit broadcast at a time), then all take the same
+// steps — each its slice of every batch; Poisson batches and shuffles come
+// from the same seed on every rank, so no batch travels — and rank 0 writes
+// the trained units back into the arena one at a time.
+
+using json = nlohmann::json;
+
+sharded::Options sharded_options(const ExperimentConfig& cfg, uint64_t seed) {
+  sharded::Options o;
+  o.mode = cfg.train.dp.enabled ? cfg.train.dp.clipping : "no_dp";
+  o.max_grad_norm = cfg.train.dp.max_grad_norm;
+  o.noise_multiplier = cfg.train.dp.noise_multiplier;
+  o.noise_seed = seed;
+  o.lr = cfg.train.optim.lr;
+  return o;
+}
+
+std::unique_ptr<torch::optim::Optimizer> make_optimizer(const OptimConfig& o, std::vector<torch::Tensor> params) {
+  if (o.optim == "Adam") {
+    return std::make_unique<torch::optim::Adam>(
+        params, torch::optim::AdamOptions(o.lr).betas({o.beta1, o.beta2}).eps(o.eps).weight_decay(o.weight_decay));
+  }
+  return std::make_unique<torch::optim::SGD>(
+      params, torch::optim::SGDOptions(o.lr).momentum(o.momentum).weight_decay(o.weight_decay).nesterov(o.nesterov));
+}
+
+// This rank's contiguous slice of a batch.
+std::span<const uint32_t> rank_slice(std::span<const uint32_t> batch, int rank, int world) {
+  const size_t n = batch.size(), lo = n * static_cast<size_t>(rank) / static_cast<size_t>(world),
+               hi = n * static_cast<size_t>(rank + 1) / static_cast<size_t>(world);
+  return batch.subspan(lo, hi - lo);
+}
+
+struct ShardedCommand {
+  std::string op;  // train | eval | exit
+  uint64_t seed = 0;
+  std::string mode;
+  int64_t steps = 0, epochs = 0;
+  std::vector<uint32_t> train_idx, val_idx;
+  int batch_size = 0;
+  int64_t dataset_size = 0;  // which split the indices refer to (train or test), by its size
+};
+
+std::string to_text(const ShardedCommand& c) {
+  return json{{"op", c.op},       {"seed", c.seed},        {"mode", c.mode},
+              {"steps", c.steps}, {"epochs", c.epochs},    {"train", c.train_idx},
+              {"val", c.val_idx}, {"batch", c.batch_size}, {"dataset_size", c.dataset_size}}
+      .dump();
+}
+ShardedCommand from_text(const std::string& t) {
+  const json j = json::parse(t);
+  ShardedCommand c;
+  c.op = j.at("op").get<std::string>();
+  c.seed = j.at("seed").get<uint64_t>();
+  c.mode = j.at("mode").get<std::string>();
+  c.steps = j.at("steps").get<int64_t>();
+  c.epochs = j.at("epochs").get<int64_t>();
+  c.train_idx = j.at("train").get<std::vector<uint32_t>>();
+  c.val_idx = j.at("val").get<std::vector<uint32_t>>();
+  c.batch_size = j.at("batch").get<int>();
+  c.dataset_size = j.at("dataset_size").get<int64_t>();
+  return c;
+}
+
+// One turn of training, run by every rank in lockstep. TrainResult's sums
+// are over all ranks (rank 0 reports them).
+TrainResult sharded_train(sharded::ShardedModel& model, sharded::ShardGroup& group, const ImageDataset& data,
+                          const ShardedCommand& c, const TrainConfig& cfg, const torch::Device& dev) {
+  model.reset_optimizer([&](std::vector<torch::Tensor> ps) { return make_optimizer(cfg.optim, std::move(ps)); });
+  const int rank = group.rank(), world = group.world_size();
+  TrainResult r;
+  double loss_sum = 0, correct = 0;
+  torch::Tensor x, y;
+  auto run = [&](std::span<const uint32_t> batch, double divisor) {
+    fill_batch(data, rank_slice(batch, rank, world), x, y);
+    auto st = model.step(x.to(dev), y.to(dev), divisor);
+    if (!st.ok()) throw std::runtime_error(st.status().message());
+    loss_sum += st->loss;
+    correct += static_cast<double>(st->correct);
+    r.num_samples += static_cast<int64_t>(batch.size());
+    r.num_steps++;
+  };
+  const auto n = static_cast<int64_t>(c.train_idx.size());
+  const int64_t bs = c.batch_size;
+  if (cfg.dp.enabled) {
+    const double q = n > 0 ? std::min(1.0, static_cast<double>(bs) / static_cast<double>(n)) : 1.0;
+    const int64_t steps = c.mode == "step" ? c.steps : c.epochs * ((n + bs - 1) / bs);
+    dp::PoissonSampler sampler(c.train_idx, q, c.seed);
+    std::vector<uint32_t> batch;
+    for (int64_t k = 0; k < steps; ++k) {
+      sampler.next(batch);
+      run(batch, sampler.expected_batch_size());
+    }
+    r.dp_steps = r.num_steps;
+    r.dp_sample_rate = q;
+  } else {
+    std::vector<uint32_t> order = c.train_idx;
+    std::mt19937_64 rng(c.seed);
+    const int64_t max_steps = c.mode == "step" ? c.steps : INT64_MAX;
+    const int64_t epochs = c.mode == "step" ? INT64_MAX : c.epochs;
+    for (int64_t ep = 0; ep < epochs && r.num_steps < max_steps && n > 0; ++ep) {
+      if (cfg.train_data_shuffle) std::shuffle(order.begin(), order.end(), rng);
+      for (int64_t b = 0; b < n && r.num_steps < max_steps; b += bs) {
+        const auto len = static_cast<size_t>(std::min(bs, n - b));
+        run(std::span<const uint32_t>(order).subspan(static_cast<size_t>(b), len), static_cast<double>(len));
+      }
+    }
+  }
+  torch::Tensor sums = torch::tensor({loss_sum, correct}, torch::kFloat64);
+  if (dev.is_cuda()) sums = sums.to(dev);
+  group.all_reduce_sum(sums);
+  sums = sums.to(torch::kCPU);
+  if (r.num_samples > 0) {
+    r.train_loss = sums[0].item<double>() / static_cast<double>(r.num_samples);
+    r.train_accuracy = sums[1].item<double>() / static_cast<double>(r.num_samples);
+  }
+  return r;
+}
+
+EvalResult sharded_eval(sharded::ShardedModel& model, sharded::ShardGroup& group, const ImageDataset& data,
+                        std::span<const uint32_t> idx, int batch_size, const torch::Device& dev) {
+  double loss = 0, correct = 0;
+  torch::Tensor x, y;
+  const size_t bs = static_cast<size_t>(std::max(1, batch_size));
+  for (size_t b = 0; b < idx.size(); b += bs) {
+    const auto batch = idx.subspan(b, std::min(bs, idx.size() - b));
+    fill_batch(data, rank_slice(batch, group.rank(), group.world_size()), x, y);
+    auto [l, k] = model.evaluate_sums(x.to(dev), y.to(dev));
+    loss += l;
+    correct += static_cast<double>(k);
+  }
+  torch::Tensor sums = torch::tensor({loss, correct}, torch::kFloat64);
+  if (dev.is_cuda()) sums = sums.to(dev);
+  group.all_reduce_sum(sums);
+  sums = sums.to(torch::kCPU);
+  EvalResult r;
+  r.num_samples = static_cast<int64_t>(idx.size());
+  if (r.num_samples > 0) {
+    r.loss = sums[0].item<double>() / static_cast<double>(r.num_samples);
+    r.accuracy = sums[1].item<double>() / static_cast<double>(r.num_samples);
+  }
+  return r;
+}
+
+StatusOr<std::unique_ptr<sharded::ShardedModel>> build_sharded_cnn(sharded::ShardGroup* group,
+                                                                   const ExperimentConfig& cfg, const InputSpec& input,
+                                                                   uint64_t seed, const torch::Device& dev) {
+  torch::manual_seed(seed);  // values are overwritten from rank 0's arena before every turn
+  return sharded::ShardedModel::create(
+      group, sharded::kGroupNormCnnUnits,
+      [&](int i) { return sharded::make_groupnorm_cnn_unit(input.channels, input.height, input.num_classes, i); },
+      sharded_options(cfg, seed), dev);
+}
+
+torch::Device rank_device(const std::string& device, int local_rank) {
+  return device == "cuda" ? torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(local_rank))
+                          : torch::Device(torch::kCPU);
+}
+
+int threads_per_rank(const ExperimentConfig& cfg) {
+  if (cfg.train.num_threads > 0) return cfg.train.num_threads;
+  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  return std::max(1, cores / cfg.train.num_gpus);
+}
+
+class ShardedReplica final : public ModelReplica {
+ public:
+  static StatusOr<std::unique_ptr<ModelReplica>> create(std::unique_ptr<ModelReplica> host, const ExperimentConfig& cfg,
+                                                        const InputSpec& input, uint64_t seed) {
+    const int world = cfg.train.num_gpus;
+    std::unique_ptr<ShardedReplica> r(new ShardedReplica());
+    r->host_ = std::move(host);
+    r->cfg_ = cfg;
+    r->dev_ = rank_device(cfg.train.device, 0);
+    for (size_t i = 0; i < r->host_->layout().entries().size(); ++i)
+      r->index_[r->host_->layout().entries()[i].name] = i;
+    // The other ranks: this executable again, told its rank through the environment.
+    sharded::Rendezvous where;
+    where.world_size = world;
+    {
+      // Rank 0's store binds the port; a free one is asked of the kernel.
+      const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+      sockaddr_in a{};
+      a.sin_family = AF_INET;
+      a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+      socklen_t len = sizeof(a);
+      if (fd < 0 || ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0 ||
+          ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) != 0) {
+        if (fd >= 0) ::close(fd);
+        return internal_error("sharded client: no free port on 127.0.0.1");
+      }
+      where.port = ntohs(a.sin_port);
+      ::close(fd);
+    }
+    const std::string logs =
+        (std::filesystem::temp_directory_path() / fmt::format("memfl-shard-{}-{}-rank", ::getpid(), where.port))
+            .string();
+    for (int rank = 1; rank < world; ++rank) {
+      ::setenv("MEMFL_RANK", std::to_string(rank).c_str(), 1);
+      ::setenv("MEMFL_LOCAL_RANK", std::to_string(rank).c_str(), 1);
+      ::setenv("MEMFL_WORLD_SIZE", std::to_string(world).c_str(), 1);
+      ::setenv("MEMFL_MASTER_PORT", std::to_string(where.port).c_str(), 1);
+      ::setenv("MEMFL_SHARD_DEVICE", cfg.train.device.c_str(), 1);
+      auto pid = spawn_process({self_executable(), "shard-rank"}, {.log_path = logs + std::to_string(rank) + ".log"});
+      for (const char* v :
+           {"MEMFL_RANK", "MEMFL_LOCAL_RANK", "MEMFL_WORLD_SIZE", "MEMFL_MASTER_PORT", "MEMFL_SHARD_DEVICE"}) {
+        ::unsetenv(v);
+      }
+      if (!pid.ok()) return pid.status();
+      r->workers_.push_back(*pid);
+      r->logs_.push_back(logs + std::to_string(rank) + ".log");
+    }
+    torch::set_num_threads(threads_per_rank(cfg));
+    MEMFL_ASSIGN_OR_RETURN(r->group_, sharded::ShardGroup::create(where, r->dev_));
+    r->group_->store_set("memfl/config", cfg.resolved_yaml);
+    r->group_->store_set("memfl/seed", std::to_string(seed));
+    MEMFL_ASSIGN_OR_RETURN(r->model_, build_sharded_cnn(r->group_.get(), cfg, input, seed, r->dev_));
+    return std::unique_ptr<ModelReplica>(std::move(r));
+  }
+
+  ~ShardedReplica() override {
+    if (group_) {
+      ShardedCommand c;
+      c.op = "exit";
+      post(c);
+    }
+    // A rank's log is kept only when it did not end cleanly.
+    for (size_t i = 0; i < workers_.size(); ++i) {
+      int status = 0;
+      ::waitpid(workers_[i], &status, 0);
+      std::error_code ec;
+      if (WIFEXITED(status) && WEXITSTATUS(status) == 0) std::filesystem::remove(logs_[i], ec);
+    }
+  }
+
+  const Layout& layout() const override { return host_->layout(); }
+  Arena& arena() override { return host_->arena(); }
+
+  StatusOr<TrainResult> train(const ImageDataset& data, std::span<const uint32_t> train_idx,
+                              std::span<const uint32_t> val_idx, const TrainConfig& cfg, uint64_t seed) override {
+    if (cfg.mu > 0) return invalid_argument("client_configs.train_configs.num_gpus > 1 does not run FedProx (mu)");
+    ShardedCommand c;
+    c.op = "train";
+    c.seed = seed;
+    c.mode = cfg.mode;
+    c.steps = cfg.num_local_steps;
+    c.epochs = cfg.num_local_epochs;
+    c.train_idx.assign(train_idx.begin(), train_idx.end());
+    c.batch_size = cfg.train_batch_size;
+    c.dataset_size = static_cast<int64_t>(data.labels.size());
+    post(c);
+    try {
+      load();
+      TrainResult r = sharded_train(*model_, *group_, data, c, cfg, dev_);
+      store();
+      if (cfg.do_validation && !val_idx.empty()) {
+        MEMFL_ASSIGN_OR_RETURN(EvalResult v, evaluate(data, val_idx, cfg.val_batch_size));
+        r.val_loss = v.loss;
+        r.val_accuracy = v.accuracy;
+        r.has_validation = true;
+      }
+      return r;
+    } catch (const std::exception& e) {
+      return internal_error("sharded training failed: {}", e.what());
+    }
+  }
+
+  StatusOr<EvalResult> evaluate(const ImageDataset& data, std::span<const uint32_t> idx, int batch_size) override {
+    ShardedCommand c;
+    c.op = "eval";
+    c.val_idx.assign(idx.begin(), idx.end());
+    c.batch_size = batch_size;
+    c.dataset_size = static_cast<int64_t>(data.labels.size());
+    post(c);
+    try {
+      load();
+      return sharded_eval(*model_, *group_, data, idx, batch_size, dev_);
+    } catch (const std::exception& e) {
+      return internal_error("sharded evaluation failed: {}", e.what());
+    }
+  }
+
+ private:
+  ShardedReplica() = default;
+  void post(const ShardedCommand& c) { group_->store_set(fmt::format("memfl/cmd/{}", commands_++), to_text(c)); }
+  torch::Tensor host_view(const std::string& name) {
+    const LayoutEntry& e = host_->layout().entries()[index_.at(name)];
+    return torch::from_blob(host_->arena().data() + e.offset, e.shape, torch::kFloat32);
+  }
+  void load() {
+    model_->load_from_rank0([&](const std::string& name, torch::Tensor dst) { dst.copy_(host_view(name)); });
+  }
+  void store() {
+    model_->store_to_rank0([&](const std::string& name, const torch::Tensor& src) { host_view(name).copy_(src); });
+  }
+
+  std::unique_ptr<ModelReplica> host_;  // the arena (and a CPU model bound to it, used for its layout)
+  ExperimentConfig cfg_;
+  torch::Device dev_{torch::kCPU};
+  std::map<std::string, size_t> index_;
+  std::vector<pid_t> workers_;
+  std::vector<std::string> logs_;
+  std::unique_ptr<sharded::ShardGroup> group_;
+  std::unique_ptr<sharded::ShardedModel> model_;
+  int64_t commands_ = 0;
+};
+
+Status shard_rank_main() {
+  MEMFL_ASSIGN_OR_RETURN(auto where, sharded::rendezvous_from_env());
+  if (!where) return failed_precondition("shard-rank: no MEMFL_RANK in the environment (rank 0 starts this command)");
+  const char* d = std::getenv("MEMFL_SHARD_DEVICE");
+  const torch::Device dev = rank_device(d != nullptr ? d : "cpu", where->local_rank);
+  MEMFL_ASSIGN_OR_RETURN(auto group, sharded::ShardGroup::create(*where, dev));
+  const auto wait = std::chrono::milliseconds(std::chrono::hours(24 * 7));
+  MEMFL_ASSIGN_OR_RETURN(std::string yaml, group->store_get("memfl/config", wait));
+  MEMFL_ASSIGN_OR_RETURN(std::string seed_text, group->store_get("memfl/seed", wait));
+  MEMFL_ASSIGN_OR_RETURN(ExperimentConfig cfg, load_config_text(yaml, "rank 0's resolved config"));
+  torch::set_num_threads(threads_per_rank(cfg));
+  MEMFL_ASSIGN_OR_RETURN(DatasetSplits data, load_data(cfg));
+  MEMFL_ASSIGN_OR_RETURN(InputSpec input, input_spec(cfg, data.train));
+  const uint64_t seed = std::stoull(seed_text);
+  MEMFL_ASSIGN_OR_RETURN(auto model, build_sharded_cnn(group.get(), cfg, input, seed, dev));
+  for (int64_t k = 0;; ++k) {
+    MEMFL_ASSIGN_OR_RETURN(std::string text, group->store_get(fmt::format("memfl/cmd/{}", k), wait));
+    const ShardedCommand c = from_text(text);
+    if (c.op == "exit") return Status();
+    const ImageDataset* split = nullptr;
+    for (const ImageDataset* d : {&data.train, &data.test}) {
+      if (static_cast<int64_t>(d->labels.size()) == c.dataset_size) split = d;
+    }
+    if (split == nullptr) {
+      return failed_precondition("shard-rank {}: rank 0 trains on a data set of {} samples; here train has {}, test {}",
+                                 where->rank, c.dataset_size, data.train.labels.size(), data.test.labels.size());
+    }
+    model->load_from_rank0([](const std::string&, torch::Tensor) {});
+    if (c.op == "train") {
+      TrainConfig tc = cfg.train;
+      tc.mode = c.mode;
+      tc.num_local_steps = static_cast<int>(c.steps);
+      tc.num_local_epochs = static_cast<int>(c.epochs);
+      tc.train_batch_size = c.batch_size;
+      sharded_train(*model, *group, *split, c, tc, dev);
+      model->store_to_rank0([](const std::string&, const torch::Tensor&) {});
+      // (rank 0 validates through evaluate(), which posts its own command)
+    } else if (c.op == "eval") {
+      sharded_eval(*model, *group, *split, c.val_idx, c.batch_size, dev);
+    }
+  }
+}
+
 class TorchBackend final : public TrainerBackend {
  public:
   std::vector<std::string> model_names() const override {
@@ -378,6 +750,34 @@ class TorchBackend final : public TrainerBackend {
       return std::unique_ptr<ModelReplica>(std::make_unique<TorchReplica>(std::move(net), std::move(bound), dev));
     } catch (const std::exception& e) {
       return internal_error("building model {} failed in libtorch: {}", model.model_name, e.what());
+    }
+  }
+
+  StatusOr<std::unique_ptr<ModelReplica>> create_sharded_replica(const ExperimentConfig& cfg, const InputSpec& input,
+                                                                 uint64_t seed) override {
+    if (cfg.model.model_name != "CNN_GN") {
+      return invalid_argument(
+          "{}: client_configs.train_configs.num_gpus is {}: sharding a client's model needs model_name CNN_GN (the "
+          "model cut into units), not {}",
+          cfg.source, cfg.train.num_gpus, cfg.model.model_name);
+    }
+    if (cfg.train.device == "cuda" && static_cast<int>(torch::cuda::device_count()) < cfg.train.num_gpus) {
+      return failed_precondition("{}: client_configs.train_configs.num_gpus is {} but libtorch sees {} GPU(s)",
+                                 cfg.source, cfg.train.num_gpus, torch::cuda::device_count());
+    }
+    try {
+      MEMFL_ASSIGN_OR_RETURN(auto host, create_replica(cfg.model, input, "cpu", seed));
+      return ShardedReplica::create(std::move(host), cfg, input, seed);
+    } catch (const std::exception& e) {
+      return internal_error("sharded client failed in libtorch: {}", e.what());
+    }
+  }
+
+  Status run_shard_rank() override {
+    try {
+      return shard_rank_main();
+    } catch (const std::exception& e) {
+      return internal_error("shard-rank failed: {}", e.what());
     }
   }
 

@@ -103,6 +103,17 @@ class TrainerBackend {
   // peak_memory_bytes, avg_iteration_ms, warmup/timed iterations, device,
   // config. Peak memory: the CUDA caching allocator on GPU, the RSS sampler
   // on CPU; time: CUDA events on GPU.
+  // A client whose model is sharded over cfg.train.num_gpus ranks (issue
+  // #16): this process is rank 0 and starts the others (`memfl shard-rank`);
+  // the replica's arena is the whole model, read into the shards before each
+  // turn and written back after it, one unit at a time.
+  virtual StatusOr<std::unique_ptr<ModelReplica>> create_sharded_replica(const ExperimentConfig& cfg,
+                                                                         const InputSpec& input, uint64_t seed) {
+    (void)cfg, (void)input, (void)seed;
+    return failed_precondition("this trainer plugin cannot shard a model");
+  }
+  // `memfl shard-rank`: a rank > 0 of a sharded client, until rank 0 ends it.
+  virtual Status run_shard_rank() { return failed_precondition("this trainer plugin cannot shard a model"); }
   virtual StatusOr<std::vector<std::string>> bench_dp(const DpBenchOptions& options) {
     (void)options;
     return failed_precondition("this trainer plugin has no DP benchmark");
