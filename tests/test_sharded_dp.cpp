@@ -438,6 +438,21 @@ TEST(ShardedDp, AFederatedClientShardedOverRanksTrainsAsAnUnshardedOne) {
   EXPECT_EQ(read_csv(tmp.file("n2/privacy.csv")), read_csv(tmp.file("n3/privacy.csv")));
 }
 
+// The same client as real processes over gRPC: each client process starts
+// its own second rank.
+TEST(ShardedDp, ShardedClientsTrainOverGrpc) {
+  memfl::testing::TempDir tmp;
+  Result r = memfl_cli("launch " + kFlArgs +
+                       " --clients 2 --set client_configs.train_configs.dp.noise_multiplier=0"
+                       " --set client_configs.train_configs.num_gpus=2 --out " +
+                       tmp.file("g"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const auto rows = read_csv(tmp.file("g/server/metrics.csv"));
+  ASSERT_EQ(rows.size(), 3u);
+  EXPECT_EQ(rows[2][1], "2");             // both clients in the last round
+  EXPECT_GT(std::stod(rows[2][7]), 0.2);  // test accuracy above chance (0.1)
+}
+
 TEST(ShardedDp, ShardingAModelThatIsNotCutIntoUnitsIsRefusedNamingTheKey) {
   memfl::testing::TempDir tmp;
   Result r =

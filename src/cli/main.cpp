@@ -303,6 +303,8 @@ int main(int argc, char** argv) {
   bench_dp->add_flag("--sharded", dpb.sharded,
                      "shard the model even on one rank (the 1-GPU figure of a sharded sweep)");
   bench_dp->add_option("--optimizer", dpb.optimizer, "sgd | adam (sharded runs)")->capture_default_str();
+  bench_dp->add_option("--noise-multiplier", dpb.noise_multiplier, "sigma: noise std / max_grad_norm (0: no noise)")
+      ->capture_default_str();
   bench_dp->add_option("--dtype", dpb.dtype, "float32 | bfloat16 parameters (sharded runs)")->capture_default_str();
 #ifdef MEMFL_HAVE_GRPC
   int client_id = -1, num_clients = 0;
