@@ -61,6 +61,10 @@ bench: build
 	  --target 0.6,0.7,0.8 --out $(BUILD)/compare_algorithms
 	bash bench/netem.sh $(BUILD) 64 6 > $(BUILD)/bench_netem.jsonl
 	./$(BUILD)/memfl bench dp --model llama-dp-tiny --seq 64,128 --batch 2 --json $(BUILD)/bench_dp.json
+	./$(BUILD)/memfl bench dp --model llama-dp-tiny --seq 64,128 --batch 2 --optimizer adam --gpus 1 --sharded \
+	  --json $(BUILD)/bench_dp_sharded_1rank.json
+	./$(BUILD)/memfl bench dp --model llama-dp-tiny --seq 64,128 --batch 2 --optimizer adam --gpus 2 \
+	  --json $(BUILD)/bench_dp_sharded_2ranks.json
 	@echo "wrote $(BUILD)/bench.json (aggregation micro-benchmarks), $(BUILD)/bench_memory.json (in-process peak RSS vs model size and clients), $(BUILD)/bench_transfer.json (gRPC sweep)"
 
 # What memfl saves, in one command: ResNet18 on synthetic CIFAR-10, server +

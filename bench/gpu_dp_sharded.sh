@@ -4,7 +4,7 @@
 # per rank, Adam, for each model × parameter dtype × number of GPUs. One
 # dp_sweep JSON, CSV and HTML page per (model, dtype, GPUs) under OUT_DIR.
 # 1 GPU runs the same sharded code on one rank (--sharded --gpus 1).
-# Usage: bench/gpu_dp_sharded.sh BUILD_DIR OUT_DIR [MODELS] [DTYPES] [GPUS]
+# Usage: [ITERS=3 WARMUP=1 SEQS=… MODES=…] bench/gpu_dp_sharded.sh BUILD_DIR OUT_DIR [MODELS] [DTYPES] [GPUS]
 set -uo pipefail
 BUILD=${1:-build-gpu}
 OUT=${2:-runs/gpu_dp_sharded}
@@ -22,7 +22,7 @@ for model in ${MODELS//,/ }; do
       [ "$g" = 1 ] && ranks="--gpus 1 --sharded"
       echo "== $name"
       timeout "${RUN_TIMEOUT:-400}" "$BUILD/memfl" bench dp --model "$model" --seq "$SEQS" --batch 2 --modes "$MODES" \
-        --warmup 1 --iters 3 --device cuda --optimizer adam --dtype "$dtype" $ranks \
+        --warmup "${WARMUP:-1}" --iters "${ITERS:-3}" --device cuda --optimizer adam --dtype "$dtype" $ranks \
         --json "$OUT/$name.json" --report "$OUT/$name" 2>&1 | tee "$OUT/$name.txt"
     done
   done
