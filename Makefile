@@ -8,7 +8,7 @@ CMAKE_FLAGS ?=
 export CCACHE_SLOPPINESS = pch_defines,time_macros,include_file_mtime,include_file_ctime
 export CCACHE_DIR ?= $(HOME)/.cache/ccache
 
-.PHONY: deps configure build demo test test-unit test-asan bench fuzz profile-demo format clean
+.PHONY: deps configure build python demo test test-unit test-asan bench fuzz profile-demo format clean
 
 # Debian packages, then the report's front-end libraries (pinned in
 # report-assets/package-lock.json; inlined into memfl at build time).
@@ -25,6 +25,10 @@ configure: deps $(BUILD)/build.ninja
 
 build: configure
 	cmake --build $(BUILD) -j $(JOBS)
+
+# `import memfl`: the Python client, into build/python (PYTHONPATH=build/python).
+python: configure
+	cmake --build $(BUILD) -j $(JOBS) --target memfl_python
 
 # The main job on its embedded default: FedAvg, 10 clients, Fashion-MNIST, CNN.
 demo: build

@@ -19,6 +19,8 @@ PACKAGES=(
   libunwind-dev           # allocation-site stacks (profiler)
   zlib1g-dev              # reading the gzipped Fashion-MNIST IDX files
   libgtest-dev libgmock-dev libbenchmark-dev   # tests and micro-benchmarks
+  pybind11-dev python3-dev  # `import memfl`: the Python client (make python)
+  python3-torch python3-pytest  # the Python client's tests and examples/ (PyTorch models)
   dataset-fashion-mnist   # the default experiment's data set
   openssl                 # self-signed pairs for the TLS tests
   chromium                # the browser test of the HTML reports (headless)

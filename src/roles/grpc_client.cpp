@@ -13,6 +13,7 @@
 #include <nlohmann/json.hpp>
 #include <spdlog/spdlog.h>
 
+#include "comm/grpc/client_session.h"
 #include "comm/grpc/wire.h"
 #include "memory/sampler.h"
 #include "client/client_work.h"
@@ -26,27 +27,12 @@ void tune_malloc_for_streaming();
 
 namespace {
 
-using Stream = grpc::ClientReaderWriter<Frame, Frame>;
-
-Status read_server_message(Stream& stream, const std::string& peer, DecodedFrame* d, wire::ServerMessage* msg) {
-  Frame frame;
-  if (!stream.Read(&frame)) return Status(StatusCode::kUnavailable, fmt::format("server {} closed the stream", peer));
-  MEMFL_RETURN_IF_ERROR(decode_frame(frame, kServerChunkField, peer, d, msg));
-  if (!d->is_chunk && msg->has_error()) return failed_precondition("server {}: {}", peer, msg->error().message());
-  return Status::Ok();
-}
+using Stream = ClientStream;
 
 Status write(Stream& stream, const google::protobuf::MessageLite& msg, const std::string& peer) {
-  if (!stream.Write(encode_message(msg))) {
-    return Status(StatusCode::kUnavailable, fmt::format("server {} closed the stream", peer));
-  }
-  return Status::Ok();
+  return write_client_message(stream, msg, peer);
 }
 
-std::string read_file(const std::string& path) {
-  std::ifstream in(path);
-  return {std::istreambuf_iterator<char>(in), {}};
-}
 
 }  // namespace
 
@@ -75,31 +61,8 @@ Status run_grpc_client(const ExperimentConfig& local, int client_id, const RoleO
 
   const auto& lc = local.server;
   const std::string peer = lc.server_uri;
-  std::shared_ptr<grpc::ChannelCredentials> creds = grpc::InsecureChannelCredentials();
-  if (lc.use_ssl) {
-    grpc::SslCredentialsOptions ssl;
-    ssl.pem_root_certs = read_file(lc.root_cert);
-    if (ssl.pem_root_certs.empty()) {
-      return not_found("server_configs.comm_configs.grpc_configs.root_cert: cannot read {}", lc.root_cert);
-    }
-    creds = grpc::SslCredentials(ssl);
-  }
-  grpc::ChannelArguments args;
-  // Messages are at most one transfer chunk, whatever model_chunk_size says
-  // (the server's may differ from this local config): limits and the flow
-  // control window follow that bound.
-  const int64_t wire_chunk = static_cast<int64_t>(kMaxTransferChunk);
-  const int limit = max_message_bytes(wire_chunk, lc.max_message_size);
-  args.SetMaxReceiveMessageSize(limit);
-  args.SetMaxSendMessageSize(limit);
-  args.SetInt(GRPC_ARG_HTTP2_BDP_PROBE, 0);  // see the server: flow control is the backpressure
-  args.SetInt(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, stream_window_bytes(wire_chunk));
-  auto channel = grpc::CreateCustomChannel(lc.server_uri, creds, args);
-  if (!channel->WaitForConnected(std::chrono::system_clock::now() + std::chrono::seconds(lc.connect_timeout_s))) {
-    return Status(StatusCode::kUnavailable,
-                  fmt::format("cannot connect to server {} within {} s{}", peer, lc.connect_timeout_s,
-                              lc.use_ssl ? " (TLS: does root_cert sign the server's certificate?)" : ""));
-  }
+  MEMFL_ASSIGN_OR_RETURN(auto channel, make_client_channel(lc.server_uri, lc.use_ssl, lc.root_cert,
+                                                            lc.max_message_size, lc.connect_timeout_s));
   std::unique_ptr<grpc::ClientContext> ctx;
   std::unique_ptr<Stream> stream;
   DecodedFrame d;

@@ -6,6 +6,8 @@
 // turn to fold has not come, so no client waits for another.
 #include "comm/grpc/server_transport.h"
 
+#include <nlohmann/json.hpp>
+
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -477,6 +479,15 @@ grpc::Status ServerAgent::session(grpc::ServerContext* ctx, grpc::ServerReaderWr
       if (msg.custom_action().action() == "get_round") {
         std::lock_guard lock(mu_);
         r.mutable_custom_action_reply()->set_payload(std::to_string(round_));
+      } else if (msg.custom_action().action() == "get_layout") {
+        // Names, dtypes and shapes in arena order: a client that brings its
+        // own tensors (the Python client) checks them against this, and the
+        // layout it rebuilds must hash to what ModelBegin says.
+        nlohmann::json entries = nlohmann::json::array();
+        for (const auto& e : layout_.entries()) {
+          entries.push_back({{"name", e.name}, {"dtype", std::string(dtype_name(e.dtype))}, {"shape", e.shape}});
+        }
+        r.mutable_custom_action_reply()->set_payload(entries.dump());
       } else {
         r.mutable_error()->set_message("unknown custom action '" + msg.custom_action().action() + "'");
       }

@@ -1,0 +1,112 @@
+"""The Python client (`import memfl`, python/memfl_module.cpp) against a real
+`memfl server`: one Python client (examples/pytorch_client.py, a PyTorch CNN)
+and two C++ clients train Fashion-MNIST federatedly; a state_dict that is not
+the server's model is refused by name before a byte moves."""
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import memfl
+
+BIN = os.environ["MEMFL_BINARY"]
+SRC = os.environ["MEMFL_SOURCE_DIR"]
+sys.path.insert(0, os.path.join(SRC, "examples"))
+from pytorch_client import CNN  # noqa: E402
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def write_config(path, port, rounds=3, steps=60):
+    text = open(os.path.join(SRC, "configs/fedavg_fmnist_cnn.yaml")).read()
+    text = text.replace("127.0.0.1:50051", f"127.0.0.1:{port}")
+    text = text.replace("num_clients: 10", "num_clients: 3").replace("num_global_epochs: 5", f"num_global_epochs: {rounds}")
+    text = text.replace("mode: epoch", "mode: step\n    num_local_steps: %d" % steps)
+    text = text.replace("do_validation: true", "do_validation: false")
+    path.write_text(text)
+    return str(path)
+
+
+def final_accuracy(metrics_csv):
+    rows = [l.strip().split(",") for l in open(metrics_csv) if l.strip()]
+    header, last = rows[0], rows[-1]
+    return int(last[header.index("clients")]), float(last[header.index("test_accuracy")]), len(rows) - 1
+
+
+def test_a_python_client_and_two_cpp_clients_train_as_three_cpp_clients(tmp_path):
+    port = free_port()
+    cfg = write_config(tmp_path / "c.yaml", port)
+    common = ["--set", "client_configs.data_configs.dataset_kwargs.max_test_samples=2000"]
+    server = subprocess.Popen([BIN, "server", cfg, "-q", "--out", str(tmp_path / "server")] + common)
+    cpp = [subprocess.Popen([BIN, "client", cfg, "--client-id", str(i), "-q", "--out", str(tmp_path / f"c{i}")])
+           for i in (1, 2)]
+    py = subprocess.run([sys.executable, os.path.join(SRC, "examples/pytorch_client.py"), "--server",
+                         f"127.0.0.1:{port}", "--client-id", "0", "--num-clients", "3", "--steps", "60",
+                         "--json", str(tmp_path / "py.json")], capture_output=True, text=True, timeout=600)
+    assert py.returncode == 0, py.stdout + py.stderr
+    for p in cpp:
+        assert p.wait(timeout=300) == 0
+    assert server.wait(timeout=300) == 0
+    clients, acc_mixed, rounds = final_accuracy(tmp_path / "server/metrics.csv")
+    assert (clients, rounds) == (3, 3)
+    # The same experiment with three C++ clients.
+    port2 = free_port()
+    cfg2 = write_config(tmp_path / "c2.yaml", port2)
+    r = subprocess.run([BIN, "launch", cfg2, "--clients", "3", "-q", "--out", str(tmp_path / "cpp3")] + common,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    _, acc_cpp, _ = final_accuracy(tmp_path / "cpp3/server/metrics.csv")
+    assert acc_cpp > 0.7 and acc_mixed > 0.7
+    assert abs(acc_mixed - acc_cpp) < 0.05, (acc_mixed, acc_cpp)
+    # The Python client held the model once plus chunks: its peak above its
+    # baseline (interpreter, torch, data) is a few models at most here, not
+    # a copy per transfer.
+    rec = json.load(open(tmp_path / "py.json"))
+    assert len(rec["rounds"]) == 3
+    assert rec["peak_rss_bytes"] - rec["baseline_rss_bytes"] < 64 * rec["model_bytes"] + (64 << 20)
+
+
+def test_a_state_dict_that_is_not_the_servers_model_is_refused_by_name(tmp_path):
+    port = free_port()
+    cfg = write_config(tmp_path / "c.yaml", port, rounds=1)
+    server = subprocess.Popen([BIN, "server", cfg, "-q", "--out", str(tmp_path / "server"), "--set",
+                               "server_configs.num_clients=1"])
+    try:
+        client = memfl.Client(f"127.0.0.1:{port}", client_id="0")
+        names = [n for n, _, _ in client.layout]
+        assert names == list(CNN().state_dict().keys())
+        assert client.next_round() == 1
+        sd = CNN().state_dict()
+        wrong = dict(sd)
+        wrong["fc2.weight"] = torch.zeros(5, 512)
+        with pytest.raises(ValueError, match=r"fc2\.weight.*\[5, 512\].*\[10, 512\]"):
+            client.receive(wrong)
+        missing = {k: v for k, v in sd.items() if k != "conv2.bias"}
+        with pytest.raises(ValueError, match=r"no tensor 'conv2\.bias'"):
+            client.receive(missing)
+        extra = dict(sd)
+        extra["head.weight"] = torch.zeros(2)
+        with pytest.raises(ValueError, match=r"'head\.weight' is not in the server's model"):
+            client.receive(extra)
+        as_double = {k: v.double() for k, v in sd.items()}
+        with pytest.raises(ValueError, match=r"is torch\.float64; the server's model has f32"):
+            client.receive(as_double)
+        # Nothing was lost: the right tensors still receive the model, which is the server's.
+        before = sd["fc1.weight"].clone()
+        client.receive(sd)
+        assert not torch.equal(before, sd["fc1.weight"])
+        client.send(sd, num_samples=10.0, metrics={"train_loss": 1.0})
+        assert client.next_round() == -1
+        client.close()
+        assert server.wait(timeout=120) == 0
+    finally:
+        if server.poll() is None:
+            server.kill()
