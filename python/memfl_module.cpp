@@ -40,9 +40,9 @@ using memfl::TensorBuffer;
 
 // torch dtypes (str(t.dtype)) and NumPy format characters → memfl's names.
 std::string torch_dtype(const std::string& d) {
-  static const std::map<std::string, std::string> names = {
-      {"torch.float32", "f32"}, {"torch.bfloat16", "bf16"}, {"torch.float16", "f16"},
-      {"torch.int64", "i64"},   {"torch.int32", "i32"},     {"torch.uint8", "u8"}};
+  static const std::map<std::string, std::string> names = {{"torch.float32", "f32"}, {"torch.bfloat16", "bf16"},
+                                                           {"torch.float16", "f16"}, {"torch.int64", "i64"},
+                                                           {"torch.int32", "i32"},   {"torch.uint8", "u8"}};
   auto it = names.find(d);
   return it == names.end() ? d : it->second;
 }

@@ -6,11 +6,14 @@
 #include <torch/script.h>
 #include <torch/torch.h>
 
+#include <cmath>
 #include <fstream>
+#include <map>
 #include <set>
 
 #include "cli_util.h"
 #include "tensor/safetensors.h"
+#include "train/trainer_backend.h"
 #include "test_util.h"
 
 namespace memfl {
@@ -116,6 +119,89 @@ TEST(TorchScript, TrainsAsRanksOfAnMpiJob) {
   EXPECT_GT(std::stod(metrics[2][7]), 0.3);
 }
 #endif
+
+// DP-SGD on a TorchScript model takes the naive route: one backward per
+// sample. One step on 4 samples (q = 1), C small enough to clip every
+// sample, σ = 0, SGD lr 1: the new weights are the old minus the mean of the
+// clipped per-sample gradients, which the test computes itself with plain
+// autograd on a second copy of the script, one sample at a time.
+TEST(TorchScript, NaiveDpClipsEachSampleAsPerSampleAutogradWould) {
+  TempDir tmp;
+  const std::string path = tmp.file("mlp.pt");
+  save_script_mlp(path);
+  TrainerBackend* backend = memfl_trainer_backend();
+  ModelConfig mc;
+  mc.model_name = "TorchScript";
+  mc.torchscript_path = path;
+  InputSpec in{1, 28, 28, 10};
+  auto replica = backend->create_replica(mc, in, "cpu", 1);
+  ASSERT_TRUE(replica.ok()) << replica.status().to_string();
+  ImageDataset d;
+  d.channels = 1, d.height = 28, d.width = 28, d.num_classes = 10, d.mean = 0.25f, d.std = 0.5f;
+  torch::manual_seed(5);
+  auto px = torch::randint(0, 256, {4 * 784}, torch::kInt64);
+  for (int64_t i = 0; i < px.numel(); ++i) d.pixels.push_back(static_cast<uint8_t>(px[i].item<int64_t>()));
+  d.labels = {3, 7, 1, 3};
+  TrainConfig tc;
+  tc.mode = "step";
+  tc.num_local_steps = 1;
+  tc.train_batch_size = 4;
+  tc.do_validation = false;
+  tc.optim.optim = "SGD";
+  tc.optim.lr = 1.0;
+  tc.optim.momentum = 0;
+  tc.dp.enabled = true;
+  tc.dp.clipping = "naive";
+  tc.dp.max_grad_norm = 0.01;
+  tc.dp.noise_multiplier = 0;
+  auto weights = [&](const std::string& name) {
+    const auto* e = (*replica)->layout().find(name);
+    return torch::from_blob((*replica)->arena().data() + e->offset, e->shape, torch::kFloat32).clone();
+  };
+  const std::vector<std::string> names = {"fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"};
+  std::map<std::string, torch::Tensor> before;
+  for (const auto& n : names) before[n] = weights(n);
+  const std::vector<uint32_t> idx = {0, 1, 2, 3};
+  auto r = (*replica)->train(d, idx, {}, tc, 9);
+  ASSERT_TRUE(r.ok()) << r.status().to_string();
+  EXPECT_EQ(r->dp_steps, 1);
+  // The reference: the same script, the same starting weights, autograd per sample.
+  torch::jit::Module ref = torch::jit::load(path);
+  std::map<std::string, torch::Tensor> sum;
+  for (int i = 0; i < 4; ++i) {
+    for (auto p : ref.named_parameters()) p.value.mutable_grad() = torch::Tensor();
+    auto x = torch::from_blob(d.pixels.data() + i * 784, {1, 1, 28, 28}, torch::kUInt8).to(torch::kFloat32);
+    x = x / (255.0 * d.std) - d.mean / d.std;
+    auto logits = ref.forward({x}).toTensor();
+    torch::nn::functional::cross_entropy(logits, torch::tensor({static_cast<int64_t>(d.labels[i])}),
+                                         torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum))
+        .backward();
+    double sq = 0;
+    for (auto p : ref.named_parameters()) sq += p.value.grad().pow(2).sum().item<double>();
+    const double clip = std::min(1.0, 0.01 / (std::sqrt(sq) + 1e-6));
+    EXPECT_LT(clip, 1.0);  // every sample is clipped
+    for (auto p : ref.named_parameters()) {
+      auto g = p.value.grad() * clip;
+      sum[p.name] = sum.count(p.name) ? sum[p.name] + g : g;
+    }
+  }
+  for (const auto& n : names) {
+    auto want = before[n] - sum[n] / 4.0;
+    EXPECT_LE((weights(n) - want).abs().max().item<double>(), 1e-7) << n;
+    EXPECT_GT((weights(n) - before[n]).abs().max().item<double>(), 1e-5) << n;  // it moved
+  }
+}
+
+TEST(TorchScript, GhostOrFusedClippingOnAScriptIsRefusedNamingTheKey) {
+  TempDir tmp;
+  save_script_mlp(tmp.file("mlp.pt"));
+  std::ofstream(tmp.file("c.yaml")) << script_config(tmp.file("mlp.pt"), 300, 100, "  num_clients: 1\n");
+  Result r = memfl_cli("run " + tmp.file("c.yaml") + " -q --set client_configs.train_configs.dp.enabled=true --out " +
+                       tmp.file("run"));
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.output.find("client_configs.train_configs.dp.clipping: fused"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("clipping: naive"), std::string::npos) << r.output;
+}
 
 TEST(TorchScript, AMissingOrBadFileIsNamed) {
   TempDir tmp;

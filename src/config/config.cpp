@@ -1019,7 +1019,14 @@ Status cross_checks(const ExperimentConfig& c, const std::string& source) {
         "client_weights_mode: equal — its noise is calibrated to a mean of equally weighted updates",
         source);
   }
-  if (c.train.dp.enabled && c.model.model_name != "CNN_GN") {
+  if (c.train.dp.enabled && c.model.model_name == "TorchScript" && c.train.dp.clipping != "naive") {
+    return invalid_argument(
+        "{}: 'client_configs.train_configs.dp.clipping: {}' needs memfl's DP layers (their per-sample norms come "
+        "from each layer's input and output gradient); a TorchScript model takes 'clipping: naive' (one backward per "
+        "sample)",
+        source, c.train.dp.clipping);
+  }
+  if (c.train.dp.enabled && c.model.model_name != "CNN_GN" && c.model.model_name != "TorchScript") {
     return invalid_argument(
         "{}: 'client_configs.train_configs.dp.enabled' needs a model built from DP layers; model '{}' is not one "
         "(use CNN_GN: the CNN with GroupNorm, since BatchNorm mixes samples and DP cannot use it)",

@@ -33,7 +33,6 @@ Status write(Stream& stream, const google::protobuf::MessageLite& msg, const std
   return write_client_message(stream, msg, peer);
 }
 
-
 }  // namespace
 
 // Fault injection for the integration tests: MEMFL_FAULT=<kind> makes client
@@ -61,8 +60,8 @@ Status run_grpc_client(const ExperimentConfig& local, int client_id, const RoleO
 
   const auto& lc = local.server;
   const std::string peer = lc.server_uri;
-  MEMFL_ASSIGN_OR_RETURN(auto channel, make_client_channel(lc.server_uri, lc.use_ssl, lc.root_cert,
-                                                            lc.max_message_size, lc.connect_timeout_s));
+  MEMFL_ASSIGN_OR_RETURN(auto channel, make_client_channel(lc.server_uri, lc.use_ssl, lc.root_cert, lc.max_message_size,
+                                                           lc.connect_timeout_s));
   std::unique_ptr<grpc::ClientContext> ctx;
   std::unique_ptr<Stream> stream;
   DecodedFrame d;

@@ -124,6 +124,7 @@ struct ScriptNet final : Net {
     }
   }
   torch::Tensor forward(torch::Tensor x) override { return script.forward({x}).toTensor(); }
+  bool is_torchscript() const override { return true; }
   void train(bool on) override {
     script.train(on);
     Net::train(on);

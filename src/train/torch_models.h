@@ -17,6 +17,9 @@ struct Net : torch::nn::Module {
   // Language models take token ids [B, T] and return logits [B, T, vocab];
   // they are trained on next-token loss.
   virtual bool is_language_model() const { return false; }
+  // A user's TorchScript module: no DP layers, so DP-SGD takes the naive
+  // route (one backward per sample).
+  virtual bool is_torchscript() const { return false; }
   // The tensors the arena holds, with the names a checkpoint gives them:
   // parameters, then buffers (a TorchScript module keeps its own names).
   virtual std::vector<std::pair<std::string, torch::Tensor>> named_tensors() {

@@ -251,6 +251,7 @@ class TorchReplica final : public ModelReplica {
   // of batches an epoch would have. The accountant composes (σ, q, steps).
   TrainResult train_dp(const ImageDataset& data, std::span<const uint32_t> train_idx, std::span<const uint32_t> val_idx,
                        const TrainConfig& cfg, uint64_t seed, torch::optim::Optimizer& opt) {
+    if (net_->is_torchscript()) return train_dp_per_sample(data, train_idx, val_idx, cfg, seed, opt);
     dp::DpOptions o;
     o.mode = dp::parse_clip_mode(cfg.dp.clipping).value_or(dp::ClipMode::kFused);
     o.max_grad_norm = cfg.dp.max_grad_norm;
@@ -291,6 +292,87 @@ class TorchReplica final : public ModelReplica {
       r.num_steps++;
     }
     dpsgd.reset();  // the layers run as plain layers again (evaluation)
+    if (r.num_samples > 0) {
+      r.train_loss = loss_sum / static_cast<double>(r.num_samples);
+      r.train_accuracy = correct / static_cast<double>(r.num_samples);
+    }
+    r.dp_steps = r.num_steps;
+    r.dp_sample_rate = q;
+    for (auto& p : net_->parameters()) p.mutable_grad() = torch::Tensor();
+    return finish_turn(std::move(r), data, val_idx, cfg);
+  }
+
+  // DP-SGD on a model without DP layers (a user's TorchScript module): the
+  // naive route, one forward and backward per sample, each sample's gradient
+  // clipped to C and added up; then noise N(0, σ²C²) per coordinate and the
+  // division by the expected batch, as DpSgd does. Poisson batches and the
+  // accountant's (σ, q, steps) are the same. A module with BatchNorm is
+  // refused: its statistics mix samples, so no per-sample bound holds.
+  TrainResult train_dp_per_sample(const ImageDataset& data, std::span<const uint32_t> train_idx,
+                                  std::span<const uint32_t> val_idx, const TrainConfig& cfg, uint64_t seed,
+                                  torch::optim::Optimizer& opt) {
+    for (const auto& [name, t] : net_->named_tensors()) {
+      if (name.find("running_mean") != std::string::npos) {
+        throw std::runtime_error(fmt::format(
+            "client_configs.train_configs.dp: the TorchScript model has BatchNorm ('{}'), whose batch statistics "
+            "mix samples: DP-SGD cannot bound one sample's influence (use GroupNorm)",
+            name));
+      }
+    }
+    std::vector<torch::Tensor> params;
+    for (auto& p : net_->parameters()) {
+      if (p.requires_grad()) params.push_back(p);
+    }
+    const auto n = static_cast<int64_t>(train_idx.size());
+    const int64_t bs = cfg.train_batch_size;
+    const double q = n > 0 ? std::min(1.0, static_cast<double>(bs) / static_cast<double>(n)) : 1.0;
+    const int64_t steps =
+        cfg.mode == "step" ? cfg.num_local_steps : static_cast<int64_t>(cfg.num_local_epochs) * ((n + bs - 1) / bs);
+    std::vector<uint32_t> pool(train_idx.begin(), train_idx.end());
+    dp::PoissonSampler sampler(pool, q, seed);
+    std::vector<uint32_t> batch;
+    TrainResult r;
+    double loss_sum = 0, correct = 0;
+    torch::Tensor x, y;
+    const double c_max = cfg.dp.max_grad_norm, noise_std = cfg.dp.noise_multiplier * cfg.dp.max_grad_norm;
+    for (int64_t k = 0; k < steps; ++k) {
+      sampler.next(batch);
+      std::vector<torch::Tensor> sum;
+      for (auto& p : params) sum.push_back(torch::zeros_like(p));
+      if (!batch.empty()) {
+        fill_batch(data, batch, x, y);
+        x = x.to(device_);
+        y = y.to(device_);
+        for (int64_t i = 0; i < x.size(0); ++i) {
+          for (auto& p : params) p.mutable_grad() = torch::Tensor();
+          auto logits = net_->forward(x.narrow(0, i, 1));
+          auto loss = batch_loss(logits, y.narrow(0, i, 1), /*sum=*/true);
+          loss.backward();
+          loss_sum += loss.item<double>();
+          correct += static_cast<double>(batch_correct(logits, y.narrow(0, i, 1)));
+          torch::NoGradGuard g;
+          torch::Tensor sq = torch::zeros({}, torch::kFloat64);
+          for (auto& p : params) {
+            if (p.grad().defined()) sq += p.grad().to(torch::kFloat64).pow(2).sum().cpu();
+          }
+          const double clip = std::min(1.0, c_max / (std::sqrt(sq.item<double>()) + 1e-6));
+          for (size_t j = 0; j < params.size(); ++j) {
+            if (params[j].grad().defined()) sum[j].add_(params[j].grad(), clip);
+          }
+        }
+        r.num_samples += static_cast<int64_t>(batch.size());
+      }
+      {
+        torch::NoGradGuard g;
+        for (size_t j = 0; j < params.size(); ++j) {
+          if (noise_std > 0) sum[j].add_(torch::randn_like(sum[j]), noise_std);
+          sum[j].div_(sampler.expected_batch_size());
+          params[j].mutable_grad() = sum[j];
+        }
+      }
+      opt.step();
+      r.num_steps++;
+    }
     if (r.num_samples > 0) {
       r.train_loss = loss_sum / static_cast<double>(r.num_samples);
       r.train_accuracy = correct / static_cast<double>(r.num_samples);

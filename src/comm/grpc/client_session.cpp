@@ -145,7 +145,8 @@ StatusOr<std::unique_ptr<GrpcClientSession>> GrpcClientSession::connect(const Se
     return data_loss("server {}: unreadable layout: {}", s->peer_, e.what());
   }
   MEMFL_ASSIGN_OR_RETURN(s->layout_, std::move(b).build());
-  MEMFL_ASSIGN_OR_RETURN(ExperimentConfig cfg, load_config_text(s->config_yaml_, "configuration from server " + s->peer_));
+  MEMFL_ASSIGN_OR_RETURN(ExperimentConfig cfg,
+                         load_config_text(s->config_yaml_, "configuration from server " + s->peer_));
   s->chunk_ =
       transfer_chunk_bytes(cfg.server.use_model_chunking, cfg.server.model_chunk_size, s->layout_.total_bytes());
   return s;
@@ -250,7 +251,8 @@ Status GrpcClientSession::send(std::span<const TensorBuffer> tensors, double num
   MEMFL_RETURN_IF_ERROR(read_server_message(*stream_, peer_, &d, &msg));
   if (d.is_chunk || !msg.has_update_ack()) return data_loss("server {}: expected UpdateAck", peer_);
   if (!msg.update_ack().accepted()) {
-    return Status(StatusCode::kAborted, fmt::format("server {} rejected the update: {}", peer_, msg.update_ack().message()));
+    return Status(StatusCode::kAborted,
+                  fmt::format("server {} rejected the update: {}", peer_, msg.update_ack().message()));
   }
   round_ = -1;
   return Status::Ok();
