@@ -44,6 +44,19 @@ class CNN(nn.Module):
         return self.fc2(x)
 
 
+class MLP(nn.Module):
+    """memfl's built-in MLP (model_name: MLP, model_kwargs.hidden_size)."""
+
+    def __init__(self, inputs=784, hidden=256, classes=10):
+        super().__init__()
+        self.fc1 = nn.Linear(inputs, hidden)
+        self.fc2 = nn.Linear(hidden, hidden)
+        self.fc3 = nn.Linear(hidden, classes)
+
+    def forward(self, x):
+        return self.fc3(F.relu(self.fc2(F.relu(self.fc1(x.flatten(1))))))
+
+
 def read_idx(path):
     with gzip.open(path, "rb") as f:
         data = f.read()
@@ -65,6 +78,20 @@ def rss_bytes():
         return int(f.read().split()[1]) * resource.getpagesize()
 
 
+def reset_peak():
+    """The kernel's peak RSS (VmHWM) starts again from the current RSS (Linux >= 4.0)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def peak_bytes():
+    with open("/proc/self/status") as f:
+        return next(int(l.split()[1]) * 1024 for l in f if l.startswith("VmHWM:"))
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--server", default="127.0.0.1:50051")
@@ -80,6 +107,8 @@ def main():
     p.add_argument("--momentum", type=float, default=0.9)
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--json", default="", help="write round times and memory here")
+    p.add_argument("--model", choices=["cnn", "mlp"], default="cnn", help="the server's model_name: CNN or MLP")
+    p.add_argument("--hidden", type=int, default=256, help="MLP: model_kwargs.hidden_size")
     a = p.parse_args()
 
     torch.set_num_threads(1)  # clients share the machine's cores, as memfl's C++ clients do
@@ -87,19 +116,20 @@ def main():
     g = torch.Generator().manual_seed(a.seed)
     mine = torch.randperm(len(y), generator=g).chunk(a.num_clients)[a.client_id]
     baseline = rss_bytes()  # interpreter, torch and the data: what any client of this kind holds
-    try:  # the kernel's peak (VmHWM) starts again from here (Linux >= 4.0)
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
+    reset_peak()
+    overall = 0  # the highest VmHWM seen between resets: the run's peak from the baseline on
 
-    model = CNN()
+    model = CNN() if a.model == "cnn" else MLP(hidden=a.hidden)
     model_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     client = memfl.Client(a.server, client_id=str(a.client_id), token=a.token, root_cert=a.root_cert)
     rounds = []
     for rnd in client.rounds():
         t0 = time.monotonic()
+        overall = max(overall, peak_bytes())
+        before = rss_bytes()
+        reset_peak()
         client.receive(model.state_dict())  # the global model, straight into the parameters
+        receive_over = peak_bytes() - before  # what receiving cost above the RSS it started from
         t1 = time.monotonic()
         opt = torch.optim.SGD(model.parameters(), lr=a.lr, momentum=a.momentum)
         model.train()
@@ -120,13 +150,18 @@ def main():
             if a.steps and steps >= a.steps:
                 break
         t2 = time.monotonic()
+        del opt  # as memfl's trainer: the optimizer's state does not outlive the turn
+        overall = max(overall, peak_bytes())
+        before = rss_bytes()
+        reset_peak()
         client.send(model.state_dict(), num_samples=float(len(mine)),
                     metrics={"train_loss": loss_sum / max(1, seen), "local_steps": float(steps)})
+        send_over = peak_bytes() - before
         t3 = time.monotonic()
-        rounds.append({"round": rnd, "receive_s": t1 - t0, "train_s": t2 - t1, "send_s": t3 - t2})
+        rounds.append({"round": rnd, "receive_s": t1 - t0, "train_s": t2 - t1, "send_s": t3 - t2,
+                       "receive_peak_over_rss_bytes": receive_over, "send_peak_over_rss_bytes": send_over})
         print(f"round {rnd}: loss {loss_sum / max(1, seen):.4f}, {t3 - t0:.2f} s", flush=True)
-    with open("/proc/self/status") as f:
-        peak = next(int(l.split()[1]) * 1024 for l in f if l.startswith("VmHWM:"))
+    peak = max(overall, peak_bytes())
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"rounds": rounds, "baseline_rss_bytes": baseline, "peak_rss_bytes": peak,

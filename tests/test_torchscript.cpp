@@ -7,6 +7,8 @@
 #include <torch/torch.h>
 
 #include <cmath>
+#include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <map>
 #include <set>
@@ -101,6 +103,69 @@ TEST(TorchScript, TrainsOverGrpcWithAServerThatNeverMapsLibtorch) {
   EXPECT_GT(std::stod(metrics[2][7]), 0.3);  // evaluated by the model worker, above chance (0.1)
 }
 #endif
+
+// `memfl inspect model.pt --write-layout FILE` writes the script's tensors
+// (names, shapes, initial values); with model_configs.initial_model a server
+// and DummyTrainer clients take the model from that file and never load
+// libtorch, not even a model worker.
+TEST(TorchScript, InspectWritesTheLayoutThatServersAndDummyClientsUseWithoutLibtorch) {
+  TempDir tmp;
+  const std::string model = tmp.file("mlp.pt");
+  save_script_mlp(model);
+  Result r = memfl_cli("inspect " + model + " --write-layout " + tmp.file("mlp.safetensors"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  auto f = SafetensorsFile::open(tmp.file("mlp.safetensors"));
+  ASSERT_TRUE(f.ok()) << f.status().to_string();
+  std::vector<std::string> names;
+  for (const auto& t : (*f)->tensors()) names.push_back(t.name);
+  EXPECT_EQ(names, (std::vector<std::string>{"fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias", "scale"}));
+  // The values are the script's own.
+  torch::jit::Module script = torch::jit::load(model);
+  for (const auto& p : script.named_parameters()) {
+    const auto* t = (*f)->find(p.name);
+    ASSERT_NE(t, nullptr) << p.name;
+    ASSERT_EQ(t->data.size(), static_cast<size_t>(p.value.numel()) * 4);
+    EXPECT_EQ(std::memcmp(t->data.data(), p.value.data_ptr<float>(), t->data.size()), 0) << p.name;
+  }
+#ifdef MEMFL_HAVE_GRPC
+  std::ofstream(tmp.file("c.yaml")) << script_config(model, 300, 100,
+                                                     "  num_clients: 2\n  comm_configs:\n    grpc_configs:\n"
+                                                     "      server_uri: 127.0.0.1:0\n");
+  r = memfl_cli("launch " + tmp.file("c.yaml") +
+                " --clients 2 -q --set client_configs.train_configs.trainer=DummyTrainer"
+                " --set client_configs.model_configs.initial_model=" +
+                tmp.file("mlp.safetensors") + " --out " + tmp.file("g"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  std::ifstream in(tmp.file("g/server/summary.json"));
+  std::string summary((std::istreambuf_iterator<char>(in)), {});
+  EXPECT_NE(summary.find("\"maps_libtorch\": false"), std::string::npos) << summary;
+  EXPECT_FALSE(std::filesystem::exists(tmp.file("g/server/model_worker.log")));  // no worker was started
+  auto g = SafetensorsFile::open(tmp.file("g/server/global_model.safetensors"));
+  ASSERT_TRUE(g.ok()) << g.status().to_string();
+  EXPECT_NE((*g)->find("scale"), nullptr);
+#endif
+}
+
+TEST(TorchScript, AnInitialModelOfAnotherNetworkIsRefusedNamingTheKeyAndFile) {
+  TempDir tmp;
+  save_script_mlp(tmp.file("mlp.pt"));
+  // A one-tensor file: not the script's model.
+  {
+    torch::jit::Module other("Other");
+    other.register_parameter("w", torch::zeros({3}), false);
+    other.define("def forward(self, x):\n    return x\n");
+    other.save(tmp.file("other.pt"));
+  }
+  Result r = memfl_cli("inspect " + tmp.file("other.pt") + " --write-layout " + tmp.file("other.safetensors"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  std::ofstream(tmp.file("c.yaml")) << script_config(tmp.file("mlp.pt"), 300, 100, "  num_clients: 1\n");
+  r = memfl_cli("run " + tmp.file("c.yaml") + " -q --set client_configs.model_configs.initial_model=" +
+                tmp.file("other.safetensors") + " --out " + tmp.file("run"));
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.output.find("client_configs.model_configs.initial_model: " + tmp.file("other.safetensors")),
+            std::string::npos)
+      << r.output;
+}
 
 #ifdef MEMFL_TEST_MPI
 // As ranks of an MPI job: rank 0's model worker loads the script too.

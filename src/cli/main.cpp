@@ -381,6 +381,10 @@ int main(int argc, char** argv) {
       ->required();
   inspect->add_option("--dtype", inspect_dtype, "model name: dtype of the weights (f32, bf16, f16)");
   inspect->add_option("--chunk", inspect_chunk, "model name: model_chunk_size in bytes for the prediction");
+  std::string write_layout;
+  inspect->add_option("--write-layout", write_layout,
+                      "a TorchScript file (.pt): write its tensors (layout and weights) to this safetensors file, "
+                      "for client_configs.model_configs.initial_model");
 
   try {
     app.parse(argc, argv);
@@ -463,6 +467,25 @@ int main(int argc, char** argv) {
     return kExitOk;
   }
   if (app.got_subcommand("inspect")) {
+    if (!write_layout.empty()) {
+      // The one place a TorchScript model's layout needs libtorch: here, once,
+      // so servers and DummyTrainer clients can take it from the file.
+      auto backend = memfl::load_trainer_backend();
+      if (!backend.ok()) return fail(backend.status());
+      memfl::ModelConfig mc;
+      mc.model_name = "TorchScript";
+      mc.torchscript_path = st_path;
+      auto replica = (*backend)->create_replica(mc, memfl::InputSpec{}, "cpu", 0);
+      if (!replica.ok()) return fail(replica.status());
+      const memfl::Layout& layout = (*replica)->layout();
+      memfl::Status st =
+          memfl::write_safetensors(write_layout, layout, (*replica)->arena(),
+                                   {{"format", "memfl"}, {"model_name", "TorchScript"}, {"source", st_path}});
+      if (!st.ok()) return fail(st);
+      fmt::print("wrote {}: {} tensors, {} parameters, layout {:016x} (from {})\n", write_layout, layout.size(),
+                 layout.num_params(), layout.hash(), st_path);
+      return kExitOk;
+    }
     if (memfl::is_llama_model(st_path) && !std::filesystem::exists(st_path)) {
       return inspect_model(st_path, inspect_dtype, inspect_chunk);
     }

@@ -14,12 +14,23 @@
 #include "io/run_dir.h"
 #include "model/llama.h"
 #include "model/synthetic.h"
+#include "tensor/safetensors.h"
 
 namespace memfl {
 
 bool is_spec_only(const ExperimentConfig& cfg) {
   return cfg.model.model_name == "synthetic" ||
-         (is_llama_model(cfg.model.model_name) && cfg.train.trainer == "DummyTrainer");
+         ((is_llama_model(cfg.model.model_name) || !cfg.model.initial_model.empty()) &&
+          cfg.train.trainer == "DummyTrainer");
+}
+
+Status fill_initial_model(const ModelConfig& model, const Layout& layout, Arena& arena, uint64_t seed) {
+  if (model.initial_model.empty()) {
+    fill_synthetic(layout, arena, seed);
+    return Status::Ok();
+  }
+  MEMFL_ASSIGN_OR_RETURN(auto file, SafetensorsFile::open(model.initial_model));
+  return file->load_into(layout, arena);
 }
 
 LocalModel LocalModel::from_arena(Layout layout, Arena arena) {
@@ -96,7 +107,7 @@ StatusOr<LocalModel> make_local_model(const ExperimentConfig& cfg, const InputSp
   if (is_spec_only(cfg)) {
     MEMFL_ASSIGN_OR_RETURN(m.layout_, layout_without_network(cfg.model));
     MEMFL_ASSIGN_OR_RETURN(m.arena_, make_model_arena(cfg, m.layout_.total_bytes(), run_dir));
-    if (fill) fill_synthetic(m.layout_, m.arena_, seed);
+    if (fill) MEMFL_RETURN_IF_ERROR(fill_initial_model(cfg.model, m.layout_, m.arena_, seed));
     return m;
   }
   MEMFL_ASSIGN_OR_RETURN(TrainerBackend * backend, load_trainer_backend());
@@ -108,6 +119,18 @@ StatusOr<LocalModel> make_local_model(const ExperimentConfig& cfg, const InputSp
     return m;
   }
   MEMFL_ASSIGN_OR_RETURN(m.replica_, backend->create_replica(cfg.model, input, cfg.train.device, seed));
+  if (!cfg.model.initial_model.empty()) {
+    // The file and the network must be the same model, or the server's
+    // broadcasts would not fit this client.
+    MEMFL_ASSIGN_OR_RETURN(Layout from_file, layout_without_network(cfg.model));
+    if (from_file.hash() != m.replica_->layout().hash()) {
+      return invalid_argument(
+          "client_configs.model_configs.initial_model: {} holds a model of {} tensors (layout {:016x}), not the "
+          "network's {} tensors (layout {:016x})",
+          cfg.model.initial_model, from_file.size(), from_file.hash(), m.replica_->layout().size(),
+          m.replica_->layout().hash());
+    }
+  }
   return m;
 }
 

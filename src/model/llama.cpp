@@ -1,5 +1,7 @@
 #include "model/llama.h"
 
+#include "tensor/safetensors.h"
+
 #include "model/synthetic.h"
 
 namespace memfl {
@@ -93,11 +95,19 @@ StatusOr<Layout> llama_layout(const LlamaSpec& s, DType dtype) {
 }
 
 bool describable_without_network(const ModelConfig& model) {
-  return model.model_name == "synthetic" || is_llama_model(model.model_name);
+  return model.model_name == "synthetic" || is_llama_model(model.model_name) || !model.initial_model.empty();
 }
 
 StatusOr<Layout> layout_without_network(const ModelConfig& model) {
   auto dtype = dtype_from_name(model.dtype);
+  if (!model.initial_model.empty()) {
+    auto file = SafetensorsFile::open(model.initial_model);
+    if (!file.ok()) {
+      return Status(file.status().code(),
+                    fmt::format("client_configs.model_configs.initial_model: {}", file.status().message()));
+    }
+    return (*file)->layout();
+  }
   if (!dtype) return invalid_argument("model_kwargs.dtype: unknown dtype '{}'", model.dtype);
   if (model.model_name == "synthetic") return synthetic_layout(model.num_params, *dtype);
   if (is_llama_model(model.model_name)) {

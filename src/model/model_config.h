@@ -24,6 +24,11 @@ struct ModelConfig {
   // model_name "TorchScript": a torch.jit.save'd module (scripted or traced)
   // whose forward takes an N×C×H×W batch and returns logits.
   std::string torchscript_path;
+  // A safetensors file with the model's tensors (names, dtypes, shapes, in
+  // arena order) and initial weights: the server starts from it without a
+  // network, and a DummyTrainer client takes its layout from it. `memfl
+  // inspect model.pt --write-layout FILE` writes one for a TorchScript model.
+  std::string initial_model;
 };
 
 }  // namespace memfl

@@ -40,7 +40,7 @@ StatusOr<std::unique_ptr<GlobalModel>> GlobalModel::create(const ExperimentConfi
       // Round 0's file is the initial model, written in place, renamed when whole.
       const std::string tmp = g->checkpoint_ + ".tmp";
       MEMFL_ASSIGN_OR_RETURN(Arena a, create_safetensors_arena(tmp, layout, meta));
-      fill_synthetic(layout, a, cfg.server.seed);
+      MEMFL_RETURN_IF_ERROR(fill_initial_model(cfg.model, layout, a, cfg.server.seed));
       MEMFL_RETURN_IF_ERROR(a.sync());
       if (std::rename(tmp.c_str(), g->checkpoint_.c_str()) != 0) {
         return internal_error("{}: rename from {} failed", g->checkpoint_, tmp);
@@ -49,7 +49,14 @@ StatusOr<std::unique_ptr<GlobalModel>> GlobalModel::create(const ExperimentConfi
       g->mapped_ = true;
     }
   }
-  if (!g->mapped_ && !is_spec_only(cfg) && !network_here) {
+  if (!g->mapped_ && !is_spec_only(cfg) && !cfg.model.initial_model.empty() && !network_here) {
+    // The layout and initial weights from the user's file: no model worker,
+    // no libtorch (a worker still evaluates, where the config asks for it).
+    MEMFL_ASSIGN_OR_RETURN(Layout layout, layout_without_network(cfg.model));
+    MEMFL_ASSIGN_OR_RETURN(Arena arena, make_model_arena(cfg, layout.total_bytes(), run_dir));
+    MEMFL_RETURN_IF_ERROR(fill_initial_model(cfg.model, layout, arena, cfg.server.seed));
+    g->model_ = LocalModel::from_arena(std::move(layout), std::move(arena));
+  } else if (!g->mapped_ && !is_spec_only(cfg) && !network_here) {
     // The network's initial weights, from the model worker: the layout and
     // the bytes come from the file it writes (run_dir/config.yaml is the
     // experiment), so no libtorch here.
@@ -65,6 +72,10 @@ StatusOr<std::unique_ptr<GlobalModel>> GlobalModel::create(const ExperimentConfi
     g->model_ = LocalModel::from_arena(std::move(layout), std::move(arena));
   } else if (!g->mapped_) {
     MEMFL_ASSIGN_OR_RETURN(g->model_, make_local_model(cfg, input, /*fill=*/true, cfg.server.seed, run_dir));
+    if (g->model_.replica() != nullptr && !cfg.model.initial_model.empty()) {
+      // A network here (the simulator): the user's initial weights into it.
+      MEMFL_RETURN_IF_ERROR(fill_initial_model(cfg.model, g->model_.layout(), g->model_.arena(), cfg.server.seed));
+    }
   }
   const Layout& layout = g->model_.layout();
   const auto mode =
