@@ -48,7 +48,10 @@ out = {"model": f"MLP hidden {hidden}", "model_bytes": py["model_bytes"],
        "test_accuracy_3_cpp": acc(f"{tmp}/cpp3/server/metrics.csv")}
 for i in (1, 2):
     s = json.load(open(f"{tmp}/c{i}/summary.json"))
+    m = json.load(open(f"{tmp}/c{i}/memory.json"))
+    phases = [{"round": ph["round"], "phase": ph["phase"], "seconds": (ph["end_ms"] - ph["start_ms"]) / 1000,
+               "peak_rss_bytes": ph["peak_rss_bytes"]} for ph in m["phases"] if ph["round"] > 0 and ph["phase"] != "idle"]
     out["cpp_clients"].append({"client": i, "peak_over_before_model_bytes": s["peak_rss_bytes"] - s["before_model_rss_bytes"],
-                               "before_model_rss_bytes": s["before_model_rss_bytes"]})
+                               "before_model_rss_bytes": s["before_model_rss_bytes"], "phases": phases})
 print(json.dumps(out))
 PY
