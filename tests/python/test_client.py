@@ -110,3 +110,34 @@ def test_a_state_dict_that_is_not_the_servers_model_is_refused_by_name(tmp_path)
     finally:
         if server.poll() is None:
             server.kill()
+
+
+def test_tls_and_a_token_as_for_the_cpp_client(tmp_path):
+    cert, key = tmp_path / "server.pem", tmp_path / "server.key"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True)
+    port = free_port()
+    cfg = write_config(tmp_path / "c.yaml", port, rounds=1)
+    g = "server_configs.comm_configs.grpc_configs."
+    server = subprocess.Popen([BIN, "server", cfg, "-q", "--out", str(tmp_path / "server"),
+                               "--set", "server_configs.num_clients=1", "--set", g + "use_ssl=true",
+                               "--set", f"{g}server_cert={cert}", "--set", f"{g}server_key={key}",
+                               "--set", f"{g}root_cert={cert}", "--set", g + "auth_token=s3cret"])
+    try:
+        with pytest.raises(RuntimeError, match="refused"):
+            memfl.Client(f"127.0.0.1:{port}", client_id="0", token="wrong", root_cert=str(cert))
+        client = memfl.Client(f"127.0.0.1:{port}", client_id="0", token="s3cret", root_cert=str(cert))
+        sd = CNN().state_dict()
+        played = []
+        for rnd in client.rounds():
+            client.receive(sd)
+            client.send(sd, num_samples=1.0)
+            played.append(rnd)
+        assert played == [1]
+        assert server.wait(timeout=120) == 0
+        clients, _, rounds = final_accuracy(tmp_path / "server/metrics.csv")
+        assert (clients, rounds) == (1, 1)
+    finally:
+        if server.poll() is None:
+            server.kill()
