@@ -65,6 +65,7 @@ bench: build
 	  --target 0.6,0.7,0.8 --out $(BUILD)/compare_algorithms
 	bash bench/netem.sh $(BUILD) 64 6 > $(BUILD)/bench_netem.jsonl
 	./$(BUILD)/memfl bench dp --model llama-dp-tiny --seq 64,128 --batch 2 --json $(BUILD)/bench_dp.json
+	./$(BUILD)/memfl_bench_trainer 5 2 > $(BUILD)/bench_trainer.jsonl
 	./$(BUILD)/memfl bench dp --model llama-dp-tiny --seq 64,128 --batch 2 --optimizer adam --gpus 1 --sharded \
 	  --json $(BUILD)/bench_dp_sharded_1rank.json
 	./$(BUILD)/memfl bench dp --model llama-dp-tiny --seq 64,128 --batch 2 --optimizer adam --gpus 2 \
