@@ -26,22 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import memfl
-
-
-class CNN(nn.Module):
-    def __init__(self, channels=1, pixels=28, classes=10):
-        super().__init__()
-        self.conv1 = nn.Conv2d(channels, 32, 5)
-        self.conv2 = nn.Conv2d(32, 64, 5)
-        side = ((pixels - 4) // 2 - 4) // 2
-        self.fc1 = nn.Linear(64 * side * side, 512)
-        self.fc2 = nn.Linear(512, classes)
-
-    def forward(self, x):
-        x = F.max_pool2d(F.relu(self.conv1(x)), 2)
-        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
-        x = F.relu(self.fc1(x.flatten(1)))
-        return self.fc2(x)
+from export_torchscript import CNN  # memfl's CNN in PyTorch (conv1, conv2, fc1, fc2)
 
 
 class MLP(nn.Module):

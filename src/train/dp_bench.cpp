@@ -149,9 +149,10 @@ void train_run(const DpBenchOptions& o, const DpLlamaSpec& s, const std::string&
 #endif
 }
 
-Measured measure(const DpBenchOptions& o, const DpLlamaSpec& s, const std::string& mode, int seq,
-                 const torch::Device& dev) {
-  Measured m;
+// Runs `run` with its memory measured as described at the top of this file;
+// a failure becomes m.error.
+template <typename F>
+void measure_into(const torch::Device& dev, Measured& m, F&& run) {
   release_cached_memory(dev);
   MemorySampler sampler("bench-dp", 1);
   if (!dev.is_cuda()) {
@@ -160,7 +161,7 @@ Measured measure(const DpBenchOptions& o, const DpLlamaSpec& s, const std::strin
     m.baseline_bytes = read_rss_bytes();
   }
   try {
-    train_run(o, s, mode, seq, dev, m);
+    run();
   } catch (const c10::Error& e) {
     m.error = e.what_without_backtrace();
   } catch (const std::exception& e) {
@@ -173,6 +174,12 @@ Measured measure(const DpBenchOptions& o, const DpLlamaSpec& s, const std::strin
     m.peak_bytes = std::max<int64_t>(0, peak - m.baseline_bytes);
   }
   release_cached_memory(dev);
+}
+
+Measured measure(const DpBenchOptions& o, const DpLlamaSpec& s, const std::string& mode, int seq,
+                 const torch::Device& dev) {
+  Measured m;
+  measure_into(dev, m, [&] { train_run(o, s, mode, seq, dev, m); });
   return m;
 }
 
@@ -333,29 +340,9 @@ void sharded_run(const DpBenchOptions& o, const DpLlamaSpec& s, const std::strin
 
 RankFigures measure_sharded(const DpBenchOptions& o, const DpLlamaSpec& s, const std::string& mode, int seq,
                             const torch::Device& dev, sharded::ShardGroup* group, Measured& m) {
-  release_cached_memory(dev);
-  MemorySampler sampler("bench-dp", 1);
-  if (!dev.is_cuda()) {
-    sampler.start();
-    m.vm_hwm = reset_peak_rss();
-    m.baseline_bytes = read_rss_bytes();
-  }
   double resident = 0;
-  try {
-    sharded_run(o, s, mode, seq, dev, group, m, resident);
-  } catch (const c10::Error& e) {
-    m.error = e.what_without_backtrace();
-  } catch (const std::exception& e) {
-    m.error = e.what();
-  }
-  if (!dev.is_cuda()) {
-    sampler.stop();
-    int64_t peak = sampler.peak_rss();
-    if (m.vm_hwm) peak = std::max(peak, read_peak_rss_bytes());
-    m.peak_bytes = std::max<int64_t>(0, peak - m.baseline_bytes);
-    resident = std::max(0.0, resident - static_cast<double>(m.baseline_bytes));
-  }
-  release_cached_memory(dev);
+  measure_into(dev, m, [&] { sharded_run(o, s, mode, seq, dev, group, m, resident); });
+  if (!dev.is_cuda()) resident = std::max(0.0, resident - static_cast<double>(m.baseline_bytes));
   // Every rank's figures to every rank: one all-reduce of a world × 6 table.
   const int64_t w = group->world_size();
   Tensor table = torch::zeros({w, 6}, torch::kFloat64);

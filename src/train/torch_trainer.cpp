@@ -87,6 +87,16 @@ int64_t batch_correct(const torch::Tensor& logits, const torch::Tensor& y) {
   return logits.argmax(-1).eq(y).sum().item<int64_t>();
 }
 
+// DP-SGD's Poisson rate q = batch / n and its steps: num_local_steps, or
+// epochs × ceil(n / batch) (the expected number of batches an epoch has).
+std::pair<double, int64_t> dp_schedule(const TrainConfig& cfg, int64_t n) {
+  const int64_t bs = cfg.train_batch_size;
+  const double q = n > 0 ? std::min(1.0, static_cast<double>(bs) / static_cast<double>(n)) : 1.0;
+  const int64_t steps =
+      cfg.mode == "step" ? cfg.num_local_steps : static_cast<int64_t>(cfg.num_local_epochs) * ((n + bs - 1) / bs);
+  return {q, steps};
+}
+
 int64_t tensor_bytes(const torch::Tensor& t) {
   return t.defined() ? static_cast<int64_t>(t.numel() * t.element_size()) : 0;
 }
@@ -259,11 +269,7 @@ class TorchReplica final : public ModelReplica {
     auto created = dp::DpSgd::create(net_, o);
     if (!created.ok()) throw std::runtime_error(created.status().message());
     std::unique_ptr<dp::DpSgd> dpsgd = std::move(*created);
-    const auto n = static_cast<int64_t>(train_idx.size());
-    const int64_t bs = cfg.train_batch_size;
-    const double q = n > 0 ? std::min(1.0, static_cast<double>(bs) / static_cast<double>(n)) : 1.0;
-    const int64_t steps =
-        cfg.mode == "step" ? cfg.num_local_steps : static_cast<int64_t>(cfg.num_local_epochs) * ((n + bs - 1) / bs);
+    const auto [q, steps] = dp_schedule(cfg, static_cast<int64_t>(train_idx.size()));
     std::vector<uint32_t> pool(train_idx.begin(), train_idx.end());
     dp::PoissonSampler sampler(pool, q, seed);
     std::vector<uint32_t> batch;
@@ -323,11 +329,7 @@ class TorchReplica final : public ModelReplica {
     for (auto& p : net_->parameters()) {
       if (p.requires_grad()) params.push_back(p);
     }
-    const auto n = static_cast<int64_t>(train_idx.size());
-    const int64_t bs = cfg.train_batch_size;
-    const double q = n > 0 ? std::min(1.0, static_cast<double>(bs) / static_cast<double>(n)) : 1.0;
-    const int64_t steps =
-        cfg.mode == "step" ? cfg.num_local_steps : static_cast<int64_t>(cfg.num_local_epochs) * ((n + bs - 1) / bs);
+    const auto [q, steps] = dp_schedule(cfg, static_cast<int64_t>(train_idx.size()));
     std::vector<uint32_t> pool(train_idx.begin(), train_idx.end());
     dp::PoissonSampler sampler(pool, q, seed);
     std::vector<uint32_t> batch;
@@ -544,8 +546,8 @@ TrainResult sharded_train(sharded::ShardedModel& model, sharded::ShardGroup& gro
   const auto n = static_cast<int64_t>(c.train_idx.size());
   const int64_t bs = c.batch_size;
   if (cfg.dp.enabled) {
-    const double q = n > 0 ? std::min(1.0, static_cast<double>(bs) / static_cast<double>(n)) : 1.0;
-    const int64_t steps = c.mode == "step" ? c.steps : c.epochs * ((n + bs - 1) / bs);
+    // cfg carries the command's mode, steps and batch on every rank.
+    const auto [q, steps] = dp_schedule(cfg, n);
     dp::PoissonSampler sampler(c.train_idx, q, c.seed);
     std::vector<uint32_t> batch;
     for (int64_t k = 0; k < steps; ++k) {
