@@ -8,6 +8,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
@@ -33,16 +34,26 @@ StatusOr<pid_t> spawn_process(const std::vector<std::string>& argv, const SpawnO
   std::vector<char*> cargv;
   for (const auto& a : argv) cargv.push_back(const_cast<char*>(a.c_str()));
   cargv.push_back(nullptr);
+  // The parent's environment, with opts.env's variables set or replaced.
+  std::vector<std::string> vars;
+  for (char** e = environ; *e != nullptr; ++e) {
+    const std::string_view v(*e);
+    const bool replaced = std::any_of(opts.env.begin(), opts.env.end(), [&](const auto& kv) {
+      return v.size() > kv.first.size() && v.substr(0, kv.first.size()) == kv.first && v[kv.first.size()] == '=';
+    });
+    if (!replaced) vars.emplace_back(v);
+  }
+  for (const auto& [k, val] : opts.env) vars.push_back(k + "=" + val);
+  std::vector<char*> cenv;
+  for (auto& v : vars) cenv.push_back(v.data());
+  cenv.push_back(nullptr);
   pid_t pid = -1;
-  const int rc = posix_spawn(&pid, cargv[0], &fa, nullptr, cargv.data(), environ);
+  const int rc = posix_spawn(&pid, cargv[0], &fa, nullptr, cargv.data(), cenv.data());
   posix_spawn_file_actions_destroy(&fa);
   if (rc != 0) return internal_error("cannot start {}: {}", argv[0], std::strerror(rc));
   return pid;
 }
 
-namespace {
-
-// A port the kernel had free on 127.0.0.1 a moment ago (rank 0's store binds it).
 StatusOr<int> free_loopback_port() {
   const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
   if (fd < 0) return internal_error("socket: {}", std::strerror(errno));
@@ -58,7 +69,12 @@ StatusOr<int> free_loopback_port() {
   return static_cast<int>(ntohs(a.sin_port));
 }
 
-}  // namespace
+std::vector<std::pair<std::string, std::string>> rank_env(int rank, int world, int port) {
+  return {{"MEMFL_RANK", std::to_string(rank)},
+          {"MEMFL_LOCAL_RANK", std::to_string(rank)},
+          {"MEMFL_WORLD_SIZE", std::to_string(world)},
+          {"MEMFL_MASTER_PORT", std::to_string(port)}};
+}
 
 Status launch_ranks(int ranks, int argc, char** argv, const std::string& log_prefix) {
   MEMFL_ASSIGN_OR_RETURN(int port, free_loopback_port());
@@ -76,12 +92,9 @@ Status launch_ranks(int ranks, int argc, char** argv, const std::string& log_pre
     for (pid_t p : pids) ::kill(p, SIGTERM);
     for (pid_t p : pids) ::waitpid(p, nullptr, 0);
   };
-  ::setenv("MEMFL_WORLD_SIZE", std::to_string(ranks).c_str(), 1);
-  ::setenv("MEMFL_MASTER_PORT", std::to_string(port).c_str(), 1);
   for (int r = 0; r < ranks; ++r) {
-    ::setenv("MEMFL_RANK", std::to_string(r).c_str(), 1);
-    ::setenv("MEMFL_LOCAL_RANK", std::to_string(r).c_str(), 1);
     SpawnOptions o;
+    o.env = rank_env(r, ranks, port);
     o.log_path = log_prefix + std::to_string(r) + ".log";
     if (r == 0) o.stdout_fd = 1;
     auto pid = spawn_process(args, o);
@@ -91,7 +104,6 @@ Status launch_ranks(int ranks, int argc, char** argv, const std::string& log_pre
     }
     pids.push_back(*pid);
   }
-  for (const char* v : {"MEMFL_RANK", "MEMFL_LOCAL_RANK", "MEMFL_WORLD_SIZE", "MEMFL_MASTER_PORT"}) ::unsetenv(v);
   size_t running = pids.size();
   while (running > 0) {
     int status = 0;

@@ -7,6 +7,7 @@
 #include <sys/types.h>
 
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common/status.h"
@@ -18,10 +19,19 @@ struct SpawnOptions {
   bool append = false;   // to the log, instead of starting it afresh
   int stdin_fd = -1;     // the child's stdin (a pipe), else inherited
   int stdout_fd = -1;    // the child's stdout (a pipe); else stdout and stderr both go to the log
+  std::vector<std::pair<std::string, std::string>> env = {};  // set (or replaced) in the child's environment
 };
 
 // Starts argv[0] with argv; an error names what could not start.
 StatusOr<pid_t> spawn_process(const std::vector<std::string>& argv, const SpawnOptions& opts);
+
+// A port the kernel had free on 127.0.0.1 a moment ago (for a server or
+// rank 0's store to bind).
+StatusOr<int> free_loopback_port();
+
+// The environment a rank of a sharded job reads (train/sharded_dp.h):
+// MEMFL_RANK, MEMFL_LOCAL_RANK, MEMFL_WORLD_SIZE, MEMFL_MASTER_PORT.
+std::vector<std::pair<std::string, std::string>> rank_env(int rank, int world, int port);
 
 // Starts `ranks` copies of this executable with argv, rank r with
 // MEMFL_RANK=r, MEMFL_LOCAL_RANK=r, MEMFL_WORLD_SIZE=ranks and

@@ -76,6 +76,27 @@ struct Measured {
   std::string error;  // non-empty: the run failed with this message
 };
 
+// o.warmup untimed calls of `iterate`, then o.iters timed ones between
+// device synchronisations (`before_each` runs first, untimed): m.avg_ms, m.min_ms.
+template <typename F, typename G = void (*)()>
+void time_iterations(
+    const DpBenchOptions& o, const torch::Device& dev, Measured& m, F&& iterate, G&& before_each = [] {}) {
+  for (int i = 0; i < o.warmup; ++i) iterate();
+  double total = 0, best = std::numeric_limits<double>::infinity();
+  for (int i = 0; i < o.iters; ++i) {
+    synchronize(dev);
+    before_each();
+    const auto t0 = std::chrono::steady_clock::now();
+    iterate();
+    synchronize(dev);
+    const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    total += ms;
+    best = std::min(best, ms);
+  }
+  m.avg_ms = total / o.iters;
+  m.min_ms = best;
+}
+
 // One run; throws what libtorch throws (the caller turns it into a record or
 // an error). Everything it allocates is freed when it returns or throws.
 void train_run(const DpBenchOptions& o, const DpLlamaSpec& s, const std::string& mode, int seq,
@@ -126,19 +147,7 @@ void train_run(const DpBenchOptions& o, const DpLlamaSpec& s, const std::string&
     }
     opt.step();
   };
-  for (int i = 0; i < o.warmup; ++i) iterate();
-  double total = 0, best = std::numeric_limits<double>::infinity();
-  for (int i = 0; i < o.iters; ++i) {
-    synchronize(dev);
-    const auto t0 = std::chrono::steady_clock::now();
-    iterate();
-    synchronize(dev);
-    const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-    total += ms;
-    best = std::min(best, ms);
-  }
-  m.avg_ms = total / o.iters;
-  m.min_ms = best;
+  time_iterations(o, dev, m, iterate);
 #ifdef MEMFL_HAVE_CUDA_STATS
   if (dev.is_cuda()) {
     const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(index);
@@ -313,20 +322,8 @@ void sharded_run(const DpBenchOptions& o, const DpLlamaSpec& s, const std::strin
       m.last_step = d;
     }
   };
-  for (int i = 0; i < o.warmup; ++i) iterate();
-  double total = 0, best = std::numeric_limits<double>::infinity();
-  for (int i = 0; i < o.iters; ++i) {
-    synchronize(dev);
-    group->barrier();  // the ranks start each timed step together
-    const auto t0 = std::chrono::steady_clock::now();
-    iterate();
-    synchronize(dev);
-    const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-    total += ms;
-    best = std::min(best, ms);
-  }
-  m.avg_ms = total / o.iters;
-  m.min_ms = best;
+  // The ranks start each timed step together.
+  time_iterations(o, dev, m, iterate, [&] { group->barrier(); });
   resident_bytes = static_cast<double>(read_rss_bytes());
 #ifdef MEMFL_HAVE_CUDA_STATS
   if (dev.is_cuda()) {

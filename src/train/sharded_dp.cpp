@@ -74,11 +74,12 @@ void restore_storage(const Tensor& t, size_t nbytes) {
 StatusOr<std::optional<Rendezvous>> rendezvous_from_env() {
   struct Names {
     const char *rank, *world, *local, *port;
+    bool master_addr;  // MASTER_ADDR names rank 0's host (memfl's own launcher is always local)
   };
   const Names sources[] = {
-      {"MEMFL_RANK", "MEMFL_WORLD_SIZE", "MEMFL_LOCAL_RANK", "MEMFL_MASTER_PORT"},
-      {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"},
-      {"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "MASTER_PORT"}};
+      {"MEMFL_RANK", "MEMFL_WORLD_SIZE", "MEMFL_LOCAL_RANK", "MEMFL_MASTER_PORT", false},
+      {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", true},
+      {"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "MASTER_PORT", true}};
   for (const Names& n : sources) {
     MEMFL_ASSIGN_OR_RETURN(auto rank, env_int(n.rank));
     if (!rank) continue;
@@ -95,7 +96,7 @@ StatusOr<std::optional<Rendezvous>> rendezvous_from_env() {
       if (*port < 1 || *port > 65535) return invalid_argument("{}={} is not a TCP port", n.port, *port);
       r.port = *port;
     }
-    if (const char* addr = std::getenv("MASTER_ADDR"); addr != nullptr && *addr != '\0' && n.rank[0] != 'M') {
+    if (const char* addr = std::getenv("MASTER_ADDR"); n.master_addr && addr != nullptr && *addr != '\0') {
       r.host = addr;
     }
     return std::optional<Rendezvous>(r);
@@ -422,7 +423,8 @@ void ShardedModel::add_noise(size_t unit, Tensor& grad, int64_t begin, double st
 
 // The unit's full gradient (from the parameters' .grad) → summed over ranks →
 // this rank's slice, noised and divided, as the shard's gradient.
-void ShardedModel::reduce_grads(Flat& f, double divisor) {
+void ShardedModel::reduce_grads(size_t unit, double divisor) {
+  Flat& f = *flats_[unit];
   Tensor flat = torch::zeros({f.padded}, f.full.options());
   for (size_t k = 0; k < f.params.size(); ++k) {
     Tensor& p = f.params[k];
@@ -433,11 +435,7 @@ void ShardedModel::reduce_grads(Flat& f, double divisor) {
   group_->reduce_scatter_sum(out, flat);
   flat = Tensor();
   const double noise_std = dp_ ? options_.noise_multiplier * options_.max_grad_norm : 0.0;
-  if (noise_std > 0) {
-    size_t index = 0;
-    while (flats_[index].get() != &f) ++index;
-    add_noise(index, out, group_->rank() * f.shard, noise_std);
-  }
+  if (noise_std > 0) add_noise(unit, out, group_->rank() * f.shard, noise_std);
   out.div_(divisor);
   f.local.mutable_grad() = out;
 }
@@ -467,8 +465,9 @@ void ShardedModel::dp_step(double divisor, StepStats& st) {
     st.max_norm = s[1].item<double>();
     st.clipped_fraction = s[2].item<double>();
   }
-  for (auto& f : flats_) {
-    for (dp::DpLayer* layer : f->layers) {
+  for (size_t u = 0; u < flats_.size(); ++u) {
+    Flat& f = *flats_[u];
+    for (dp::DpLayer* layer : f.layers) {
       if (clip.defined() && layer->has_records()) {
         layer->write_clipped_grads(clip.to(device_), o);
       } else {
@@ -478,8 +477,8 @@ void ShardedModel::dp_step(double divisor, StepStats& st) {
       }
       layer->clear_records();
     }
-    reduce_grads(*f, divisor);
-    release(*f);
+    reduce_grads(u, divisor);
+    release(f);
   }
 }
 
@@ -531,7 +530,7 @@ StatusOr<StepStats> ShardedModel::step(const Tensor& input, const Tensor& labels
       grad = !idle && ins[i].requires_grad() ? ins[i].grad() : Tensor();
       ins[i] = Tensor();
       outs[i] = Tensor();
-      if (!dp_) reduce_grads(f, expected_global_batch);
+      if (!dp_) reduce_grads(i, expected_global_batch);
       release(f);
     }
     if (dp_) dp_step(expected_global_batch, st);

@@ -174,15 +174,13 @@ class ShardedModel {
   int64_t num_params() const { return num_params_; }
   // Elements this rank holds of parameters (its shards, padding included).
   int64_t shard_numel() const;
-  int64_t steps() const { return step_; }
-  const Options& options() const { return options_; }
 
  private:
   struct Flat;
   ShardedModel() = default;
   void gather(Flat& f);
   void release(Flat& f);
-  void reduce_grads(Flat& f, double divisor);
+  void reduce_grads(size_t unit, double divisor);
   // grad += std · N(0, 1) drawn for coordinates [begin, begin + numel) of the unit.
   void add_noise(size_t unit, torch::Tensor& grad, int64_t begin, double std);
   void dp_step(double divisor, StepStats& st);

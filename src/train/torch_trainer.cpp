@@ -16,10 +16,7 @@
 #include <c10/cuda/CUDAStream.h>
 #define MEMFL_HAVE_CUDA_STATS 1
 #endif
-#include <arpa/inet.h>
-#include <netinet/in.h>
 #include <signal.h>
-#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -298,14 +295,7 @@ class TorchReplica final : public ModelReplica {
       r.num_steps++;
     }
     dpsgd.reset();  // the layers run as plain layers again (evaluation)
-    if (r.num_samples > 0) {
-      r.train_loss = loss_sum / static_cast<double>(r.num_samples);
-      r.train_accuracy = correct / static_cast<double>(r.num_samples);
-    }
-    r.dp_steps = r.num_steps;
-    r.dp_sample_rate = q;
-    for (auto& p : net_->parameters()) p.mutable_grad() = torch::Tensor();
-    return finish_turn(std::move(r), data, val_idx, cfg);
+    return finish_dp_turn(std::move(r), loss_sum, correct, q, data, val_idx, cfg);
   }
 
   // DP-SGD on a model without DP layers (a user's TorchScript module): the
@@ -375,6 +365,13 @@ class TorchReplica final : public ModelReplica {
       opt.step();
       r.num_steps++;
     }
+    return finish_dp_turn(std::move(r), loss_sum, correct, q, data, val_idx, cfg);
+  }
+
+  // The end of a DP turn, either route: the means, the accountant's (q,
+  // steps), no gradient left behind, then finish_turn.
+  TrainResult finish_dp_turn(TrainResult r, double loss_sum, double correct, double q, const ImageDataset& data,
+                             std::span<const uint32_t> val_idx, const TrainConfig& cfg) {
     if (r.num_samples > 0) {
       r.train_loss = loss_sum / static_cast<double>(r.num_samples);
       r.train_accuracy = correct / static_cast<double>(r.num_samples);
@@ -633,48 +630,32 @@ class ShardedReplica final : public ModelReplica {
     const int world = cfg.train.num_gpus;
     std::unique_ptr<ShardedReplica> r(new ShardedReplica());
     r->host_ = std::move(host);
-    r->cfg_ = cfg;
     r->dev_ = rank_device(cfg.train.device, 0);
     for (size_t i = 0; i < r->host_->layout().entries().size(); ++i)
       r->index_[r->host_->layout().entries()[i].name] = i;
     // The other ranks: this executable again, told its rank through the environment.
     sharded::Rendezvous where;
     where.world_size = world;
-    {
-      // Rank 0's store binds the port; a free one is asked of the kernel.
-      const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-      sockaddr_in a{};
-      a.sin_family = AF_INET;
-      a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-      socklen_t len = sizeof(a);
-      if (fd < 0 || ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0 ||
-          ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) != 0) {
-        if (fd >= 0) ::close(fd);
-        return internal_error("sharded client: no free port on 127.0.0.1");
-      }
-      where.port = ntohs(a.sin_port);
-      ::close(fd);
-    }
+    MEMFL_ASSIGN_OR_RETURN(where.port, free_loopback_port());
     const std::string logs =
         (std::filesystem::temp_directory_path() / fmt::format("memfl-shard-{}-{}-rank", ::getpid(), where.port))
             .string();
     for (int rank = 1; rank < world; ++rank) {
-      ::setenv("MEMFL_RANK", std::to_string(rank).c_str(), 1);
-      ::setenv("MEMFL_LOCAL_RANK", std::to_string(rank).c_str(), 1);
-      ::setenv("MEMFL_WORLD_SIZE", std::to_string(world).c_str(), 1);
-      ::setenv("MEMFL_MASTER_PORT", std::to_string(where.port).c_str(), 1);
-      ::setenv("MEMFL_SHARD_DEVICE", cfg.train.device.c_str(), 1);
-      auto pid = spawn_process({self_executable(), "shard-rank"}, {.log_path = logs + std::to_string(rank) + ".log"});
-      for (const char* v :
-           {"MEMFL_RANK", "MEMFL_LOCAL_RANK", "MEMFL_WORLD_SIZE", "MEMFL_MASTER_PORT", "MEMFL_SHARD_DEVICE"}) {
-        ::unsetenv(v);
-      }
-      if (!pid.ok()) return pid.status();
-      r->workers_.push_back(*pid);
-      r->logs_.push_back(logs + std::to_string(rank) + ".log");
+      SpawnOptions o;
+      o.log_path = logs + std::to_string(rank) + ".log";
+      o.env = rank_env(rank, world, where.port);
+      o.env.emplace_back("MEMFL_SHARD_DEVICE", cfg.train.device);
+      MEMFL_ASSIGN_OR_RETURN(pid_t pid, spawn_process({self_executable(), "shard-rank"}, o));
+      r->workers_.push_back(pid);
+      r->logs_.push_back(o.log_path);
     }
     torch::set_num_threads(threads_per_rank(cfg));
-    MEMFL_ASSIGN_OR_RETURN(r->group_, sharded::ShardGroup::create(where, r->dev_));
+    auto group = sharded::ShardGroup::create(where, r->dev_);
+    if (!group.ok()) {
+      return Status(group.status().code(),
+                    fmt::format("{} (the other ranks' logs: {}*.log)", group.status().message(), logs));
+    }
+    r->group_ = std::move(*group);
     r->group_->store_set("memfl/config", cfg.resolved_yaml);
     r->group_->store_set("memfl/seed", std::to_string(seed));
     MEMFL_ASSIGN_OR_RETURN(r->model_, build_sharded_cnn(r->group_.get(), cfg, input, seed, r->dev_));
@@ -686,6 +667,10 @@ class ShardedReplica final : public ModelReplica {
       ShardedCommand c;
       c.op = "exit";
       post(c);
+    }
+    // Ranks that never met rank 0 have nothing to wait for.
+    if (!group_) {
+      for (pid_t p : workers_) ::kill(p, SIGTERM);
     }
     // A rank's log is kept only when it did not end cleanly.
     for (size_t i = 0; i < workers_.size(); ++i) {
@@ -758,7 +743,6 @@ class ShardedReplica final : public ModelReplica {
   }
 
   std::unique_ptr<ModelReplica> host_;  // the arena (and a CPU model bound to it, used for its layout)
-  ExperimentConfig cfg_;
   torch::Device dev_{torch::kCPU};
   std::map<std::string, size_t> index_;
   std::vector<pid_t> workers_;
@@ -771,8 +755,8 @@ class ShardedReplica final : public ModelReplica {
 Status shard_rank_main() {
   MEMFL_ASSIGN_OR_RETURN(auto where, sharded::rendezvous_from_env());
   if (!where) return failed_precondition("shard-rank: no MEMFL_RANK in the environment (rank 0 starts this command)");
-  const char* d = std::getenv("MEMFL_SHARD_DEVICE");
-  const torch::Device dev = rank_device(d != nullptr ? d : "cpu", where->local_rank);
+  const char* device = std::getenv("MEMFL_SHARD_DEVICE");
+  const torch::Device dev = rank_device(device != nullptr ? device : "cpu", where->local_rank);
   MEMFL_ASSIGN_OR_RETURN(auto group, sharded::ShardGroup::create(*where, dev));
   const auto wait = std::chrono::milliseconds(std::chrono::hours(24 * 7));
   MEMFL_ASSIGN_OR_RETURN(std::string yaml, group->store_get("memfl/config", wait));

@@ -5,6 +5,7 @@ the server's model is refused by name before a byte moves."""
 import json
 import os
 import socket
+import struct
 import subprocess
 import sys
 
@@ -74,11 +75,41 @@ def test_a_python_client_and_two_cpp_clients_train_as_three_cpp_clients(tmp_path
     assert rec["peak_rss_bytes"] - rec["baseline_rss_bytes"] < 64 * rec["model_bytes"] + (64 << 20)
 
 
+def write_safetensors(path, tensors):
+    """A safetensors file written here, independently of memfl's writer."""
+    header, offset, blobs = {}, 0, []
+    for name, t in tensors.items():
+        blob = t.contiguous().numpy().tobytes()
+        header[name] = {"dtype": "F32", "shape": list(t.shape), "data_offsets": [offset, offset + len(blob)]}
+        offset += len(blob)
+        blobs.append(blob)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text + b"".join(blobs))
+
+
+def read_safetensors(path):
+    with open(path, "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        header = json.loads(f.read(n))
+        data = f.read()
+    return {k: torch.frombuffer(bytearray(data[v["data_offsets"][0]:v["data_offsets"][1]]), dtype=torch.float32)
+            .reshape(v["shape"]) for k, v in header.items() if k != "__metadata__"}
+
+
 def test_a_state_dict_that_is_not_the_servers_model_is_refused_by_name(tmp_path):
+    # The server starts from weights this test chose (model_configs.initial_model),
+    # so what receive() writes into each tensor can be checked value by value —
+    # tensors of 10 to 524 288 floats, with padding between them in the arena.
+    torch.manual_seed(3)
+    start = CNN().state_dict()
+    write_safetensors(tmp_path / "start.safetensors", start)
     port = free_port()
     cfg = write_config(tmp_path / "c.yaml", port, rounds=1)
     server = subprocess.Popen([BIN, "server", cfg, "-q", "--out", str(tmp_path / "server"), "--set",
-                               "server_configs.num_clients=1"])
+                               "server_configs.num_clients=1", "--set",
+                               f"client_configs.model_configs.initial_model={tmp_path / 'start.safetensors'}"])
     try:
         client = memfl.Client(f"127.0.0.1:{port}", client_id="0")
         names = [n for n, _, _ in client.layout]
@@ -99,14 +130,22 @@ def test_a_state_dict_that_is_not_the_servers_model_is_refused_by_name(tmp_path)
         as_double = {k: v.double() for k, v in sd.items()}
         with pytest.raises(ValueError, match=r"is torch\.float64; the server's model has f32"):
             client.receive(as_double)
-        # Nothing was lost: the right tensors still receive the model, which is the server's.
-        before = sd["fc1.weight"].clone()
+        # Nothing was lost: the right tensors still receive the model, which is
+        # the server's starting point, every value in place.
         client.receive(sd)
-        assert not torch.equal(before, sd["fc1.weight"])
-        client.send(sd, num_samples=10.0, metrics={"train_loss": 1.0})
+        for k in start:
+            assert torch.equal(sd[k], start[k]), k
+        # What is sent is what the server folds: one client, so the new global
+        # model is that update (to float rounding of the weighted mean).
+        sent = {k: (v * 2 + 0.5).contiguous() for k, v in sd.items()}
+        client.send(sent, num_samples=10.0, metrics={"train_loss": 1.0})
         assert client.next_round() == -1
         client.close()
         assert server.wait(timeout=120) == 0
+        final = read_safetensors(tmp_path / "server/global_model.safetensors")
+        assert sorted(final) == sorted(sent)
+        for k in sent:
+            assert torch.allclose(final[k], sent[k], rtol=1e-6, atol=0), k
     finally:
         if server.poll() is None:
             server.kill()
