@@ -324,6 +324,14 @@ void sharded_run(const DpBenchOptions& o, const DpLlamaSpec& s, const std::strin
   };
   // The ranks start each timed step together.
   time_iterations(o, dev, m, iterate, [&] { group->barrier(); });
+  if (!model->phase_ms().empty() && group->rank() == 0) {
+    // MEMFL_DP_PHASES=1: warm-up and timed steps together, per step.
+    const double steps = o.warmup + o.iters;
+    for (const auto& [name, ms] : model->phase_ms()) {
+      std::printf("phase %s seq %d %-28s %8.2f ms/step\n", mode.c_str(), seq, name.c_str(), ms / steps);
+    }
+    std::fflush(stdout);
+  }
   resident_bytes = static_cast<double>(read_rss_bytes());
 #ifdef MEMFL_HAVE_CUDA_STATS
   if (dev.is_cuda()) {

@@ -35,7 +35,12 @@ using torch::Tensor;
 
 namespace {
 
-constexpr int64_t kNoiseBlock = int64_t{1} << 20;
+// Noise is drawn in fixed blocks of a unit's coordinates. Each block costs
+// the host a generator reseed and a few launches (about 20 µs): with 2^20 on
+// a GPU, the 618 M coordinates of a 1B model's shard took about 12 ms per
+// step, longer than the draws themselves. A CPU draws every coordinate of a
+// block itself, so there a smaller block wastes less on a unit's last block.
+int64_t noise_block(const torch::Device& device) { return device.is_cuda() ? int64_t{1} << 22 : int64_t{1} << 20; }
 
 // An environment variable as an int; nullopt when unset.
 StatusOr<std::optional<int>> env_int(const char* name) {
@@ -207,6 +212,19 @@ void ShardGroup::reduce_scatter_sum(Tensor& shard, Tensor& full) {
 #endif
 }
 
+std::function<void()> ShardGroup::reduce_scatter_sum_start(Tensor& shard, Tensor& full) {
+#ifdef MEMFL_HAVE_NCCL
+  if (impl_->nccl) {
+    TORCH_CHECK(full.numel() == shard.numel() * world_, "reduce_scatter: ", full.numel(), " != ", shard.numel(), " x ",
+                world_);
+    auto work = impl_->nccl->_reduce_scatter_base(shard, full);
+    return [work] { work->wait(); };
+  }
+#endif
+  reduce_scatter_sum(shard, full);
+  return [] {};
+}
+
 void ShardGroup::all_reduce_sum(Tensor& t) {
   std::vector<Tensor> v{t};
 #ifdef MEMFL_HAVE_NCCL
@@ -313,6 +331,8 @@ StatusOr<std::unique_ptr<ShardedModel>> ShardedModel::create(ShardGroup* group, 
   std::unique_ptr<ShardedModel> m(new ShardedModel());
   m->group_ = group;
   m->options_ = options;
+  const char* phases = std::getenv("MEMFL_DP_PHASES");
+  m->time_phases_ = phases != nullptr && std::string(phases) == "1";
   m->device_ = device;
   m->root_ = std::make_shared<torch::nn::Module>("ShardedModel");
   const int64_t world = group->world_size(), rank = group->rank();
@@ -394,6 +414,16 @@ void ShardedModel::gather(Flat& f) {
   f.gathered = true;
 }
 
+void ShardedModel::phase(const std::string& name) {
+  if (!time_phases_) return;
+  // A one-element copy to the host waits for the device's queue (collectives
+  // included: c10d makes the current stream wait on them).
+  if (device_.is_cuda()) (void)torch::zeros({1}, torch::TensorOptions().device(device_)).item<float>();
+  const auto now = std::chrono::steady_clock::now();
+  phase_ms_[name] += std::chrono::duration<double, std::milli>(now - phase_start_).count();
+  phase_start_ = now;
+}
+
 void ShardedModel::release(Flat& f) {
   if (!f.gathered) return;
   drop_storage(f.full);
@@ -402,8 +432,11 @@ void ShardedModel::release(Flat& f) {
 
 void ShardedModel::add_noise(size_t unit, Tensor& grad, int64_t begin, double std) {
   // Straight into the gradient, block by block: no shard-sized noise buffer.
-  auto f32 = torch::TensorOptions().dtype(torch::kFloat32).device(device_);
+  // Drawn in the gradient's dtype: a bf16 block is half the bytes to write
+  // and read again, and every rank still draws the same block.
+  auto opts = torch::TensorOptions().dtype(grad.scalar_type()).device(device_);
   const int64_t len = grad.numel();
+  const int64_t kNoiseBlock = noise_block(device_);
   for (int64_t b = begin / kNoiseBlock; b * kNoiseBlock < begin + len; ++b) {
     uint64_t seed = mix(options_.noise_seed);
     seed = mix(seed ^ static_cast<uint64_t>(step_));
@@ -413,34 +446,41 @@ void ShardedModel::add_noise(size_t unit, Tensor& grad, int64_t begin, double st
       std::lock_guard<std::mutex> lock(noise_gen_->mutex());
       noise_gen_->set_current_seed(seed);
     }
-    Tensor block = at::randn({kNoiseBlock}, *noise_gen_, f32);
+    Tensor block = at::randn({kNoiseBlock}, *noise_gen_, opts);
     const int64_t lo = std::max(begin, b * kNoiseBlock), hi = std::min(begin + len, (b + 1) * kNoiseBlock);
     Tensor part = block.narrow(0, lo - b * kNoiseBlock, hi - lo);
-    grad.narrow(0, lo - begin, hi - lo)
-        .add_(part.scalar_type() == grad.scalar_type() ? part : part.to(grad.scalar_type()), std);
+    grad.narrow(0, lo - begin, hi - lo).add_(part, std);
   }
 }
 
 // The unit's full gradient (from the parameters' .grad) → summed over ranks →
 // this rank's slice, noised and divided, as the shard's gradient.
-void ShardedModel::reduce_grads(size_t unit, double divisor) {
+ShardedModel::Reduction ShardedModel::start_reduction(size_t unit) {
   Flat& f = *flats_[unit];
-  Tensor flat = torch::zeros({f.padded}, f.full.options());
+  Reduction r;
+  r.unit = unit;
+  r.flat = torch::zeros({f.padded}, f.full.options());
   for (size_t k = 0; k < f.params.size(); ++k) {
     Tensor& p = f.params[k];
-    if (p.grad().defined()) flat.narrow(0, f.offsets[k], p.numel()).copy_(p.grad().reshape(-1));
+    if (p.grad().defined()) r.flat.narrow(0, f.offsets[k], p.numel()).copy_(p.grad().reshape(-1));
     p.mutable_grad() = Tensor();
   }
-  Tensor out = torch::empty({f.shard}, f.full.options());
-  group_->reduce_scatter_sum(out, flat);
-  flat = Tensor();
-  const double noise_std = dp_ ? options_.noise_multiplier * options_.max_grad_norm : 0.0;
-  if (noise_std > 0) add_noise(unit, out, group_->rank() * f.shard, noise_std);
-  out.div_(divisor);
-  f.local.mutable_grad() = out;
+  r.out = torch::empty({f.shard}, f.full.options());
+  r.wait = group_->reduce_scatter_sum_start(r.out, r.flat);
+  return r;
 }
 
-void ShardedModel::dp_step(double divisor, StepStats& st) {
+void ShardedModel::finish_reduction(Reduction& r, double divisor) {
+  r.wait();
+  r.flat = Tensor();
+  Flat& f = *flats_[r.unit];
+  const double noise_std = dp_ ? options_.noise_multiplier * options_.max_grad_norm : 0.0;
+  if (noise_std > 0) add_noise(r.unit, r.out, group_->rank() * f.shard, noise_std);
+  r.out.div_(divisor);
+  f.local.mutable_grad() = std::move(r.out);
+}
+
+Tensor ShardedModel::dp_step(double divisor) {
   torch::NoGradGuard no_grad;
   const dp::DpOptions& o = dp_->options();
   Tensor sq;
@@ -454,17 +494,17 @@ void ShardedModel::dp_step(double divisor, StepStats& st) {
       sq = sq.defined() ? sq.add_(s) : s;
     }
   }
-  Tensor clip;
+  phase("norms");
+  Tensor clip, stats;
   if (sq.defined() && sq.size(0) > 0) {
     Tensor norms = sq.sqrt();
     clip = (o.max_grad_norm / (norms + 1e-6)).clamp_max(1.0);
     Tensor n64 = norms.to(torch::kFloat64);
-    Tensor s =
-        torch::stack({n64.mean(), n64.max(), n64.gt(o.max_grad_norm).to(torch::kFloat64).mean()}).to(torch::kCPU);
-    st.mean_norm = s[0].item<double>();
-    st.max_norm = s[1].item<double>();
-    st.clipped_fraction = s[2].item<double>();
+    // Read by the host only once the step is queued: a read here would
+    // drain the device before the clipped sums are launched.
+    stats = torch::stack({n64.mean(), n64.max(), n64.gt(o.max_grad_norm).to(torch::kFloat64).mean()});
   }
+  std::optional<Reduction> pending;
   for (size_t u = 0; u < flats_.size(); ++u) {
     Flat& f = *flats_[u];
     for (dp::DpLayer* layer : f.layers) {
@@ -477,9 +517,16 @@ void ShardedModel::dp_step(double divisor, StepStats& st) {
       }
       layer->clear_records();
     }
-    reduce_grads(u, divisor);
+    // This unit's sum travels while the next unit's clipped sums are
+    // computed; at most two units' full gradients exist at once.
+    Reduction next = start_reduction(u);
     release(f);
+    if (pending) finish_reduction(*pending, divisor);
+    pending = std::move(next);
   }
+  if (pending) finish_reduction(*pending, divisor);
+  phase("clipped sums, reduce-scatter, noise");
+  return stats;
 }
 
 StatusOr<StepStats> ShardedModel::step(const Tensor& input, const Tensor& labels, double expected_global_batch) {
@@ -489,6 +536,10 @@ StatusOr<StepStats> ShardedModel::step(const Tensor& input, const Tensor& labels
   StepStats st;
   st.batch_size = input.size(0);
   ++step_;
+  if (time_phases_) {
+    phase_start_ = std::chrono::steady_clock::now();
+    phase("(before the step)");
+  }
   try {
     for (auto& f : flats_) f->local.mutable_grad() = Tensor();
     const size_t n = units_.size();
@@ -507,13 +558,15 @@ StatusOr<StepStats> ShardedModel::step(const Tensor& input, const Tensor& labels
       release(*flats_[u]);
     }
     x = Tensor();
-    Tensor loss;
+    phase("forward");
+    Tensor loss, loss_sum, correct, dp_stats;
     if (!idle) {
       loss =
           torch::nn::functional::cross_entropy(outs.back().to(torch::kFloat32), labels,
                                                torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum));
-      st.loss = loss.item<double>();
-      st.correct = outs.back().argmax(1).eq(labels).sum().item<int64_t>();
+      // Read at the end of the step, so the host queues backward meanwhile.
+      loss_sum = loss.detach();
+      correct = outs.back().argmax(1).eq(labels).sum();
     }
     Tensor grad;
     for (size_t i = n; i-- > 0;) {
@@ -530,11 +583,26 @@ StatusOr<StepStats> ShardedModel::step(const Tensor& input, const Tensor& labels
       grad = !idle && ins[i].requires_grad() ? ins[i].grad() : Tensor();
       ins[i] = Tensor();
       outs[i] = Tensor();
-      if (!dp_) reduce_grads(i, expected_global_batch);
+      if (!dp_) {
+        Reduction r = start_reduction(i);
+        finish_reduction(r, expected_global_batch);
+      }
       release(f);
     }
-    if (dp_) dp_step(expected_global_batch, st);
+    phase("backward");
+    if (dp_) dp_stats = dp_step(expected_global_batch);
     optimizer_->step();
+    phase("optimizer");
+    if (loss_sum.defined()) {
+      st.loss = loss_sum.item<double>();
+      st.correct = correct.item<int64_t>();
+    }
+    if (dp_stats.defined()) {
+      Tensor s = dp_stats.to(torch::kCPU);
+      st.mean_norm = s[0].item<double>();
+      st.max_norm = s[1].item<double>();
+      st.clipped_fraction = s[2].item<double>();
+    }
   } catch (const c10::Error& e) {
     if (dp_) dp_->clear();
     for (auto& f : flats_) release(*f);

@@ -27,7 +27,7 @@
 //           model. Then unit by unit: the clipped sum Σ c_i g_i is written by
 //           book-keeping, reduce-scattered, and the unit's records dropped.
 //   Noise:  σ·C per coordinate of the global sum, added by the rank that owns
-//           the coordinate. It is drawn in fixed blocks of 2^20 coordinates of
+//           the coordinate. It is drawn in fixed blocks (2^22 coordinates on a GPU, 2^20 on a CPU) of
 //           a unit, each from a generator seeded by (seed, step, unit, block),
 //           so coordinate j gets the same draw whatever N is.
 //   Divide: by the expected global batch (every rank's samples).
@@ -44,6 +44,7 @@
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -87,6 +88,11 @@ class ShardGroup {
   void all_gather(torch::Tensor& full, const torch::Tensor& shard);
   // shard ← this rank's n-element slice of Σ_ranks full. May overwrite full.
   void reduce_scatter_sum(torch::Tensor& shard, torch::Tensor& full);
+  // The same, started: NCCL runs it on its own stream while the caller goes
+  // on queueing work; the returned function makes the current stream wait
+  // for it and must run before shard is read or full is dropped. (Gloo: done
+  // before returning.)
+  std::function<void()> reduce_scatter_sum_start(torch::Tensor& shard, torch::Tensor& full);
   void all_reduce_sum(torch::Tensor& t);
   void broadcast(torch::Tensor& t, int root);
   void barrier();
@@ -171,6 +177,12 @@ class ShardedModel {
   // (parameters gathered unit by unit); every rank calls it, even with none.
   std::pair<double, int64_t> evaluate_sums(const torch::Tensor& input, const torch::Tensor& labels);
 
+  // With MEMFL_DP_PHASES=1 in the environment, step() drains the device at
+  // each phase boundary and adds the phase's milliseconds here (forward,
+  // backward, norms by layer kind, clipped sums, reduce, optimizer): to find
+  // where a step's time goes. Off, nothing is timed or drained.
+  const std::map<std::string, double>& phase_ms() const { return phase_ms_; }
+
   int64_t num_params() const { return num_params_; }
   // Elements this rank holds of parameters (its shards, padding included).
   int64_t shard_numel() const;
@@ -180,10 +192,22 @@ class ShardedModel {
   ShardedModel() = default;
   void gather(Flat& f);
   void release(Flat& f);
-  void reduce_grads(size_t unit, double divisor);
+  // A unit's gradient on its way to the shard: the full gradient (from the
+  // parameters' .grad) in a flat buffer, being reduce-scattered into `out`.
+  struct Reduction {
+    size_t unit = 0;
+    torch::Tensor flat, out;
+    std::function<void()> wait;
+  };
+  Reduction start_reduction(size_t unit);
+  // Waits for the sum, then noises (DP) and divides it into the shard's gradient.
+  void finish_reduction(Reduction& r, double divisor);
   // grad += std · N(0, 1) drawn for coordinates [begin, begin + numel) of the unit.
   void add_noise(size_t unit, torch::Tensor& grad, int64_t begin, double std);
-  void dp_step(double divisor, StepStats& st);
+  // Clips, sums, reduces and noises the recorded step; returns this rank's
+  // (mean, max, fraction clipped) of the per-sample norms, on the device
+  // (undefined with no samples).
+  torch::Tensor dp_step(double divisor);
 
   ShardGroup* group_ = nullptr;
   Options options_;
@@ -196,6 +220,10 @@ class ShardedModel {
   std::optional<at::Generator> noise_gen_;
   int64_t num_params_ = 0;
   int64_t step_ = 0;
+  bool time_phases_ = false;
+  std::map<std::string, double> phase_ms_;
+  std::chrono::steady_clock::time_point phase_start_;
+  void phase(const std::string& name);  // closes the running phase under `name`
 };
 
 }  // namespace memfl::torch_internal::sharded
