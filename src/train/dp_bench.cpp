@@ -71,18 +71,21 @@ struct Measured {
   int64_t allocated_at_reset_bytes = -1;  // CUDA: model, batch and libtorch's own buffers (cuBLAS workspaces)
   int64_t baseline_bytes = 0;             // CPU: RSS before the model
   bool vm_hwm = false;                    // CPU: VmHWM was reset and read
-  double avg_ms = 0, min_ms = 0;
+  double avg_ms = 0, min_ms = 0, median_ms = 0;
   std::optional<dp::DpStepStats> last_step;
   std::string error;  // non-empty: the run failed with this message
 };
 
 // o.warmup untimed calls of `iterate`, then o.iters timed ones between
-// device synchronisations (`before_each` runs first, untimed): m.avg_ms, m.min_ms.
+// device synchronisations (`before_each` runs first, untimed): m.avg_ms, m.min_ms,
+// m.median_ms (a step now and then is slow on a shared host; the median is
+// not moved by it).
 template <typename F, typename G = void (*)()>
 void time_iterations(
     const DpBenchOptions& o, const torch::Device& dev, Measured& m, F&& iterate, G&& before_each = [] {}) {
   for (int i = 0; i < o.warmup; ++i) iterate();
   double total = 0, best = std::numeric_limits<double>::infinity();
+  std::vector<double> each;
   for (int i = 0; i < o.iters; ++i) {
     synchronize(dev);
     before_each();
@@ -92,9 +95,13 @@ void time_iterations(
     const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
     total += ms;
     best = std::min(best, ms);
+    each.push_back(ms);
   }
   m.avg_ms = total / o.iters;
   m.min_ms = best;
+  std::sort(each.begin(), each.end());
+  const size_t n = each.size();
+  m.median_ms = n == 0 ? 0.0 : (n % 2 == 1 ? each[n / 2] : 0.5 * (each[n / 2 - 1] + each[n / 2]));
 }
 
 // One run; throws what libtorch throws (the caller turns it into a record or
@@ -207,6 +214,7 @@ json make_record(const DpBenchOptions& o, const DpLlamaSpec& s, const std::strin
     r["peak_memory_bytes"] = m.peak_bytes;
     r["avg_iteration_ms"] = m.avg_ms;
     r["min_iteration_ms"] = m.min_ms;
+    r["median_iteration_ms"] = m.median_ms;
   } else {
     r["error"] = is_oom(m.error) ? std::string("out of memory") : first_line(m.error);
     r["error_detail"] = first_line(m.error);
@@ -263,7 +271,7 @@ json make_record(const DpBenchOptions& o, const DpLlamaSpec& s, const std::strin
 
 // What every rank measured in one sharded run, gathered to rank 0.
 struct RankFigures {
-  double peak = 0, reserved = 0, resident = 0, avg_ms = 0, min_ms = 0, failed = 0;
+  double peak = 0, reserved = 0, resident = 0, avg_ms = 0, min_ms = 0, median_ms = 0, failed = 0;
 };
 
 torch::Dtype parse_dtype(const std::string& name) {
@@ -348,11 +356,11 @@ RankFigures measure_sharded(const DpBenchOptions& o, const DpLlamaSpec& s, const
   double resident = 0;
   measure_into(dev, m, [&] { sharded_run(o, s, mode, seq, dev, group, m, resident); });
   if (!dev.is_cuda()) resident = std::max(0.0, resident - static_cast<double>(m.baseline_bytes));
-  // Every rank's figures to every rank: one all-reduce of a world × 6 table.
+  // Every rank's figures to every rank: one all-reduce of a world × 7 table.
   const int64_t w = group->world_size();
-  Tensor table = torch::zeros({w, 6}, torch::kFloat64);
+  Tensor table = torch::zeros({w, 7}, torch::kFloat64);
   table[group->rank()] = torch::tensor({static_cast<double>(m.peak_bytes), static_cast<double>(m.peak_reserved_bytes),
-                                        resident, m.avg_ms, m.min_ms, m.error.empty() ? 0.0 : 1.0},
+                                        resident, m.avg_ms, m.min_ms, m.error.empty() ? 0.0 : 1.0, m.median_ms},
                                        torch::kFloat64);
   Tensor on = dev.is_cuda() ? table.to(dev) : table;
   group->all_reduce_sum(on);
@@ -366,11 +374,13 @@ RankFigures measure_sharded(const DpBenchOptions& o, const DpLlamaSpec& s, const
     worst.avg_ms = std::max(worst.avg_ms, row[3].item<double>());
     worst.min_ms = std::max(worst.min_ms, row[4].item<double>());
     worst.failed += row[5].item<double>();
+    worst.median_ms = std::max(worst.median_ms, row[6].item<double>());
   }
   m.peak_bytes = static_cast<int64_t>(worst.peak);
   m.peak_reserved_bytes = static_cast<int64_t>(worst.reserved);
   m.avg_ms = worst.avg_ms;
   m.min_ms = worst.min_ms;
+  m.median_ms = worst.median_ms;
   if (m.error.empty() && worst.failed > 0) m.error = "another rank failed";
   return worst;
 }
