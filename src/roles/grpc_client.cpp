@@ -6,6 +6,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <thread>
 
 #include <grpcpp/grpcpp.h>
@@ -163,17 +164,26 @@ Status run_grpc_client(const ExperimentConfig& local, int client_id, const RoleO
     sampler.mark(round, "broadcast");
     // Our previous upload's slices must be released before the arena is overwritten.
     while (inflight.load() > 0) std::this_thread::sleep_for(std::chrono::microseconds(100));
-    ArenaWriter into(layout, model.arena(), "server " + peer);
+    // A model sharded over ranks takes each chunk straight into its shards.
+    ShardedModelIo* shards = model.replica() != nullptr ? model.replica()->sharded_io() : nullptr;
+    std::optional<ArenaWriter> to_arena;
+    std::optional<ShardedWriter> to_shards;
+    ChunkSink* into = nullptr;
+    if (shards != nullptr) {
+      into = &to_shards.emplace(layout, *shards, "server " + peer);
+    } else {
+      into = &to_arena.emplace(layout, model.arena(), "server " + peer);
+    }
     while (true) {
       MEMFL_RETURN_IF_ERROR(read_server_message(*stream, peer, &d, &msg));
       if (!d.is_chunk) {
         if (msg.has_model_end()) break;
         return data_loss("server {}: unexpected message during the model download", peer);
       }
-      MEMFL_RETURN_IF_ERROR(into.accept(d.header, d.payload()));
+      MEMFL_RETURN_IF_ERROR(into->accept(d.header, d.payload()));
       stop_here("stop_in_broadcast");
     }
-    MEMFL_RETURN_IF_ERROR(into.finish());
+    MEMFL_RETURN_IF_ERROR(to_shards ? to_shards->finish() : to_arena->finish());
     out.Clear();
     out.mutable_model_received();
     MEMFL_RETURN_IF_ERROR(write(*stream, out, peer));
@@ -189,7 +199,10 @@ Status run_grpc_client(const ExperimentConfig& local, int client_id, const RoleO
     if (send_change) keep_base(layout, base, model.arena());
     MEMFL_ASSIGN_OR_RETURN(TrainResult tr, local_update(model, tcfg, data ? &*data : nullptr, part,
                                                         async ? rounds + 1 : round, client_id));
-    const Arena* upload = &model.arena();
+    // Anything that asked for the arena while training (gradient_based's
+    // base, dp_fedavg's clip) gathered the model into it: then upload from it.
+    shards = model.replica() != nullptr ? model.replica()->sharded_io() : nullptr;
+    const Arena* upload = shards != nullptr ? nullptr : &model.arena();
     if (send_change) {
       MEMFL_RETURN_IF_ERROR(change_from_base(layout, base, model.arena()));
       upload = &base;
@@ -213,9 +226,19 @@ Status run_grpc_client(const ExperimentConfig& local, int client_id, const RoleO
     if (cfg.train.dp.enabled) (*md->mutable_metrics())["epsilon"] = epsilon;
     MEMFL_RETURN_IF_ERROR(write(*stream, out, peer));
     size_t index = 0;
+    std::vector<std::byte> from_shards;  // one chunk, read from the ranks that own it
     for (size_t off = 0; off < layout.total_bytes(); off += chunk, ++index) {
       const size_t len = std::min(chunk, layout.total_bytes() - off);
-      auto bytes = upload->bytes(off, len);
+      std::span<const std::byte> bytes;
+      if (upload != nullptr) {
+        bytes = upload->bytes(off, len);
+      } else {
+        // gRPC may still hold the previous chunk's bytes (zero-copy slices).
+        while (inflight.load() > 0) std::this_thread::sleep_for(std::chrono::microseconds(50));
+        from_shards.resize(len);
+        MEMFL_RETURN_IF_ERROR(shards->read(off, from_shards));
+        bytes = from_shards;
+      }
       ChunkHeader h{layout.hash(), off, len, chunk_checksum(bytes)};
       const bool inject = !fault.empty() && rounds == 0 && (index == 1 || off + len >= layout.total_bytes());
       if (inject && fault == "disconnect_mid_upload") {

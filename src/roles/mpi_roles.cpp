@@ -40,6 +40,11 @@ namespace fs = std::filesystem;
 
 namespace {
 
+// The model's shards when it lives only there (num_gpus > 1), else null.
+ShardedModelIo* sharded_io_of(LocalModel& model) {
+  return model.replica() != nullptr ? model.replica()->sharded_io() : nullptr;
+}
+
 // The round's selection, known to every rank from the config and the seed.
 std::vector<int> selection(const ExperimentConfig& cfg, int round) {
   return select_clients(cfg.server.num_clients, cfg.server.clients_per_round, cfg.server.seed, round);
@@ -201,7 +206,8 @@ Status run_client_rank(const ExperimentConfig& cfg, int rank, const std::string&
     MEMFL_ASSIGN_OR_RETURN(global_copy,
                            make_model_arena(local, layout.total_bytes(), dir, MemoryCategory::kCommBuffers));
   }
-  Arena& into = k > 1 ? global_copy : model.arena();
+  // (Named lazily: asking a sharded model for its arena gathers it.)
+  auto into = [&]() -> Arena& { return k > 1 ? global_copy : model.arena(); };
   // A rank the server excluded for a stall is told so at the end (SIGUSR1):
   // it leaves through MPI_Finalize (comm/mpi/mpi_transport.h).
   install_exclusion_notice();
@@ -238,7 +244,12 @@ Status run_client_rank(const ExperimentConfig& cfg, int rank, const std::string&
                             b.layout_hash, layout.hash()));
     }
     st.sampler.mark(b.round, "broadcast");
-    streams.receive_model(model.arena());
+    ShardedModelIo* shards = sharded_io_of(model);
+    if (shards != nullptr) {
+      streams.receive_model(*shards);
+    } else {
+      streams.receive_model(model.arena());
+    }
     int32_t ok = 1;
     MPI_Send(&ok, 1, MPI_INT32_T, 0, kTagModelReceived, MPI_COMM_WORLD);
     const int c = rank - 1;
@@ -248,7 +259,8 @@ Status run_client_rank(const ExperimentConfig& cfg, int rank, const std::string&
     const ClientPartition* part = parts.empty() ? nullptr : &parts[static_cast<size_t>(c)];
     MEMFL_ASSIGN_OR_RETURN(TrainResult tr,
                            local_update(model, trip_cfg, data ? &*data : nullptr, part, static_cast<int>(++trips), c));
-    Arena* upload = &model.arena();
+    shards = sharded_io_of(model);  // null once training asked for the arena
+    Arena* upload = shards != nullptr ? nullptr : &model.arena();
     if (cfg.server.gradient_based) {
       MEMFL_RETURN_IF_ERROR(change_from_base(layout, base, model.arena()));
       upload = &base;
@@ -258,7 +270,11 @@ Status run_client_rank(const ExperimentConfig& cfg, int rank, const std::string&
     WireUpdateMeta md{
         b.round, c, update_sample_count(cfg, part, c), tr.train_loss, tr.val_accuracy, static_cast<double>(steps)};
     MPI_Send(&md, sizeof md, MPI_BYTE, 0, kTagUpdateMeta, MPI_COMM_WORLD);
-    streams.send_update(*upload);
+    if (upload != nullptr) {
+      streams.send_update(*upload);
+    } else {
+      streams.send_update(*shards);
+    }
   }
   while (!async) {
     WireModelBegin b{};
@@ -271,7 +287,15 @@ Status run_client_rank(const ExperimentConfig& cfg, int rank, const std::string&
     }
     st.sampler.mark(b.round, "broadcast");
     stop_here("stop_in_broadcast");
-    streams.receive_model(into);  // every chunk checked: no byte is used before this returns
+    // One client on this rank with its model sharded over ranks: the chunks
+    // go straight to the shards. (With several, the rank keeps the global
+    // model to restart each from, so it is gathered here anyway.)
+    ShardedModelIo* shards = k == 1 ? sharded_io_of(model) : nullptr;
+    if (shards != nullptr) {
+      streams.receive_model(*shards);
+    } else {
+      streams.receive_model(into());  // every chunk checked: no byte is used before this returns
+    }
     int32_t ok = 1;
     MPI_Send(&ok, 1, MPI_INT32_T, 0, kTagModelReceived, MPI_COMM_WORLD);
     for (int c : selection(cfg, b.round)) {
@@ -288,7 +312,12 @@ Status run_client_rank(const ExperimentConfig& cfg, int rank, const std::string&
       WireUpdateMeta md{b.round, c, update_sample_count(cfg, part, c), tr.train_loss, tr.val_accuracy, 0.0};
       MPI_Send(&md, sizeof md, MPI_BYTE, 0, kTagUpdateMeta, MPI_COMM_WORLD);
       stop_here("stop_mid_upload");
-      streams.send_update(model.arena());
+      shards = k == 1 ? sharded_io_of(model) : nullptr;  // null once training asked for the arena
+      if (shards != nullptr) {
+        streams.send_update(*shards);
+      } else {
+        streams.send_update(model.arena());
+      }
     }
     st.sampler.mark(b.round, "idle");
     // Fault injection for the tests (MEMFL_FAULT=die_after_round_1 on rank

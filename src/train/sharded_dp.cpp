@@ -42,6 +42,9 @@ namespace {
 // block itself, so there a smaller block wastes less on a unit's last block.
 int64_t noise_block(const torch::Device& device) { return device.is_cuda() ? int64_t{1} << 22 : int64_t{1} << 20; }
 
+// A parameter's name as the plain model has it: unit name first, when it has one.
+std::string param_name(const Unit& u, const std::string& key) { return u.name.empty() ? key : u.name + "." + key; }
+
 // An environment variable as an int; nullopt when unset.
 StatusOr<std::optional<int>> env_int(const char* name) {
   const char* v = std::getenv(name);
@@ -364,6 +367,10 @@ StatusOr<std::unique_ptr<ShardedModel>> ShardedModel::create(ShardGroup* group, 
         }
       }
       f->local = f->full.narrow(0, rank * f->shard, f->shard).clone().requires_grad_(true);
+      size_t k = 0;
+      for (const auto& kv : u.module->named_parameters()) {
+        m->param_index_[param_name(u, kv.key())] = {m->flats_.size(), k++};
+      }
       drop_storage(f->full);
       m->num_params_ += f->total;
       std::string key = u.name.empty() ? fmt::format("unit{}", i) : u.name;
@@ -612,10 +619,6 @@ StatusOr<StepStats> ShardedModel::step(const Tensor& input, const Tensor& labels
   return st;
 }
 
-namespace {
-std::string param_name(const Unit& u, const std::string& key) { return u.name.empty() ? key : u.name + "." + key; }
-}  // namespace
-
 void ShardedModel::load_from_rank0(const ReadParam& read) {
   torch::NoGradGuard no_grad;
   const bool root = group_->rank() == 0;
@@ -642,6 +645,65 @@ void ShardedModel::store_to_rank0(const WriteParam& write) {
     }
     release(*flats_[u]);
   }
+}
+
+template <typename F>
+void ShardedModel::for_owned(const BytePiece& piece, F&& f) {
+  auto it = param_index_.find(piece.name);
+  TORCH_CHECK(it != param_index_.end(), "sharded model: no parameter named ", piece.name);
+  Flat& flat = *flats_[it->second.first];
+  const Tensor& p = flat.params[it->second.second];
+  const int64_t esize = static_cast<int64_t>(flat.full.element_size());
+  TORCH_CHECK(piece.param_byte >= 0 && piece.length >= 0 && piece.param_byte + piece.length <= p.numel() * esize,
+              "sharded model: bytes [", piece.param_byte, ", ", piece.param_byte + piece.length, ") of ", piece.name,
+              " lie outside its ", p.numel() * esize, " bytes");
+  const int64_t begin = flat.offsets[it->second.second] * esize + piece.param_byte, end = begin + piece.length;
+  const int64_t shard_bytes = flat.shard * esize, mine = group_->rank() * shard_bytes;
+  const int64_t lo = std::max(begin, mine), hi = std::min(end, mine + shard_bytes);
+  if (lo < hi) f(flat, lo - mine, piece.chunk_byte + (lo - begin), hi - lo);
+}
+
+void ShardedModel::write_bytes(const std::vector<BytePiece>& pieces, std::span<const std::byte> chunk,
+                               int64_t chunk_len) {
+  torch::NoGradGuard no_grad;
+  const auto u8 = torch::TensorOptions().dtype(torch::kUInt8);
+  Tensor buf = torch::empty({chunk_len}, u8.device(device_));
+  if (group_->rank() == 0) {
+    TORCH_CHECK(static_cast<int64_t>(chunk.size()) == chunk_len, "write_bytes: ", chunk.size(), " bytes, not ",
+                chunk_len);
+    buf.copy_(torch::from_blob(const_cast<std::byte*>(chunk.data()), {chunk_len}, u8));
+  }
+  group_->broadcast(buf, 0);
+  for (const BytePiece& piece : pieces) {
+    for_owned(piece, [&](Flat& f, int64_t shard_byte, int64_t chunk_byte, int64_t n) {
+      f.local.detach().view(torch::kUInt8).narrow(0, shard_byte, n).copy_(buf.narrow(0, chunk_byte, n));
+    });
+  }
+}
+
+void ShardedModel::read_bytes(const std::vector<BytePiece>& pieces, std::span<std::byte> chunk, int64_t chunk_len) {
+  torch::NoGradGuard no_grad;
+  const auto u8 = torch::TensorOptions().dtype(torch::kUInt8);
+  Tensor buf = torch::zeros({chunk_len}, u8.device(device_));
+  for (const BytePiece& piece : pieces) {
+    for_owned(piece, [&](Flat& f, int64_t shard_byte, int64_t chunk_byte, int64_t n) {
+      buf.narrow(0, chunk_byte, n).copy_(f.local.detach().view(torch::kUInt8).narrow(0, shard_byte, n));
+    });
+  }
+  group_->all_reduce_sum(buf);
+  if (group_->rank() == 0) {
+    TORCH_CHECK(static_cast<int64_t>(chunk.size()) == chunk_len, "read_bytes: ", chunk.size(), " bytes, not ",
+                chunk_len);
+    torch::from_blob(chunk.data(), {chunk_len}, u8).copy_(buf);
+  }
+}
+
+std::vector<std::pair<std::string, std::vector<int64_t>>> ShardedModel::parameter_shapes() const {
+  std::vector<std::pair<std::string, std::vector<int64_t>>> out;
+  for (const Unit& u : units_) {
+    for (const auto& kv : u.module->named_parameters()) out.emplace_back(param_name(u, kv.key()), kv.value().sizes().vec());
+  }
+  return out;
 }
 
 void ShardedModel::reset_optimizer(const MakeOptimizer& make) {

@@ -47,6 +47,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <utility>
 #include <vector>
@@ -170,6 +171,28 @@ class ShardedModel {
   // The model to rank 0, unit by unit (one unit gathered at a time): rank
   // 0's `write(name, src)` stores each parameter. Every rank calls it.
   void store_to_rank0(const WriteParam& write);
+  // The model as bytes, without gathering it anywhere: a range of a flat
+  // layout of the parameters (an FL client's arena layout) cut into pieces
+  // that each lie in one parameter — `param_byte` bytes into parameter
+  // `name`, `chunk_byte` bytes into the chunk, `length` bytes.
+  struct BytePiece {
+    std::string name;
+    int64_t param_byte = 0, chunk_byte = 0, length = 0;
+  };
+  // Every rank calls these with the same pieces and chunk_len.
+  // write_bytes: rank 0's `chunk` is broadcast (one chunk's bytes on each
+  // rank) and every rank keeps the bytes that fall in its shards.
+  // read_bytes: every rank puts its shards' bytes in place in a zeroed chunk,
+  // the ranks' chunks are summed as bytes (each byte has one owner, so the
+  // sum is that byte), and rank 0's `chunk` receives them; bytes no piece
+  // names read as 0. `chunk` is used on rank 0 only.
+  void write_bytes(const std::vector<BytePiece>& pieces, std::span<const std::byte> chunk, int64_t chunk_len);
+  void read_bytes(const std::vector<BytePiece>& pieces, std::span<std::byte> chunk, int64_t chunk_len);
+  // Every parameter's name and shape, in unit order (names as
+  // gathered_parameters gives them): the layout a client's arena has.
+  std::vector<std::pair<std::string, std::vector<int64_t>>> parameter_shapes() const;
+  torch::Dtype dtype() const { return options_.dtype; }
+
   // A fresh optimizer over the shards (each client turn starts afresh).
   using MakeOptimizer = std::function<std::unique_ptr<torch::optim::Optimizer>(std::vector<torch::Tensor>)>;
   void reset_optimizer(const MakeOptimizer& make);
@@ -214,6 +237,11 @@ class ShardedModel {
   torch::Device device_{torch::kCPU};
   std::vector<Unit> units_;
   std::vector<std::unique_ptr<Flat>> flats_;
+  std::map<std::string, std::pair<size_t, size_t>> param_index_;  // name → (unit, parameter in it)
+  // For each part of `piece` that lies in this rank's shard: f(flat, byte in
+  // the shard, byte in the chunk, length).
+  template <typename F>
+  void for_owned(const BytePiece& piece, F&& f);
   std::shared_ptr<torch::nn::Module> root_;  // every unit, for DpSgd to attach to
   std::unique_ptr<dp::DpSgd> dp_;
   std::unique_ptr<torch::optim::Optimizer> optimizer_;

@@ -499,12 +499,29 @@ struct ShardedCommand {
   std::vector<uint32_t> train_idx, val_idx;
   int batch_size = 0;
   int64_t dataset_size = 0;  // which split the indices refer to (train or test), by its size
+  // train/eval: rank 0 holds the model in an arena (the simulator): load it
+  // into the shards first, store it back after training.
+  bool staged = false;
+  // write/read: a chunk of the layout, as pieces of parameters.
+  std::vector<sharded::ShardedModel::BytePiece> pieces;
+  int64_t chunk_len = 0;
 };
 
 std::string to_text(const ShardedCommand& c) {
-  return json{{"op", c.op},       {"seed", c.seed},        {"mode", c.mode},
-              {"steps", c.steps}, {"epochs", c.epochs},    {"train", c.train_idx},
-              {"val", c.val_idx}, {"batch", c.batch_size}, {"dataset_size", c.dataset_size}}
+  json pieces = json::array();
+  for (const auto& p : c.pieces) pieces.push_back(json::array({p.name, p.param_byte, p.chunk_byte, p.length}));
+  return json{{"op", c.op},
+              {"seed", c.seed},
+              {"mode", c.mode},
+              {"steps", c.steps},
+              {"epochs", c.epochs},
+              {"train", c.train_idx},
+              {"val", c.val_idx},
+              {"batch", c.batch_size},
+              {"dataset_size", c.dataset_size},
+              {"staged", c.staged},
+              {"pieces", pieces},
+              {"chunk_len", c.chunk_len}}
       .dump();
 }
 ShardedCommand from_text(const std::string& t) {
@@ -519,6 +536,12 @@ ShardedCommand from_text(const std::string& t) {
   c.val_idx = j.at("val").get<std::vector<uint32_t>>();
   c.batch_size = j.at("batch").get<int>();
   c.dataset_size = j.at("dataset_size").get<int64_t>();
+  c.staged = j.at("staged").get<bool>();
+  for (const auto& p : j.at("pieces")) {
+    c.pieces.push_back({p.at(0).get<std::string>(), p.at(1).get<int64_t>(), p.at(2).get<int64_t>(),
+                        p.at(3).get<int64_t>()});
+  }
+  c.chunk_len = j.at("chunk_len").get<int64_t>();
   return c;
 }
 
@@ -623,16 +646,20 @@ int threads_per_rank(const ExperimentConfig& cfg) {
   return std::max(1, cores / cfg.train.num_gpus);
 }
 
-class ShardedReplica final : public ModelReplica {
+// A client whose model is sharded over num_gpus ranks. The model lives only
+// in the shards: the transport's chunks go straight to the ranks that own
+// their bytes (sharded_io), and no rank holds the whole model. Only when
+// something asks for arena() — the simulator, which combines models
+// in-process — is the model gathered into an arena here, once; from then on
+// the arena is the model, loaded into the shards before each turn and stored
+// back after (one unit at a time).
+class ShardedReplica final : public ModelReplica, public ShardedModelIo {
  public:
-  static StatusOr<std::unique_ptr<ModelReplica>> create(std::unique_ptr<ModelReplica> host, const ExperimentConfig& cfg,
-                                                        const InputSpec& input, uint64_t seed) {
+  static StatusOr<std::unique_ptr<ModelReplica>> create(const ExperimentConfig& cfg, const InputSpec& input,
+                                                        uint64_t seed) {
     const int world = cfg.train.num_gpus;
     std::unique_ptr<ShardedReplica> r(new ShardedReplica());
-    r->host_ = std::move(host);
     r->dev_ = rank_device(cfg.train.device, 0);
-    for (size_t i = 0; i < r->host_->layout().entries().size(); ++i)
-      r->index_[r->host_->layout().entries()[i].name] = i;
     // The other ranks: this executable again, told its rank through the environment.
     sharded::Rendezvous where;
     where.world_size = world;
@@ -659,6 +686,12 @@ class ShardedReplica final : public ModelReplica {
     r->group_->store_set("memfl/config", cfg.resolved_yaml);
     r->group_->store_set("memfl/seed", std::to_string(seed));
     MEMFL_ASSIGN_OR_RETURN(r->model_, build_sharded_cnn(r->group_.get(), cfg, input, seed, r->dev_));
+    // The arena layout of the unsharded network (the same names, shapes and
+    // order), from the shards' shapes: nothing here holds the model to get it.
+    if (r->model_->dtype() != torch::kFloat32) return invalid_argument("a sharded client's parameters must be f32");
+    LayoutBuilder b;
+    for (auto& [name, shape] : r->model_->parameter_shapes()) b.add(name, DType::kF32, shape);
+    MEMFL_ASSIGN_OR_RETURN(r->layout_, std::move(b).build());
     return std::unique_ptr<ModelReplica>(std::move(r));
   }
 
@@ -681,8 +714,29 @@ class ShardedReplica final : public ModelReplica {
     }
   }
 
-  const Layout& layout() const override { return host_->layout(); }
-  Arena& arena() override { return host_->arena(); }
+  const Layout& layout() const override { return layout_; }
+  Arena& arena() override {
+    if (!staged_) {
+      staged_ = std::make_unique<Arena>(layout_.total_bytes(), MemoryCategory::kModel);
+      ShardedCommand c;
+      c.op = "gather";
+      post(c);
+      store();
+    }
+    return *staged_;
+  }
+  ShardedModelIo* sharded_io() override { return staged_ ? nullptr : this; }
+
+  Status write(uint64_t offset, std::span<const std::byte> bytes) override {
+    return move_bytes("write", offset, bytes.size(), [&](const auto& pieces, int64_t len) {
+      model_->write_bytes(pieces, bytes, len);
+    });
+  }
+  Status read(uint64_t offset, std::span<std::byte> into) override {
+    return move_bytes("read", offset, into.size(), [&](const auto& pieces, int64_t len) {
+      model_->read_bytes(pieces, into, len);
+    });
+  }
 
   StatusOr<TrainResult> train(const ImageDataset& data, std::span<const uint32_t> train_idx,
                               std::span<const uint32_t> val_idx, const TrainConfig& cfg, uint64_t seed) override {
@@ -696,11 +750,12 @@ class ShardedReplica final : public ModelReplica {
     c.train_idx.assign(train_idx.begin(), train_idx.end());
     c.batch_size = cfg.train_batch_size;
     c.dataset_size = static_cast<int64_t>(data.labels.size());
+    c.staged = staged_ != nullptr;
     post(c);
     try {
-      load();
+      if (c.staged) load();
       TrainResult r = sharded_train(*model_, *group_, data, c, cfg, dev_);
-      store();
+      if (c.staged) store();
       if (cfg.do_validation && !val_idx.empty()) {
         MEMFL_ASSIGN_OR_RETURN(EvalResult v, evaluate(data, val_idx, cfg.val_batch_size));
         r.val_loss = v.loss;
@@ -719,9 +774,10 @@ class ShardedReplica final : public ModelReplica {
     c.val_idx.assign(idx.begin(), idx.end());
     c.batch_size = batch_size;
     c.dataset_size = static_cast<int64_t>(data.labels.size());
+    c.staged = staged_ != nullptr;
     post(c);
     try {
-      load();
+      if (c.staged) load();
       return sharded_eval(*model_, *group_, data, idx, batch_size, dev_);
     } catch (const std::exception& e) {
       return internal_error("sharded evaluation failed: {}", e.what());
@@ -731,9 +787,38 @@ class ShardedReplica final : public ModelReplica {
  private:
   ShardedReplica() = default;
   void post(const ShardedCommand& c) { group_->store_set(fmt::format("memfl/cmd/{}", commands_++), to_text(c)); }
+  // [offset, offset + len) of the layout as pieces of parameters (alignment
+  // padding between tensors belongs to none: it is dropped on write and
+  // reads as 0), posted to the ranks with `op`; then `move` on this rank.
+  template <typename F>
+  Status move_bytes(const char* op, uint64_t offset, uint64_t len, F&& move) {
+    if (offset > layout_.total_bytes() || len > layout_.total_bytes() - offset) {
+      return invalid_argument("sharded model: {} of {} bytes at {} runs past its {} bytes", op, len, offset,
+                              layout_.total_bytes());
+    }
+    ShardedCommand c;
+    c.op = op;
+    c.chunk_len = static_cast<int64_t>(len);
+    for (size_t i = layout_.entry_at_or_after(offset); i < layout_.size(); ++i) {
+      const LayoutEntry& e = layout_.entries()[i];
+      if (e.offset >= offset + len) break;
+      const uint64_t lo = std::max<uint64_t>(offset, e.offset), hi = std::min<uint64_t>(offset + len, e.end());
+      if (lo < hi) {
+        c.pieces.push_back({e.name, static_cast<int64_t>(lo - e.offset), static_cast<int64_t>(lo - offset),
+                            static_cast<int64_t>(hi - lo)});
+      }
+    }
+    post(c);
+    try {
+      move(c.pieces, c.chunk_len);
+    } catch (const std::exception& e) {
+      return internal_error("sharded model: {} of [{}, {}) failed: {}", op, offset, offset + len, e.what());
+    }
+    return Status::Ok();
+  }
   torch::Tensor host_view(const std::string& name) {
-    const LayoutEntry& e = host_->layout().entries()[index_.at(name)];
-    return torch::from_blob(host_->arena().data() + e.offset, e.shape, torch::kFloat32);
+    const LayoutEntry& e = *layout_.find(name);
+    return torch::from_blob(staged_->data() + e.offset, e.shape, torch::kFloat32);
   }
   void load() {
     model_->load_from_rank0([&](const std::string& name, torch::Tensor dst) { dst.copy_(host_view(name)); });
@@ -742,9 +827,9 @@ class ShardedReplica final : public ModelReplica {
     model_->store_to_rank0([&](const std::string& name, const torch::Tensor& src) { host_view(name).copy_(src); });
   }
 
-  std::unique_ptr<ModelReplica> host_;  // the arena (and a CPU model bound to it, used for its layout)
+  Layout layout_;
+  std::unique_ptr<Arena> staged_;  // the model gathered here, once arena() was asked for
   torch::Device dev_{torch::kCPU};
-  std::map<std::string, size_t> index_;
   std::vector<pid_t> workers_;
   std::vector<std::string> logs_;
   std::unique_ptr<sharded::ShardGroup> group_;
@@ -771,6 +856,20 @@ Status shard_rank_main() {
     MEMFL_ASSIGN_OR_RETURN(std::string text, group->store_get(fmt::format("memfl/cmd/{}", k), wait));
     const ShardedCommand c = from_text(text);
     if (c.op == "exit") return Status();
+    // Chunks of the model as the transport moves them, and rank 0 gathering
+    // the model into its arena (the simulator): no data set involved.
+    if (c.op == "write") {
+      model->write_bytes(c.pieces, {}, c.chunk_len);
+      continue;
+    }
+    if (c.op == "read") {
+      model->read_bytes(c.pieces, {}, c.chunk_len);
+      continue;
+    }
+    if (c.op == "gather") {
+      model->store_to_rank0([](const std::string&, const torch::Tensor&) {});
+      continue;
+    }
     const ImageDataset* split = nullptr;
     for (const ImageDataset* d : {&data.train, &data.test}) {
       if (static_cast<int64_t>(d->labels.size()) == c.dataset_size) split = d;
@@ -779,7 +878,7 @@ Status shard_rank_main() {
       return failed_precondition("shard-rank {}: rank 0 trains on a data set of {} samples; here train has {}, test {}",
                                  where->rank, c.dataset_size, data.train.labels.size(), data.test.labels.size());
     }
-    model->load_from_rank0([](const std::string&, torch::Tensor) {});
+    if (c.staged) model->load_from_rank0([](const std::string&, torch::Tensor) {});
     if (c.op == "train") {
       TrainConfig tc = cfg.train;
       tc.mode = c.mode;
@@ -787,7 +886,7 @@ Status shard_rank_main() {
       tc.num_local_epochs = static_cast<int>(c.epochs);
       tc.train_batch_size = c.batch_size;
       sharded_train(*model, *group, *split, c, tc, dev);
-      model->store_to_rank0([](const std::string&, const torch::Tensor&) {});
+      if (c.staged) model->store_to_rank0([](const std::string&, const torch::Tensor&) {});
       // (rank 0 validates through evaluate(), which posts its own command)
     } else if (c.op == "eval") {
       sharded_eval(*model, *group, *split, c.val_idx, c.batch_size, dev);
@@ -834,8 +933,7 @@ class TorchBackend final : public TrainerBackend {
                                  cfg.source, cfg.train.num_gpus, torch::cuda::device_count());
     }
     try {
-      MEMFL_ASSIGN_OR_RETURN(auto host, create_replica(cfg.model, input, "cpu", seed));
-      return ShardedReplica::create(std::move(host), cfg, input, seed);
+      return ShardedReplica::create(cfg, input, seed);
     } catch (const std::exception& e) {
       return internal_error("sharded client failed in libtorch: {}", e.what());
     }

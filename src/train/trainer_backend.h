@@ -19,6 +19,7 @@
 #include "data/dataset.h"
 #include "tensor/arena.h"
 #include "tensor/layout.h"
+#include "tensor/sharded_model_io.h"
 
 namespace memfl {
 
@@ -58,6 +59,11 @@ class ModelReplica {
   virtual ~ModelReplica() = default;
   virtual const Layout& layout() const = 0;
   virtual Arena& arena() = 0;
+  // Non-null while the model lives only in shards over ranks: move it with
+  // this, not arena(). The first call of arena() gathers the model into this
+  // process for good (the simulator combines models in-process and does);
+  // from then on this returns null and arena() is the model.
+  virtual ShardedModelIo* sharded_io() { return nullptr; }
   // Trains on `train_indices` of `data` (a fresh optimizer each call, as
   // APPFL's VanillaTrainer does), then validates on `val_indices`.
   virtual StatusOr<TrainResult> train(const ImageDataset& data, std::span<const uint32_t> train_indices,

@@ -443,4 +443,85 @@ void ClientStreams::send_point_to_point(Arena& model) {
   for (Outgoing& o : outgoing) quiet_waitall(2, o.rq, MPI_STATUSES_IGNORE, kSender);
 }
 
+// A sharded model's chunks: received whole into one buffer (from the ring
+// slot, or point to point at the offset and length this rank expects),
+// checked, then written to the shards; or read from the shards into the
+// buffer and sent. One chunk at a time: the shards' ranks take part in every
+// chunk's collective, and a chunk-sized buffer is all this rank holds.
+void ClientStreams::receive_model(ShardedModelIo& into) {
+  std::vector<std::byte> buf;
+  for (uint64_t off = 0, i = 0; off < layout_.total_bytes(); ++i) {
+    const uint64_t len = length_at(off);
+    buf.resize(len);
+    uint64_t sum = 0, expected = 0;
+    if (shm_.enabled()) {
+      WireSlotHeader h{};
+      MPI_Request rq;
+      MPI_Irecv(&h, sizeof h, MPI_BYTE, 0, kTagSlotHeader, MPI_COMM_WORLD, &rq);
+      quiet_waitall(1, &rq, MPI_STATUS_IGNORE, kReceiver);
+      if (h.layout_hash != layout_.hash() || h.offset != off || h.length != len ||
+          h.slot != static_cast<int32_t>(i % shm_.slots)) {
+        abort_job(fmt::format("rank {}: bad chunk from the server (slot {}, offset {}, length {}; expected slot {}, "
+                              "offset {}, length {})",
+                              rank_, h.slot, h.offset, h.length, i % shm_.slots, off, len));
+      }
+      shm_.sync();
+      sum = copy_with_checksum(buf.data(), shm_.slot(static_cast<size_t>(h.slot)), len, ChecksumSide::kDestination);
+      int32_t sl = h.slot;
+      MPI_Send(&sl, 1, MPI_INT32_T, 0, kTagSlotDone, MPI_COMM_WORLD);
+      expected = h.checksum;
+    } else {
+      WireHeader h{};
+      MPI_Request rq[2];
+      MPI_Status status[2];
+      MPI_Irecv(&h, sizeof h, MPI_BYTE, 0, kTagChunkHeader, MPI_COMM_WORLD, &rq[0]);
+      MPI_Irecv(buf.data(), static_cast<int>(len), MPI_BYTE, 0, kTagChunkData, MPI_COMM_WORLD, &rq[1]);
+      quiet_waitall(2, rq, status, kReceiver);
+      int got = 0;
+      MPI_Get_count(&status[1], MPI_BYTE, &got);
+      if (h.layout_hash != layout_.hash() || h.offset != off || h.length != len || static_cast<uint64_t>(got) != len) {
+        abort_job(fmt::format(
+            "rank {}: bad chunk from the server (offset {}, length {}, {} bytes; expected offset {}, length {})",
+            rank_, h.offset, h.length, got, off, len));
+      }
+      sum = chunk_checksum(std::span<const std::byte>(buf));
+      expected = h.checksum;
+    }
+    if (sum != expected) {
+      abort_job(fmt::format("rank {}: chunk [{}, {}) from the server failed its checksum", rank_, off, off + len));
+    }
+    if (Status e = into.write(off, buf); !e.ok()) abort_job(fmt::format("rank {}: {}", rank_, e.message()));
+    off += len;
+  }
+}
+
+void ClientStreams::send_update(ShardedModelIo& model) {
+  std::vector<std::byte> buf;
+  for (uint64_t off = 0; off < layout_.total_bytes(); off += chunk_) {
+    const uint64_t len = length_at(off);
+    buf.resize(len);
+    if (Status e = model.read(off, buf); !e.ok()) abort_job(fmt::format("rank {}: {}", rank_, e.message()));
+    if (shm_.enabled()) {
+      int32_t sl = -1;
+      MPI_Request rq;
+      MPI_Irecv(&sl, 1, MPI_INT32_T, 0, kTagSlotGrant, MPI_COMM_WORLD, &rq);
+      quiet_waitall(1, &rq, MPI_STATUS_IGNORE, kReceiver);
+      if (sl < 0 || static_cast<size_t>(sl) >= shm_.slots) {
+        abort_job(fmt::format("rank {}: the server lent slot {} of {}", rank_, sl, shm_.slots));
+      }
+      const uint64_t sum =
+          copy_with_checksum(shm_.slot(static_cast<size_t>(sl)), buf.data(), len, ChecksumSide::kSource);
+      shm_.sync();
+      WireSlotHeader h{layout_.hash(), off, len, sum, sl, 0};
+      MPI_Send(&h, sizeof h, MPI_BYTE, 0, kTagSlotHeader, MPI_COMM_WORLD);
+    } else {
+      WireHeader h{layout_.hash(), off, len, chunk_checksum(std::span<const std::byte>(buf))};
+      MPI_Request rq[2];
+      MPI_Isend(&h, sizeof h, MPI_BYTE, 0, kTagChunkHeader, MPI_COMM_WORLD, &rq[0]);
+      MPI_Isend(buf.data(), static_cast<int>(len), MPI_BYTE, 0, kTagChunkData, MPI_COMM_WORLD, &rq[1]);
+      quiet_waitall(2, rq, MPI_STATUSES_IGNORE, kSender);
+    }
+  }
+}
+
 }  // namespace memfl

@@ -39,6 +39,7 @@
 #include "comm/transport.h"
 #include "tensor/arena.h"
 #include "tensor/layout.h"
+#include "tensor/sharded_model_io.h"
 
 namespace memfl {
 
@@ -173,6 +174,12 @@ class ClientStreams {
 
   // Sends the update in `model` (after its WireUpdateMeta).
   void send_update(Arena& model);
+
+  // The same for a model sharded over ranks (a client with num_gpus > 1):
+  // each chunk passes through one chunk-sized buffer on its way to or from
+  // the ranks that own its bytes, one chunk at a time, checked as above.
+  void receive_model(ShardedModelIo& into);
+  void send_update(ShardedModelIo& model);
 
  private:
   uint64_t length_at(uint64_t offset) const;
