@@ -9,6 +9,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <fstream>
 #include <map>
 #include <thread>
 
@@ -17,6 +19,7 @@
 #include "cli_util.h"
 #include "test_util.h"
 #include "train/dp_llama.h"
+#include "tensor/layout.h"
 #include "train/sharded_dp.h"
 
 namespace memfl::torch_internal {
@@ -293,6 +296,98 @@ TEST(ShardedDp, ThreeRanksWithUnevenShardsAndAdam) {
   EXPECT_GT(max_change(one, initial), 0.5e-3);
 }
 
+// A sharded FL client's chunk streams: bytes of the arena layout written
+// into and read out of the shards, in chunks whose edges fall inside floats,
+// parameters and shards (1001 and 777 bytes; 3 ranks, so shards are uneven),
+// end as the values the test wrote — no rank holding more than a chunk.
+TEST(ShardedDp, ChunksOfTheLayoutGoStraightIntoAndOutOfTheShards) {
+  torch::set_num_threads(1);
+  const Model m = cnn_model();
+  constexpr int kWorld = 3;
+  std::vector<std::vector<Unit>> copies;
+  for (int r = 0; r < kWorld; ++r) copies.push_back(build(m, 11));
+  // The layout an unsharded client's arena has: every parameter, f32, in unit order.
+  LayoutBuilder b;
+  for (auto& u : build(m, 11)) {
+    for (const auto& kv : u.module->named_parameters()) {
+      b.add(u.name + "." + kv.key(), DType::kF32, kv.value().sizes().vec());
+    }
+  }
+  auto built = std::move(b).build();
+  ASSERT_TRUE(built.ok());
+  const Layout layout = std::move(*built);
+  // What the "server" sends: seeded values the model never had, zero padding.
+  std::vector<std::byte> sent(layout.total_bytes(), std::byte{0});
+  torch::manual_seed(2024);
+  for (const LayoutEntry& e : layout.entries()) {
+    Tensor v = torch::randn({static_cast<int64_t>(e.nbytes() / 4)});
+    std::memcpy(sent.data() + e.offset, v.data_ptr<float>(), e.nbytes());
+  }
+  // A byte range as pieces of parameters, worked out here from the layout.
+  auto pieces_of = [&](size_t off, size_t len) {
+    std::vector<sharded::ShardedModel::BytePiece> out;
+    for (const LayoutEntry& e : layout.entries()) {
+      const size_t lo = std::max(off, e.offset), hi = std::min(off + len, e.end());
+      if (lo < hi) {
+        out.push_back({e.name, static_cast<int64_t>(lo - e.offset), static_cast<int64_t>(lo - off),
+                       static_cast<int64_t>(hi - lo)});
+      }
+    }
+    return out;
+  };
+  std::vector<std::byte> received(layout.total_bytes(), std::byte{0x55});
+  std::map<std::string, Tensor> gathered;
+  std::vector<std::string> errors(kWorld);
+  const int port = next_port();
+  std::vector<std::thread> threads;
+  for (int r = 0; r < kWorld; ++r) {
+    threads.emplace_back([&, r] {
+      try {
+        sharded::Rendezvous where;
+        where.rank = r;
+        where.world_size = kWorld;
+        where.port = port;
+        auto group = sharded::ShardGroup::create(where, torch::kCPU);
+        if (!group.ok()) throw std::runtime_error(group.status().to_string());
+        sharded::Options o;
+        o.mode = "no_dp";
+        auto model = sharded::ShardedModel::create(
+            group->get(), m.num_units, [&](int i) { return copies[r][static_cast<size_t>(i)]; }, o, torch::kCPU);
+        if (!model.ok()) throw std::runtime_error(model.status().to_string());
+        for (size_t off = 0; off < sent.size(); off += 1001) {
+          const size_t len = std::min<size_t>(1001, sent.size() - off);
+          std::span<const std::byte> chunk;
+          if (r == 0) chunk = std::span<const std::byte>(sent).subspan(off, len);
+          (*model)->write_bytes(pieces_of(off, len), chunk, static_cast<int64_t>(len));
+        }
+        for (size_t off = 0; off < sent.size(); off += 777) {
+          const size_t len = std::min<size_t>(777, sent.size() - off);
+          std::span<std::byte> chunk;
+          if (r == 0) chunk = std::span<std::byte>(received).subspan(off, len);
+          (*model)->read_bytes(pieces_of(off, len), chunk, static_cast<int64_t>(len));
+        }
+        auto params = (*model)->gathered_parameters();
+        if (r == 0) {
+          for (auto& [name, t] : params) gathered[name] = t;
+        }
+      } catch (const std::exception& e) {
+        errors[r] = e.what();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < kWorld; ++r) EXPECT_EQ(errors[r], "") << "rank " << r;
+  // Every parameter now holds exactly the bytes sent for it…
+  ASSERT_EQ(gathered.size(), layout.size());
+  for (const LayoutEntry& e : layout.entries()) {
+    ASSERT_TRUE(gathered.count(e.name)) << e.name;
+    Tensor want = torch::from_blob(sent.data() + e.offset, {static_cast<int64_t>(e.nbytes() / 4)}, torch::kFloat32);
+    EXPECT_TRUE(torch::equal(gathered[e.name].reshape(-1), want)) << e.name;
+  }
+  // …and reading the layout back gives the bytes sent, padding as zeros.
+  EXPECT_TRUE(received == sent);
+}
+
 TEST(ShardedDp, RendezvousFromTheEnvironmentNamesABadVariable) {
   setenv("MEMFL_RANK", "1", 1);
   setenv("MEMFL_WORLD_SIZE", "2", 1);
@@ -438,19 +533,67 @@ TEST(ShardedDp, AFederatedClientShardedOverRanksTrainsAsAnUnshardedOne) {
   EXPECT_EQ(read_csv(tmp.file("n2/privacy.csv")), read_csv(tmp.file("n3/privacy.csv")));
 }
 
+// What memfl's allocation ledger says a process held as model arenas at most.
+int64_t ledger_model_peak(const std::string& memory_json) {
+  std::ifstream in(memory_json);
+  EXPECT_TRUE(in.good()) << memory_json;
+  if (!in.good()) return -1;
+  return nlohmann::json::parse(in)["ledger"]["model"].value("peak_bytes", int64_t{-1});
+}
+
 // The same client as real processes over gRPC: each client process starts
-// its own second rank.
-TEST(ShardedDp, ShardedClientsTrainOverGrpc) {
+// its own second rank. The broadcast and the upload stream straight into and
+// out of the shards, so a client never holds a model arena (its ledger's
+// model peak is 0; an unsharded client's is the model), and the run ends with
+// the unsharded run's model.
+TEST(ShardedDp, ShardedClientsTrainOverGrpcWithTheModelOnlyInShards) {
   memfl::testing::TempDir tmp;
-  Result r = memfl_cli("launch " + kFlArgs +
-                       " --clients 2 --set client_configs.train_configs.dp.noise_multiplier=0"
-                       " --set client_configs.train_configs.num_gpus=2 --out " +
-                       tmp.file("g"));
+  const std::string args = kFlArgs +
+                           " --clients 2 --set client_configs.train_configs.dp.noise_multiplier=0"
+                           " --set server_configs.comm_configs.grpc_configs.model_chunk_size=100001";
+  Result r = memfl_cli("launch " + args + " --set client_configs.train_configs.num_gpus=2 --out " + tmp.file("g"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  r = memfl_cli("launch " + args + " --out " + tmp.file("one"));
   ASSERT_EQ(r.exit_code, 0) << r.output;
   const auto rows = read_csv(tmp.file("g/server/metrics.csv"));
   ASSERT_EQ(rows.size(), 3u);
   EXPECT_EQ(rows[2][1], "2");             // both clients in the last round
   EXPECT_GT(std::stod(rows[2][7]), 0.2);  // test accuracy above chance (0.1)
+  EXPECT_LE(max_model_difference(tmp.file("g/server/global_model.safetensors"),
+                                 tmp.file("one/server/global_model.safetensors")),
+            1e-6);
+  for (const char* c : {"client_0", "client_1"}) {
+    EXPECT_EQ(ledger_model_peak(tmp.file(std::string("g/") + c + "/memory.json")), 0) << c;
+    EXPECT_GT(ledger_model_peak(tmp.file(std::string("one/") + c + "/memory.json")), 2'000'000) << c;
+  }
+}
+
+// Under mpirun (a server rank and two client ranks, each client sharded over
+// two processes it starts): the same model as the simulator's sharded run,
+// and no model arena on a client rank.
+TEST(ShardedDp, ShardedMpiClientsStreamIntoTheirShards) {
+  memfl::testing::TempDir tmp;
+  const std::string args = kFlArgs +
+                           " --set client_configs.train_configs.dp.noise_multiplier=0"
+                           " --set client_configs.train_configs.num_gpus=2"
+                           " --set server_configs.comm_configs.grpc_configs.model_chunk_size=100001";
+  Result m = mpirun(3, args + " --out " + tmp.file("mpi"));
+  ASSERT_EQ(m.exit_code, 0) << m.output;
+  Result r = memfl_cli("run " + args + " --out " + tmp.file("sim"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_LE(max_model_difference(tmp.file("mpi/rank_0/global_model.safetensors"),
+                                 tmp.file("sim/global_model.safetensors")),
+            1e-6);
+  for (const char* rank : {"rank_1", "rank_2"}) {
+    EXPECT_EQ(ledger_model_peak(tmp.file(std::string("mpi/") + rank + "/memory.json")), 0) << rank;
+  }
+  // Chunks as point-to-point messages instead of through the shared-memory ring.
+  m = mpirun(3, args + " --set server_configs.mpi_shared_memory=false --out " + tmp.file("p2p"));
+  ASSERT_EQ(m.exit_code, 0) << m.output;
+  EXPECT_LE(max_model_difference(tmp.file("p2p/rank_0/global_model.safetensors"),
+                                 tmp.file("sim/global_model.safetensors")),
+            1e-6);
+  EXPECT_EQ(ledger_model_peak(tmp.file("p2p/rank_1/memory.json")), 0);
 }
 
 TEST(ShardedDp, ShardingAModelThatIsNotCutIntoUnitsIsRefusedNamingTheKey) {
