@@ -581,18 +581,18 @@ TEST(ShardedDp, ShardedMpiClientsStreamIntoTheirShards) {
   ASSERT_EQ(m.exit_code, 0) << m.output;
   Result r = memfl_cli("run " + args + " --out " + tmp.file("sim"));
   ASSERT_EQ(r.exit_code, 0) << r.output;
-  EXPECT_LE(max_model_difference(tmp.file("mpi/rank_0/global_model.safetensors"),
-                                 tmp.file("sim/global_model.safetensors")),
-            1e-6);
+  EXPECT_LE(
+      max_model_difference(tmp.file("mpi/rank_0/global_model.safetensors"), tmp.file("sim/global_model.safetensors")),
+      1e-6);
   for (const char* rank : {"rank_1", "rank_2"}) {
     EXPECT_EQ(ledger_model_peak(tmp.file(std::string("mpi/") + rank + "/memory.json")), 0) << rank;
   }
   // Chunks as point-to-point messages instead of through the shared-memory ring.
   m = mpirun(3, args + " --set server_configs.mpi_shared_memory=false --out " + tmp.file("p2p"));
   ASSERT_EQ(m.exit_code, 0) << m.output;
-  EXPECT_LE(max_model_difference(tmp.file("p2p/rank_0/global_model.safetensors"),
-                                 tmp.file("sim/global_model.safetensors")),
-            1e-6);
+  EXPECT_LE(
+      max_model_difference(tmp.file("p2p/rank_0/global_model.safetensors"), tmp.file("sim/global_model.safetensors")),
+      1e-6);
   EXPECT_EQ(ledger_model_peak(tmp.file("p2p/rank_1/memory.json")), 0);
 }
 

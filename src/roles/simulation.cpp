@@ -255,11 +255,16 @@ StatusOr<SimulationResult> run_simulation(const ExperimentConfig& cfg, const Sim
     MEMFL_ASSIGN_OR_RETURN(LocalModel extra, make_local_model(cfg, input, /*fill=*/false, sc.seed, opts.run_dir));
     workers.push_back(std::move(extra));
   }
+  // The intra-op threads each worker trains with (make_local_model set
+  // num_threads, or every core, for one worker).
+  int intra_op_threads = cfg.train.num_threads > 0 ? cfg.train.num_threads : cores;
   if (k_workers > 1 && !synthetic) {
     MEMFL_ASSIGN_OR_RETURN(TrainerBackend * backend, load_trainer_backend());
     const int total = cfg.train.num_threads > 0 ? cfg.train.num_threads * k_workers : cores;
-    backend->set_num_threads(std::max(1, total / k_workers));
+    intra_op_threads = std::max(1, total / k_workers);
+    backend->set_num_threads(intra_op_threads);
   }
+  spdlog::info("{} worker(s) × {} intra-op thread(s) on {} core(s)", k_workers, intra_op_threads, cores);
 
   WorkerGovernor governor(budget, k_workers);
   std::mutex governor_mu;
@@ -340,8 +345,41 @@ StatusOr<SimulationResult> run_simulation(const ExperimentConfig& cfg, const Sim
   dopts.role = "simulation";
   dopts.resume = opts.resume;
   if (sc.do_server_eval && global->model().replica() != nullptr) {
-    dopts.evaluate = [&](int, Arena&) {
-      return global->model().replica()->evaluate(data->test, test_idx, sc.eval_batch_size);
+    dopts.evaluate = [&](int, Arena& global_model) -> StatusOr<EvalResult> {
+      // With K workers the test set is cut in K parts, each evaluated by a
+      // worker replica holding the new global model, at once: the cores stay
+      // as busy as in training (one replica would evaluate on one worker's
+      // threads). Worker replicas are free between rounds; a sharded one
+      // (num_gpus) is left to the global replica.
+      const size_t k = std::min(static_cast<size_t>(governor.active()), workers.size());
+      const bool plain =
+          k > 1 && std::all_of(workers.begin(), workers.begin() + static_cast<std::ptrdiff_t>(k), [](LocalModel& w) {
+            return w.replica() != nullptr && w.replica()->sharded_io() == nullptr;
+          });
+      if (!plain) return global->model().replica()->evaluate(data->test, test_idx, sc.eval_batch_size);
+      std::vector<StatusOr<EvalResult>> parts(k, EvalResult{});
+      std::vector<std::thread> pool;
+      for (size_t w = 0; w < k; ++w) {
+        pool.emplace_back([&, w] {
+          const size_t lo = test_idx.size() * w / k, hi = test_idx.size() * (w + 1) / k;
+          std::memcpy(workers[w].arena().data(), global_model.data(), layout.total_bytes());
+          parts[w] = workers[w].replica()->evaluate(
+              data->test, std::span<const uint32_t>(test_idx).subspan(lo, hi - lo), sc.eval_batch_size);
+        });
+      }
+      for (auto& t : pool) t.join();
+      EvalResult all;
+      for (auto& p : parts) {
+        MEMFL_RETURN_IF_ERROR(p.status());
+        all.num_samples += p->num_samples;
+      }
+      for (auto& p : parts) {
+        const double share =
+            static_cast<double>(p->num_samples) / static_cast<double>(std::max<int64_t>(1, all.num_samples));
+        all.loss += p->loss * share;
+        all.accuracy += p->accuracy * share;
+      }
+      return all;
     };
   }
   dopts.on_round = [&](const RoundMetrics& m) {
@@ -407,6 +445,8 @@ StatusOr<SimulationResult> run_simulation(const ExperimentConfig& cfg, const Sim
   summary["num_clients"] = sc.num_clients;
   summary["model_chunk_size"] = chunk;
   summary["parallel_clients"] = k_workers;
+  summary["intra_op_threads"] = intra_op_threads;  // per worker: workers × threads is what the cores run
+  summary["cores"] = cores;
   // The stated bound (docs/ARCHITECTURE.md): global + FedAvg sum + one worker
   // replica + its gradients + optimizer state, in model sizes M, whatever the
   // number of clients. Activations come on top and scale with the batch.

@@ -701,7 +701,8 @@ void ShardedModel::read_bytes(const std::vector<BytePiece>& pieces, std::span<st
 std::vector<std::pair<std::string, std::vector<int64_t>>> ShardedModel::parameter_shapes() const {
   std::vector<std::pair<std::string, std::vector<int64_t>>> out;
   for (const Unit& u : units_) {
-    for (const auto& kv : u.module->named_parameters()) out.emplace_back(param_name(u, kv.key()), kv.value().sizes().vec());
+    for (const auto& kv : u.module->named_parameters())
+      out.emplace_back(param_name(u, kv.key()), kv.value().sizes().vec());
   }
   return out;
 }

@@ -510,18 +510,10 @@ struct ShardedCommand {
 std::string to_text(const ShardedCommand& c) {
   json pieces = json::array();
   for (const auto& p : c.pieces) pieces.push_back(json::array({p.name, p.param_byte, p.chunk_byte, p.length}));
-  return json{{"op", c.op},
-              {"seed", c.seed},
-              {"mode", c.mode},
-              {"steps", c.steps},
-              {"epochs", c.epochs},
-              {"train", c.train_idx},
-              {"val", c.val_idx},
-              {"batch", c.batch_size},
-              {"dataset_size", c.dataset_size},
-              {"staged", c.staged},
-              {"pieces", pieces},
-              {"chunk_len", c.chunk_len}}
+  return json{{"op", c.op},         {"seed", c.seed},        {"mode", c.mode},
+              {"steps", c.steps},   {"epochs", c.epochs},    {"train", c.train_idx},
+              {"val", c.val_idx},   {"batch", c.batch_size}, {"dataset_size", c.dataset_size},
+              {"staged", c.staged}, {"pieces", pieces},      {"chunk_len", c.chunk_len}}
       .dump();
 }
 ShardedCommand from_text(const std::string& t) {
@@ -538,8 +530,8 @@ ShardedCommand from_text(const std::string& t) {
   c.dataset_size = j.at("dataset_size").get<int64_t>();
   c.staged = j.at("staged").get<bool>();
   for (const auto& p : j.at("pieces")) {
-    c.pieces.push_back({p.at(0).get<std::string>(), p.at(1).get<int64_t>(), p.at(2).get<int64_t>(),
-                        p.at(3).get<int64_t>()});
+    c.pieces.push_back(
+        {p.at(0).get<std::string>(), p.at(1).get<int64_t>(), p.at(2).get<int64_t>(), p.at(3).get<int64_t>()});
   }
   c.chunk_len = j.at("chunk_len").get<int64_t>();
   return c;
@@ -728,14 +720,12 @@ class ShardedReplica final : public ModelReplica, public ShardedModelIo {
   ShardedModelIo* sharded_io() override { return staged_ ? nullptr : this; }
 
   Status write(uint64_t offset, std::span<const std::byte> bytes) override {
-    return move_bytes("write", offset, bytes.size(), [&](const auto& pieces, int64_t len) {
-      model_->write_bytes(pieces, bytes, len);
-    });
+    return move_bytes("write", offset, bytes.size(),
+                      [&](const auto& pieces, int64_t len) { model_->write_bytes(pieces, bytes, len); });
   }
   Status read(uint64_t offset, std::span<std::byte> into) override {
-    return move_bytes("read", offset, into.size(), [&](const auto& pieces, int64_t len) {
-      model_->read_bytes(pieces, into, len);
-    });
+    return move_bytes("read", offset, into.size(),
+                      [&](const auto& pieces, int64_t len) { model_->read_bytes(pieces, into, len); });
   }
 
   StatusOr<TrainResult> train(const ImageDataset& data, std::span<const uint32_t> train_idx,

@@ -461,9 +461,10 @@ void ClientStreams::receive_model(ShardedModelIo& into) {
       quiet_waitall(1, &rq, MPI_STATUS_IGNORE, kReceiver);
       if (h.layout_hash != layout_.hash() || h.offset != off || h.length != len ||
           h.slot != static_cast<int32_t>(i % shm_.slots)) {
-        abort_job(fmt::format("rank {}: bad chunk from the server (slot {}, offset {}, length {}; expected slot {}, "
-                              "offset {}, length {})",
-                              rank_, h.slot, h.offset, h.length, i % shm_.slots, off, len));
+        abort_job(
+            fmt::format("rank {}: bad chunk from the server (slot {}, offset {}, length {}; expected slot {}, "
+                        "offset {}, length {})",
+                        rank_, h.slot, h.offset, h.length, i % shm_.slots, off, len));
       }
       shm_.sync();
       sum = copy_with_checksum(buf.data(), shm_.slot(static_cast<size_t>(h.slot)), len, ChecksumSide::kDestination);
@@ -481,8 +482,8 @@ void ClientStreams::receive_model(ShardedModelIo& into) {
       MPI_Get_count(&status[1], MPI_BYTE, &got);
       if (h.layout_hash != layout_.hash() || h.offset != off || h.length != len || static_cast<uint64_t>(got) != len) {
         abort_job(fmt::format(
-            "rank {}: bad chunk from the server (offset {}, length {}, {} bytes; expected offset {}, length {})",
-            rank_, h.offset, h.length, got, off, len));
+            "rank {}: bad chunk from the server (offset {}, length {}, {} bytes; expected offset {}, length {})", rank_,
+            h.offset, h.length, got, off, len));
       }
       sum = chunk_checksum(std::span<const std::byte>(buf));
       expected = h.checksum;
