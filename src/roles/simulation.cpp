@@ -358,16 +358,16 @@ StatusOr<SimulationResult> run_simulation(const ExperimentConfig& cfg, const Sim
           });
       if (!plain) return global->model().replica()->evaluate(data->test, test_idx, sc.eval_batch_size);
       std::vector<StatusOr<EvalResult>> parts(k, EvalResult{});
-      std::vector<std::thread> pool;
+      std::vector<std::thread> evaluators;
       for (size_t w = 0; w < k; ++w) {
-        pool.emplace_back([&, w] {
+        evaluators.emplace_back([&, w] {
           const size_t lo = test_idx.size() * w / k, hi = test_idx.size() * (w + 1) / k;
           std::memcpy(workers[w].arena().data(), global_model.data(), layout.total_bytes());
           parts[w] = workers[w].replica()->evaluate(
               data->test, std::span<const uint32_t>(test_idx).subspan(lo, hi - lo), sc.eval_batch_size);
         });
       }
-      for (auto& t : pool) t.join();
+      for (auto& t : evaluators) t.join();
       EvalResult all;
       for (auto& p : parts) {
         MEMFL_RETURN_IF_ERROR(p.status());
