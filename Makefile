@@ -66,6 +66,7 @@ bench: build
 	bash bench/netem.sh $(BUILD) 64 6 > $(BUILD)/bench_netem.jsonl
 	./$(BUILD)/memfl bench dp --model llama-dp-tiny --seq 64,128 --batch 2 --json $(BUILD)/bench_dp.json
 	./$(BUILD)/memfl_bench_trainer 5 2 > $(BUILD)/bench_trainer.jsonl
+	bash bench/sim_floor.sh $(BUILD) 100 2 1 > $(BUILD)/bench_sim_floor.jsonl
 	./$(BUILD)/memfl bench dp --model llama-dp-tiny --seq 64,128 --batch 2 --optimizer adam --gpus 1 --sharded \
 	  --json $(BUILD)/bench_dp_sharded_1rank.json
 	./$(BUILD)/memfl bench dp --model llama-dp-tiny --seq 64,128 --batch 2 --optimizer adam --gpus 2 \

@@ -404,20 +404,24 @@ void ClientStreams::receive_point_to_point(Arena& into) {
 // the arena in one pass), and says which chunk is in it.
 void ClientStreams::send_through_ring(Arena& model) {
   for (uint64_t off = 0; off < layout_.total_bytes(); off += chunk_) {
-    int32_t sl = -1;
-    MPI_Request rq;
-    MPI_Irecv(&sl, 1, MPI_INT32_T, 0, kTagSlotGrant, MPI_COMM_WORLD, &rq);
-    quiet_waitall(1, &rq, MPI_STATUS_IGNORE, kReceiver);
-    if (sl < 0 || static_cast<size_t>(sl) >= shm_.slots) {
-      abort_job(fmt::format("rank {}: the server lent slot {} of {}", rank_, sl, shm_.slots));
-    }
-    const uint64_t len = length_at(off);
-    const uint64_t sum =
-        copy_with_checksum(shm_.slot(static_cast<size_t>(sl)), model.data() + off, len, ChecksumSide::kSource);
-    shm_.sync();
-    WireSlotHeader h{layout_.hash(), off, len, sum, sl, 0};
-    MPI_Send(&h, sizeof h, MPI_BYTE, 0, kTagSlotHeader, MPI_COMM_WORLD);
+    fill_next_slot(off, model.data() + off, length_at(off));
   }
+}
+
+// Waits for the server to lend a slot, copies [src, src + len) — the
+// chunk at `off` — into it with its xxh3 in one pass, and names it.
+void ClientStreams::fill_next_slot(uint64_t off, const std::byte* src, uint64_t len) {
+  int32_t sl = -1;
+  MPI_Request rq;
+  MPI_Irecv(&sl, 1, MPI_INT32_T, 0, kTagSlotGrant, MPI_COMM_WORLD, &rq);
+  quiet_waitall(1, &rq, MPI_STATUS_IGNORE, kReceiver);
+  if (sl < 0 || static_cast<size_t>(sl) >= shm_.slots) {
+    abort_job(fmt::format("rank {}: the server lent slot {} of {}", rank_, sl, shm_.slots));
+  }
+  const uint64_t sum = copy_with_checksum(shm_.slot(static_cast<size_t>(sl)), src, len, ChecksumSide::kSource);
+  shm_.sync();
+  WireSlotHeader h{layout_.hash(), off, len, sum, sl, 0};
+  MPI_Send(&h, sizeof h, MPI_BYTE, 0, kTagSlotHeader, MPI_COMM_WORLD);
 }
 
 // Up to `depth` chunks in flight, sent from the arena; the next chunk's
@@ -503,18 +507,7 @@ void ClientStreams::send_update(ShardedModelIo& model) {
     buf.resize(len);
     if (Status e = model.read(off, buf); !e.ok()) abort_job(fmt::format("rank {}: {}", rank_, e.message()));
     if (shm_.enabled()) {
-      int32_t sl = -1;
-      MPI_Request rq;
-      MPI_Irecv(&sl, 1, MPI_INT32_T, 0, kTagSlotGrant, MPI_COMM_WORLD, &rq);
-      quiet_waitall(1, &rq, MPI_STATUS_IGNORE, kReceiver);
-      if (sl < 0 || static_cast<size_t>(sl) >= shm_.slots) {
-        abort_job(fmt::format("rank {}: the server lent slot {} of {}", rank_, sl, shm_.slots));
-      }
-      const uint64_t sum =
-          copy_with_checksum(shm_.slot(static_cast<size_t>(sl)), buf.data(), len, ChecksumSide::kSource);
-      shm_.sync();
-      WireSlotHeader h{layout_.hash(), off, len, sum, sl, 0};
-      MPI_Send(&h, sizeof h, MPI_BYTE, 0, kTagSlotHeader, MPI_COMM_WORLD);
+      fill_next_slot(off, buf.data(), len);
     } else {
       WireHeader h{layout_.hash(), off, len, chunk_checksum(std::span<const std::byte>(buf))};
       MPI_Request rq[2];

@@ -187,6 +187,7 @@ class ClientStreams {
   void receive_point_to_point(Arena& into);
   void send_through_ring(Arena& model);
   void send_point_to_point(Arena& model);
+  void fill_next_slot(uint64_t off, const std::byte* src, uint64_t len);
 
   const Layout& layout_;
   const size_t chunk_, depth_;
