@@ -145,6 +145,9 @@ Status run_grpc_client(const ExperimentConfig& local, int client_id, const RoleO
   };
   int64_t dp_steps = 0;  // DP-SGD steps over every round, for this client's ε
   Arena base;            // gradient_based: the model received, then the change sent
+  // A sharded model's upload: one chunk at a time, read from the ranks that
+  // own it. It lives as long as the arena would: gRPC sends it zero-copy.
+  std::vector<std::byte> from_shards;
 
   // One round; true when the server says the run is finished.
   auto play_round = [&]() -> StatusOr<bool> {
@@ -226,7 +229,6 @@ Status run_grpc_client(const ExperimentConfig& local, int client_id, const RoleO
     if (cfg.train.dp.enabled) (*md->mutable_metrics())["epsilon"] = epsilon;
     MEMFL_RETURN_IF_ERROR(write(*stream, out, peer));
     size_t index = 0;
-    std::vector<std::byte> from_shards;  // one chunk, read from the ranks that own it
     for (size_t off = 0; off < layout.total_bytes(); off += chunk, ++index) {
       const size_t len = std::min(chunk, layout.total_bytes() - off);
       std::span<const std::byte> bytes;
