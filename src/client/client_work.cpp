@@ -134,32 +134,6 @@ StatusOr<LocalModel> make_local_model(const ExperimentConfig& cfg, const InputSp
   return m;
 }
 
-Status ShardedWriter::accept(const ChunkHeader& h, Payload payload) {
-  MEMFL_RETURN_IF_ERROR(verify_chunk(h, payload, layout_, next_offset_, peer_));
-  std::span<const std::byte> bytes;
-  if (payload.size() == 1) {
-    bytes = payload.front();
-  } else {
-    buffer_.resize(h.length);
-    size_t at = 0;
-    for (auto part : payload) {
-      std::memcpy(buffer_.data() + at, part.data(), part.size());
-      at += part.size();
-    }
-    bytes = std::span<const std::byte>(buffer_.data(), h.length);
-  }
-  MEMFL_RETURN_IF_ERROR(io_.write(h.offset, bytes));
-  next_offset_ += h.length;
-  return Status::Ok();
-}
-
-Status ShardedWriter::finish() const {
-  if (next_offset_ != layout_.total_bytes()) {
-    return data_loss("model from {} ended after {} of {} bytes", peer_, next_offset_, layout_.total_bytes());
-  }
-  return Status::Ok();
-}
-
 uint64_t client_train_seed(uint64_t seed, int round, int client) {
   return seed * 1000003ULL + static_cast<uint64_t>(round) * 1009ULL + static_cast<uint64_t>(client);
 }

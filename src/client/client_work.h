@@ -9,7 +9,6 @@
 #include <memory>
 #include <vector>
 
-#include "comm/chunk.h"
 #include "config/config.h"
 #include "data/dataset.h"
 #include "data/partition.h"
@@ -36,28 +35,6 @@ class LocalModel {
   std::unique_ptr<ModelReplica> replica_;
   Layout layout_;
   Arena arena_;
-};
-
-// A received model's chunks into a model sharded over ranks
-// (ModelReplica::sharded_io): each chunk is checked as ArenaWriter checks it
-// (layout hash, offset, length, checksum) before a byte moves, put together
-// in one chunk-sized buffer when it came in pieces, and handed to the ranks
-// that own its bytes. No buffer larger than a chunk exists here.
-class ShardedWriter final : public ChunkSink {
- public:
-  ShardedWriter(const Layout& layout, ShardedModelIo& io, std::string peer)
-      : layout_(layout), io_(io), peer_(std::move(peer)) {}
-  using ChunkSink::accept;
-  Status accept(const ChunkHeader& header, Payload payload) override;
-  // Fails unless the whole model arrived.
-  Status finish() const;
-
- private:
-  const Layout& layout_;
-  ShardedModelIo& io_;
-  std::string peer_;
-  uint64_t next_offset_ = 0;
-  std::vector<std::byte> buffer_;
 };
 
 // Whether the model is described without a network and nothing trains it

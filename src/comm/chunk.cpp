@@ -137,22 +137,38 @@ StatusOr<uint64_t> stream_arena(const Layout& layout, const Arena& arena, size_t
   return sent;
 }
 
-Status ArenaWriter::accept(const ChunkHeader& h, Payload payload) {
+Status ModelWriter::accept(const ChunkHeader& h, Payload payload) {
   MEMFL_RETURN_IF_ERROR(verify_chunk(h, payload, layout_, next_offset_, peer_));
+  MEMFL_RETURN_IF_ERROR(store(h, payload));
+  next_offset_ += h.length;
+  return Status::Ok();
+}
+
+Status ModelWriter::finish() const {
+  if (next_offset_ != layout_.total_bytes()) {
+    return data_loss("model from {} ended after {} of {} bytes", peer_, next_offset_, layout_.total_bytes());
+  }
+  return Status::Ok();
+}
+
+Status ArenaWriter::store(const ChunkHeader& h, Payload payload) {
   size_t at = h.offset;
   for (auto part : payload) {
     std::memcpy(arena_.data() + at, part.data(), part.size());
     at += part.size();
   }
-  next_offset_ += h.length;
   return Status::Ok();
 }
 
-Status ArenaWriter::finish() const {
-  if (next_offset_ != layout_.total_bytes()) {
-    return data_loss("model from {} ended after {} of {} bytes", peer_, next_offset_, layout_.total_bytes());
+Status ShardedWriter::store(const ChunkHeader& h, Payload payload) {
+  if (payload.size() == 1) return io_.write(h.offset, payload.front());
+  buffer_.resize(h.length);
+  size_t at = 0;
+  for (auto part : payload) {
+    std::memcpy(buffer_.data() + at, part.data(), part.size());
+    at += part.size();
   }
-  return Status::Ok();
+  return io_.write(h.offset, buffer_);
 }
 
 Status ArenaUpdateSource::read(size_t offset, std::span<std::byte> into) const {

@@ -11,10 +11,12 @@
 #include <cstdint>
 #include <span>
 #include <string>
+#include <vector>
 
 #include "common/status.h"
 #include "tensor/arena.h"
 #include "tensor/layout.h"
+#include "tensor/sharded_model_io.h"
 
 namespace memfl {
 
@@ -107,22 +109,50 @@ class ArenaUpdateSource final : public UpdateSource {
 // Returns the number of bytes sent.
 StatusOr<uint64_t> stream_arena(const Layout& layout, const Arena& arena, size_t chunk_size, ChunkSink& sink);
 
-// Receives a model into an arena, checking every chunk.
-class ArenaWriter final : public ChunkSink {
+// Receives one model stream: every chunk is checked (verify_chunk: layout
+// hash, offset in order, length, checksum) before store() sees a byte.
+class ModelWriter : public ChunkSink {
  public:
-  ArenaWriter(const Layout& layout, Arena& arena, std::string peer)
-      : layout_(layout), arena_(arena), peer_(std::move(peer)) {}
   using ChunkSink::accept;
-  Status accept(const ChunkHeader& header, Payload payload) override;
+  Status accept(const ChunkHeader& header, Payload payload) final;
   // Fails unless the whole model arrived.
   Status finish() const;
   uint64_t received() const { return next_offset_; }
 
+ protected:
+  ModelWriter(const Layout& layout, std::string peer) : layout_(layout), peer_(std::move(peer)) {}
+  // Puts a checked chunk where the model lives.
+  virtual Status store(const ChunkHeader& header, Payload payload) = 0;
+
  private:
   const Layout& layout_;
-  Arena& arena_;
   std::string peer_;
   uint64_t next_offset_ = 0;
+};
+
+// Into an arena.
+class ArenaWriter final : public ModelWriter {
+ public:
+  ArenaWriter(const Layout& layout, Arena& arena, std::string peer)
+      : ModelWriter(layout, std::move(peer)), arena_(arena) {}
+
+ private:
+  Status store(const ChunkHeader& header, Payload payload) override;
+  Arena& arena_;
+};
+
+// Into a model sharded over ranks (a client with num_gpus > 1): a chunk that
+// came in pieces is put together in one chunk-sized buffer, then handed to
+// the ranks that own its bytes. No buffer larger than a chunk exists here.
+class ShardedWriter final : public ModelWriter {
+ public:
+  ShardedWriter(const Layout& layout, ShardedModelIo& io, std::string peer)
+      : ModelWriter(layout, std::move(peer)), io_(io) {}
+
+ private:
+  Status store(const ChunkHeader& header, Payload payload) override;
+  ShardedModelIo& io_;
+  std::vector<std::byte> buffer_;
 };
 
 }  // namespace memfl

@@ -169,13 +169,11 @@ Status run_grpc_client(const ExperimentConfig& local, int client_id, const RoleO
     while (inflight.load() > 0) std::this_thread::sleep_for(std::chrono::microseconds(100));
     // A model sharded over ranks takes each chunk straight into its shards.
     ShardedModelIo* shards = model.replica() != nullptr ? model.replica()->sharded_io() : nullptr;
-    std::optional<ArenaWriter> to_arena;
-    std::optional<ShardedWriter> to_shards;
-    ChunkSink* into = nullptr;
+    std::unique_ptr<ModelWriter> into;
     if (shards != nullptr) {
-      into = &to_shards.emplace(layout, *shards, "server " + peer);
+      into = std::make_unique<ShardedWriter>(layout, *shards, "server " + peer);
     } else {
-      into = &to_arena.emplace(layout, model.arena(), "server " + peer);
+      into = std::make_unique<ArenaWriter>(layout, model.arena(), "server " + peer);
     }
     while (true) {
       MEMFL_RETURN_IF_ERROR(read_server_message(*stream, peer, &d, &msg));
@@ -186,7 +184,7 @@ Status run_grpc_client(const ExperimentConfig& local, int client_id, const RoleO
       MEMFL_RETURN_IF_ERROR(into->accept(d.header, d.payload()));
       stop_here("stop_in_broadcast");
     }
-    MEMFL_RETURN_IF_ERROR(to_shards ? to_shards->finish() : to_arena->finish());
+    MEMFL_RETURN_IF_ERROR(into->finish());
     out.Clear();
     out.mutable_model_received();
     MEMFL_RETURN_IF_ERROR(write(*stream, out, peer));

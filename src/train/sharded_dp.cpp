@@ -197,13 +197,15 @@ void ShardGroup::all_gather(Tensor& full, const Tensor& shard) {
 #endif
 }
 
-void ShardGroup::reduce_scatter_sum(Tensor& shard, Tensor& full) {
+void ShardGroup::reduce_scatter_sum(Tensor& shard, Tensor& full) { reduce_scatter_sum_start(shard, full)(); }
+
+std::function<void()> ShardGroup::reduce_scatter_sum_start(Tensor& shard, Tensor& full) {
   const int64_t n = shard.numel();
   TORCH_CHECK(full.numel() == n * world_, "reduce_scatter: ", full.numel(), " != ", n, " x ", world_);
 #ifdef MEMFL_HAVE_NCCL
   if (impl_->nccl) {
-    impl_->nccl->_reduce_scatter_base(shard, full)->wait();
-    return;
+    auto work = impl_->nccl->_reduce_scatter_base(shard, full);
+    return [work] { work->wait(); };
   }
 #endif
 #ifdef MEMFL_HAVE_GLOO
@@ -213,18 +215,6 @@ void ShardGroup::reduce_scatter_sum(Tensor& shard, Tensor& full) {
   impl_->gloo->allreduce(t)->wait();
   shard.copy_(full.narrow(0, rank_ * n, n));
 #endif
-}
-
-std::function<void()> ShardGroup::reduce_scatter_sum_start(Tensor& shard, Tensor& full) {
-#ifdef MEMFL_HAVE_NCCL
-  if (impl_->nccl) {
-    TORCH_CHECK(full.numel() == shard.numel() * world_, "reduce_scatter: ", full.numel(), " != ", shard.numel(), " x ",
-                world_);
-    auto work = impl_->nccl->_reduce_scatter_base(shard, full);
-    return [work] { work->wait(); };
-  }
-#endif
-  reduce_scatter_sum(shard, full);
   return [] {};
 }
 
