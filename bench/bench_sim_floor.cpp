@@ -56,6 +56,13 @@ int main(int argc, char** argv) {
   const int threads = argc > 4 ? std::atoi(argv[4]) : 1;
   const int num_clients = argc > 5 ? std::atoi(argv[5]) : 100;
   const bool server_eval = argc > 6 ? std::atoi(argv[6]) != 0 : true;  // server_configs.do_server_eval
+  if (rounds < 1 || per_round < 1 || workers < 1 || threads < 1 || num_clients < per_round) {
+    fmt::print(stderr,
+               "memfl_bench_sim_floor: ROUNDS {}, CLIENTS_PER_ROUND {}, WORKERS {}, THREADS {} must be >= 1 and "
+               "NUM_CLIENTS {} >= CLIENTS_PER_ROUND\n",
+               rounds, per_round, workers, threads, num_clients);
+    return 2;
+  }
   auto cfg = memfl::load_config_file(std::string(MEMFL_SOURCE_DIR) + "/configs/fedavg_fmnist_cnn.yaml",
                                      {"server_configs.num_clients=" + std::to_string(num_clients)});
   if (!cfg.ok()) {

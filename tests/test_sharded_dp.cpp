@@ -235,7 +235,7 @@ TEST_P(ShardedDpModes, TwoRanksTakeTheSameStepsAsOneUnshardedModel) {
 INSTANTIATE_TEST_SUITE_P(ShardedDp, ShardedDpModes,
                          ::testing::Combine(::testing::Values("llama", "cnn"),
                                             ::testing::Values("no_dp", "naive", "ghost", "fused")),
-                         [](const auto& info) { return std::get<0>(info.param) + "_" + std::get<1>(info.param); });
+                         [](const auto& test) { return std::get<0>(test.param) + "_" + std::get<1>(test.param); });
 
 // Noise on: each coordinate's draw depends on (seed, step, unit, coordinate)
 // only, so one rank and two ranks take the same noisy step; and one step's
@@ -439,6 +439,10 @@ void expect_sharded_records(const std::string& path, int gpus) {
     EXPECT_EQ(r.value("num_params", int64_t{0}), kTinyParams);
     EXPECT_FALSE(r.contains("error")) << r.dump();
     EXPECT_GT(r.value("avg_iteration_ms", 0.0), 0.0);
+    // The median of the timed steps lies between the fastest and the slowest
+    // (whose mean is avg): above the min, and the min no higher than the mean.
+    EXPECT_GE(r.value("median_iteration_ms", 0.0), r.value("min_iteration_ms", 1e9));
+    EXPECT_LE(r.value("min_iteration_ms", 1e9), r.value("avg_iteration_ms", 0.0));
   }
   EXPECT_GT(records[1].value("mean_per_sample_norm", 0.0), 0.0);  // fused ran and clipped
 }

@@ -266,8 +266,8 @@ TEST(FedProx, TheProximalTermKeepsTheModelNearTheGlobalOne) {
   ASSERT_EQ(plain.exit_code, 0) << plain.output;
   Result prox = memfl_cli("run " + base + "--set client_configs.train_configs.mu=10 --out " + tmp.file("prox"));
   ASSERT_EQ(prox.exit_code, 0) << prox.output;
-  Result init = memfl_cli("model-worker " + tmp.file("plain/config.yaml") + " --write-initial " +
-                          tmp.file("init.safetensors"));
+  Result init =
+      memfl_cli("model-worker " + tmp.file("plain/config.yaml") + " --write-initial " + tmp.file("init.safetensors"));
   ASSERT_EQ(init.exit_code, 0) << init.output;
   auto distance = [&](const std::string& path) {
     auto a = SafetensorsFile::open(path);
@@ -456,13 +456,30 @@ TEST(Simulation, TwoWorkersGiveTheSameModelAsOne) {
   const std::string sets =
       " -q --set server_configs.num_clients=4 --set server_configs.num_global_epochs=2"
       " --set client_configs.data_configs.dataset_kwargs.max_train_samples=1200"
-      " --set client_configs.data_configs.dataset_kwargs.max_test_samples=200"
+      " --set client_configs.data_configs.dataset_kwargs.max_test_samples=201"
       " --set client_configs.train_configs.num_threads=1";
   Result one = memfl_cli("run" + sets + " --out " + tmp.file("k1"));
   ASSERT_EQ(one.exit_code, 0) << one.output;
   Result two = memfl_cli("run" + sets + " --set server_configs.parallel_clients=2 --out " + tmp.file("k2"));
   ASSERT_EQ(two.exit_code, 0) << two.output;
   EXPECT_TRUE(same_model(tmp.file("k1/global_model.safetensors"), tmp.file("k2/global_model.safetensors")));
+  // With two workers the server's evaluation is split between them (100 and
+  // 101 of the 201 test samples): the same model must get the same test
+  // accuracy and loss as one replica evaluating all of them — a lost, doubled
+  // or wrongly weighted part would show.
+  const auto k1 = read_csv(tmp.file("k1/metrics.csv")), k2 = read_csv(tmp.file("k2/metrics.csv"));
+  ASSERT_EQ(k1.size(), 3u);
+  ASSERT_EQ(k2.size(), 3u);
+  for (size_t r = 1; r < k1.size(); ++r) {
+    EXPECT_EQ(k2[r][7], k1[r][7]) << "round " << r << " test_accuracy";
+    EXPECT_NEAR(std::stod(k2[r][6]), std::stod(k1[r][6]), 2e-6) << "round " << r << " test_loss";
+  }
+  // The summary says what ran: workers × intra-op threads.
+  std::ifstream in(tmp.file("k2/summary.json"));
+  const auto summary = nlohmann::json::parse(in);
+  EXPECT_EQ(summary.value("parallel_clients", 0), 2);
+  EXPECT_EQ(summary.value("intra_op_threads", 0), 1);
+  EXPECT_GE(summary.value("cores", 0), 1);
 }
 
 }  // namespace
