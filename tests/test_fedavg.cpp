@@ -280,3 +280,86 @@ TEST(ChunkChecksum, CopyWithChecksumHashesTheNamedSide) {
             original);
   EXPECT_NE(XXH3_64bits(peer.data(), n), original);
 }
+
+// A payload that arrived in pieces (gRPC slices) is copied and hashed in one
+// pass: the copy is exact, nothing past it is written, and the checksum is
+// the library's xxh3 of the bytes in order, wherever the pieces are cut
+// (inside a 32 KiB block, at its edge, empty pieces).
+TEST(ChunkChecksum, CopyOfAPayloadInPiecesHashesWhatItWrote) {
+  std::vector<std::byte> src(150 * 1024 + 31);
+  for (size_t i = 0; i < src.size(); ++i) src[i] = static_cast<std::byte>((i * 167 + 3) % 253);
+  const std::span<const std::byte> all(src);
+  const size_t cuts[][3] = {{0, 0, 0}, {1, 32 * 1024, 32 * 1024}, {17, 40000, 100001}, {32 * 1024, 64 * 1024, 150000}};
+  for (const auto& c : cuts) {
+    const std::span<const std::byte> pieces[4] = {all.subspan(0, c[0]), all.subspan(c[0], c[1] - c[0]),
+                                                  all.subspan(c[1], c[2] - c[1]), all.subspan(c[2])};
+    std::vector<std::byte> dst(src.size() + 8, std::byte{0xCD});
+    const uint64_t sum = memfl::copy_with_checksum(dst.data(), memfl::Payload(pieces, 4));
+    EXPECT_EQ(sum, XXH3_64bits(src.data(), src.size())) << c[0] << "," << c[1] << "," << c[2];
+    EXPECT_EQ(std::memcmp(dst.data(), src.data(), src.size()), 0);
+    EXPECT_EQ(dst[src.size()], std::byte{0xCD}) << "nothing past the payload is written";
+  }
+}
+
+namespace memfl {
+namespace {
+
+// The client's download copies and hashes in one pass: a chunk whose bytes
+// do not match its checksum (one byte flipped in the second of three pieces)
+// is refused, the stream goes no further, and the model is not complete.
+TEST(ArenaWriter, RefusesAChunkInPiecesWhoseBytesWereChanged) {
+  Layout layout = mixed_layout(DType::kF32);
+  Arena src(layout.total_bytes(), MemoryCategory::kModel), dst(layout.total_bytes(), MemoryCategory::kModel);
+  testing::fill_random(layout, src, 9);
+  const size_t len = std::min<size_t>(layout.total_bytes(), 1000);
+  std::vector<std::byte> tampered(src.data(), src.data() + len);
+  tampered[len / 2] ^= std::byte{0x01};
+  const std::span<const std::byte> t(tampered);
+  const std::span<const std::byte> pieces[3] = {t.subspan(0, len / 3), t.subspan(len / 3, len / 3),
+                                                t.subspan(2 * (len / 3))};
+  ArenaWriter w(layout, dst, "server 127.0.0.1:1");
+  Status s = w.accept({layout.hash(), 0, len, chunk_checksum(src.bytes(0, len))}, Payload(pieces, 3));
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.message().find("checksum mismatch for bytes [0, " + std::to_string(len) + ")"), std::string::npos)
+      << s.message();
+  EXPECT_NE(s.message().find("server 127.0.0.1:1"), std::string::npos) << s.message();
+  EXPECT_EQ(w.received(), 0u);
+  EXPECT_FALSE(w.finish().ok());
+  // The same pieces untouched are taken.
+  const std::span<const std::byte> good(src.data(), len);
+  const std::span<const std::byte> ok_pieces[3] = {good.subspan(0, len / 3), good.subspan(len / 3, len / 3),
+                                                   good.subspan(2 * (len / 3))};
+  ArenaWriter w2(layout, dst, "server");
+  ASSERT_TRUE(w2.accept({layout.hash(), 0, len, chunk_checksum(good)}, Payload(ok_pieces, 3)).ok());
+  EXPECT_EQ(std::memcmp(dst.data(), src.data(), len), 0);
+}
+
+// The broadcast's shared checksums: each is the chunk's xxh3 (the last chunk
+// shorter), computed once per key (a changed model under the same key keeps
+// the first value, which is why the server resets on every round/version),
+// and recomputed after reset() with a new key.
+TEST(ChunkChecksums, OnePerChunkPerModelVersion) {
+  std::vector<std::byte> model(10 * 1000 + 7);
+  for (size_t i = 0; i < model.size(); ++i) model[i] = static_cast<std::byte>((i * 29 + 11) % 256);
+  const size_t chunk = 1000;
+  ChunkChecksums sums;
+  sums.reset(1, model.size(), chunk);
+  auto bytes = [&](size_t off) {
+    return std::span<const std::byte>(model.data() + off, std::min(chunk, model.size() - off));
+  };
+  for (size_t off = 0; off < model.size(); off += chunk) {
+    EXPECT_EQ(sums.get(off, bytes(off)), XXH3_64bits(bytes(off).data(), bytes(off).size())) << off;
+  }
+  const uint64_t first = XXH3_64bits(model.data(), chunk);
+  model[5] ^= std::byte{0xFF};  // the model changes
+  sums.reset(1, model.size(), chunk);
+  EXPECT_EQ(sums.get(0, bytes(0)), first) << "same key: the cached value stays";
+  sums.reset(2, model.size(), chunk);
+  EXPECT_EQ(sums.get(0, bytes(0)), XXH3_64bits(model.data(), chunk));
+  EXPECT_NE(sums.get(0, bytes(0)), first);
+  // An offset that is not a chunk of this model is hashed, not looked up.
+  EXPECT_EQ(sums.get(3, std::span<const std::byte>(model.data() + 3, 10)), XXH3_64bits(model.data() + 3, 10));
+}
+
+}  // namespace
+}  // namespace memfl

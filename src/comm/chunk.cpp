@@ -89,6 +89,21 @@ uint64_t copy_with_checksum(std::byte* dst, const std::byte* src, size_t n, Chec
   return chunk_detail::copy_with_checksum(dst, src, n, side, nullptr, nullptr);
 }
 
+uint64_t copy_with_checksum(std::byte* dst, Payload src) {
+  if (src.size() == 1) return copy_with_checksum(dst, src[0].data(), src[0].size(), ChecksumSide::kDestination);
+  constexpr size_t kBlock = 32 * 1024;  // as above: the hash reads what the copy just wrote
+  Xxh3Stream hash;
+  for (auto part : src) {
+    for (size_t off = 0; off < part.size(); off += kBlock) {
+      const size_t len = std::min(kBlock, part.size() - off);
+      std::memcpy(dst + off, part.data() + off, len);
+      hash.update(dst + off, len);
+    }
+    dst += part.size();
+  }
+  return hash.digest();
+}
+
 size_t payload_size(Payload payload) {
   size_t n = 0;
   for (auto part : payload) n += part.size();
@@ -97,7 +112,17 @@ size_t payload_size(Payload payload) {
 
 Status verify_chunk(const ChunkHeader& h, Payload payload, const Layout& layout, uint64_t expected_offset,
                     std::string_view peer) {
-  const size_t size = payload_size(payload);
+  MEMFL_RETURN_IF_ERROR(verify_chunk_header(h, payload_size(payload), layout, expected_offset, peer));
+  if (chunk_checksum(payload) != h.checksum) return checksum_mismatch(h, peer);
+  return Status::Ok();
+}
+
+Status checksum_mismatch(const ChunkHeader& h, std::string_view peer) {
+  return data_loss("chunk from {}: checksum mismatch for bytes [{}, {})", peer, h.offset, h.offset + h.length);
+}
+
+Status verify_chunk_header(const ChunkHeader& h, size_t size, const Layout& layout, uint64_t expected_offset,
+                           std::string_view peer) {
   if (h.layout_hash != layout.hash()) {
     return data_loss("chunk from {}: layout hash {:016x} does not match the model's {:016x}", peer, h.layout_hash,
                      layout.hash());
@@ -114,10 +139,31 @@ Status verify_chunk(const ChunkHeader& h, Payload payload, const Layout& layout,
     return data_loss("chunk from {}: offset {} where {} was expected (gap, overlap or repeat)", peer, h.offset,
                      expected_offset);
   }
-  if (chunk_checksum(payload) != h.checksum) {
-    return data_loss("chunk from {}: checksum mismatch for bytes [{}, {})", peer, h.offset, h.offset + h.length);
-  }
   return Status::Ok();
+}
+
+void ChunkChecksums::reset(int64_t key, size_t total_bytes, size_t chunk_bytes) {
+  const size_t count = chunk_bytes == 0 ? 0 : (total_bytes + chunk_bytes - 1) / chunk_bytes;
+  if (key == key_ && chunk_bytes == chunk_ && count == count_) return;
+  key_ = key;
+  chunk_ = chunk_bytes;
+  if (count != count_) {
+    sums_ = std::make_unique<std::atomic<uint64_t>[]>(count);
+    ready_ = std::make_unique<std::atomic<bool>[]>(count);
+    count_ = count;
+  }
+  for (size_t i = 0; i < count_; ++i) ready_[i].store(false, std::memory_order_relaxed);
+}
+
+uint64_t ChunkChecksums::get(uint64_t offset, std::span<const std::byte> bytes) {
+  const size_t i = chunk_ == 0 ? count_ : offset / chunk_;
+  if (i >= count_ || offset % chunk_ != 0) return chunk_checksum(bytes);  // not a chunk of this model: no cache
+  if (ready_[i].load(std::memory_order_acquire)) return sums_[i].load(std::memory_order_relaxed);
+  // Two senders may both get here for one chunk: both compute the same value.
+  const uint64_t sum = chunk_checksum(bytes);
+  sums_[i].store(sum, std::memory_order_relaxed);
+  ready_[i].store(true, std::memory_order_release);
+  return sum;
 }
 
 StatusOr<uint64_t> stream_arena(const Layout& layout, const Arena& arena, size_t chunk_size, ChunkSink& sink) {
@@ -138,7 +184,7 @@ StatusOr<uint64_t> stream_arena(const Layout& layout, const Arena& arena, size_t
 }
 
 Status ModelWriter::accept(const ChunkHeader& h, Payload payload) {
-  MEMFL_RETURN_IF_ERROR(verify_chunk(h, payload, layout_, next_offset_, peer_));
+  MEMFL_RETURN_IF_ERROR(verify_chunk_header(h, payload_size(payload), layout_, next_offset_, peer_));
   MEMFL_RETURN_IF_ERROR(store(h, payload));
   next_offset_ += h.length;
   return Status::Ok();
@@ -152,22 +198,19 @@ Status ModelWriter::finish() const {
 }
 
 Status ArenaWriter::store(const ChunkHeader& h, Payload payload) {
-  size_t at = h.offset;
-  for (auto part : payload) {
-    std::memcpy(arena_.data() + at, part.data(), part.size());
-    at += part.size();
-  }
+  if (copy_with_checksum(arena_.data() + h.offset, payload) != h.checksum) return checksum_mismatch(h, peer());
   return Status::Ok();
 }
 
 Status ShardedWriter::store(const ChunkHeader& h, Payload payload) {
-  if (payload.size() == 1) return io_.write(h.offset, payload.front());
-  buffer_.resize(h.length);
-  size_t at = 0;
-  for (auto part : payload) {
-    std::memcpy(buffer_.data() + at, part.data(), part.size());
-    at += part.size();
+  // The shards are written only with checked bytes: a chunk in one piece is
+  // hashed where it is; one in pieces is hashed as it is put together.
+  if (payload.size() == 1) {
+    if (chunk_checksum(payload) != h.checksum) return checksum_mismatch(h, peer());
+    return io_.write(h.offset, payload.front());
   }
+  buffer_.resize(h.length);
+  if (copy_with_checksum(buffer_.data(), payload) != h.checksum) return checksum_mismatch(h, peer());
   return io_.write(h.offset, buffer_);
 }
 

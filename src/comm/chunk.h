@@ -9,6 +9,9 @@
 #pragma once
 
 #include <cstdint>
+#include <atomic>
+#include <climits>
+#include <memory>
 #include <span>
 #include <string>
 #include <vector>
@@ -63,11 +66,44 @@ uint64_t copy_with_checksum(std::byte* dst, const std::byte* src, size_t n, Chec
                             void (*after_copy)(void*, size_t, size_t), void* ctx);
 }  // namespace chunk_detail
 
+// Copies a payload that arrived in pieces to dst (payload_size bytes) and
+// returns the checksum of dst: one pass, the hash reads each block right
+// after the copy wrote it (what a receiver that owns dst may do instead of
+// hashing the pieces, then copying them).
+uint64_t copy_with_checksum(std::byte* dst, Payload src);
+
 // Checks a chunk from `peer` against the layout it must belong to and the
 // offset the stream is at (chunks of one stream arrive in order; a gap, an
 // overlap or a repeat is an error). Messages name the peer.
 Status verify_chunk(const ChunkHeader& header, Payload payload, const Layout& layout, uint64_t expected_offset,
                     std::string_view peer);
+// The same checks but the checksum, for a payload of `size` bytes: what a
+// receiver must know before it puts a byte anywhere.
+Status verify_chunk_header(const ChunkHeader& header, size_t size, const Layout& layout, uint64_t expected_offset,
+                           std::string_view peer);
+// The error for a chunk whose bytes do not match its header's checksum.
+Status checksum_mismatch(const ChunkHeader& header, std::string_view peer);
+
+// The checksums of one model's chunks, computed once by whichever sender
+// needs one first and shared by the others: a broadcast to N clients hashes
+// the model once, not N times, and still hashes each chunk just before the
+// first send of it (the sender's hash overlaps the receiver's work).
+// Senders call get() concurrently; reset() (a new model) only while none is
+// inside get().
+class ChunkChecksums {
+ public:
+  // For the model identified by `key` (its round or version): keeps what was
+  // computed if the key is the same, else forgets it.
+  void reset(int64_t key, size_t total_bytes, size_t chunk_bytes);
+  // The checksum of chunk `offset / chunk_bytes`, whose bytes are `bytes`.
+  uint64_t get(uint64_t offset, std::span<const std::byte> bytes);
+
+ private:
+  int64_t key_ = INT64_MIN;
+  size_t chunk_ = 0, count_ = 0;
+  std::unique_ptr<std::atomic<uint64_t>[]> sums_;
+  std::unique_ptr<std::atomic<bool>[]> ready_;
+};
 
 // Where chunks go: an arena, the aggregator's running sum, a socket.
 class ChunkSink {
@@ -121,8 +157,12 @@ class ModelWriter : public ChunkSink {
 
  protected:
   ModelWriter(const Layout& layout, std::string peer) : layout_(layout), peer_(std::move(peer)) {}
-  // Puts a checked chunk where the model lives.
+  // Puts a chunk whose header was checked where the model lives, and checks
+  // its checksum (checksum_mismatch) before or while it copies: a writer
+  // that copies first hashes its own copy, so the bytes checked are the
+  // bytes kept. After a mismatch the stream is over (finish() fails).
   virtual Status store(const ChunkHeader& header, Payload payload) = 0;
+  const std::string& peer() const { return peer_; }
 
  private:
   const Layout& layout_;
@@ -130,7 +170,10 @@ class ModelWriter : public ChunkSink {
   uint64_t next_offset_ = 0;
 };
 
-// Into an arena.
+// Into an arena: each chunk is copied and hashed in one pass. A chunk that
+// fails its checksum has been copied already; the arena is then not the
+// model, and finish() says so (the arena is being replaced anyway: the
+// receiver's previous model is not kept on a failed download).
 class ArenaWriter final : public ModelWriter {
  public:
   ArenaWriter(const Layout& layout, Arena& arena, std::string peer)

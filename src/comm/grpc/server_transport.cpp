@@ -181,6 +181,7 @@ class ServerAgent final : public ServerTransport {
   std::vector<int> order_;     // selected clients
   std::vector<int> rejoined_;  // clients back since the driver last asked
   std::atomic<int64_t> inflight_{0};
+  ChunkChecksums down_sums_;  // of the model being broadcast
   // Transfer timing of the current round.
   std::optional<Clock::time_point> down_start_, up_start_;
   Clock::time_point down_end_, up_end_;
@@ -215,6 +216,10 @@ grpc::Status ServerAgent::send_model(grpc::ServerReaderWriter<Frame, Frame>* str
   {
     std::lock_guard lock(mu_);
     if (!down_start_) down_start_ = Clock::now();
+    // Every sender of this model shares its chunks' checksums. A new round
+    // (or, asynchronous, a new version: it changes only while no sender
+    // runs) forgets the old ones.
+    down_sums_.reset(round, layout.total_bytes(), chunk_);
   }
   // Naive mode serialises the whole model into one buffer first, as typical
   // frameworks do (pickle/torch.save); streaming sends from the arena.
@@ -235,7 +240,7 @@ grpc::Status ServerAgent::send_model(grpc::ServerReaderWriter<Frame, Frame>* str
   for (size_t off = 0; off < layout.total_bytes(); off += chunk_) {
     const size_t len = std::min(chunk_, layout.total_bytes() - off);
     std::span<const std::byte> bytes(base + off, len);
-    ChunkHeader h{layout.hash(), off, len, chunk_checksum(bytes)};
+    ChunkHeader h{layout.hash(), off, len, down_sums_.get(off, bytes)};
     // One write in flight: Write returns when gRPC has taken the message.
     if (!stream->Write(encode_chunk_frame(kServerChunkField, h, bytes, naive_ ? &serialised_inflight : &inflight_))) {
       return {grpc::StatusCode::UNAVAILABLE, peer + " went away during the broadcast"};

@@ -1,0 +1,176 @@
+// Raw TCP over loopback (issue #18's ceiling for gRPC): what the kernel moves
+// between a server and N client processes with nothing of memfl or gRPC in
+// between. The same shape as `memfl bench transfer`: the server sends its
+// model (one buffer, MODEL_MB) to every client at once, a thread per client,
+// and each client reads it straight into its own model buffer (no
+// intermediate copy: the best case, which gRPC cannot have); then every
+// client sends its buffer back and the server reads each into one reused
+// chunk buffer per connection (as gRPC's receive slices are). With HASH=1
+// each side also computes xxh3-64 of every chunk, as memfl's transports do.
+// GB/s counts the bytes of every client, like memfl's metrics.csv.
+//
+// Usage: tcp_raw_bandwidth MODEL_MB CLIENTS CHUNK_KB HASH REPS
+// Prints one JSON object: the best and median of REPS rounds per direction.
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+#define XXH_INLINE_ALL  // the AVX2 build, as memfl's comm/xxh3_avx2.cpp
+#include <xxhash.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+[[noreturn]] void die(const char* what) {
+  std::perror(what);
+  std::exit(1);
+}
+
+void write_all(int fd, const char* p, size_t n) {
+  while (n > 0) {
+    const ssize_t w = ::write(fd, p, n);
+    if (w <= 0) die("write");
+    p += w;
+    n -= static_cast<size_t>(w);
+  }
+}
+
+void read_all(int fd, char* p, size_t n) {
+  while (n > 0) {
+    const ssize_t r = ::read(fd, p, n);
+    if (r <= 0) die("read");
+    p += r;
+    n -= static_cast<size_t>(r);
+  }
+}
+
+// Sends `bytes` in chunks; with `hash`, hashes each chunk first (the sender's
+// checksum, which memfl puts in the chunk header).
+uint64_t send_model(int fd, const char* data, size_t bytes, size_t chunk, bool hash) {
+  uint64_t h = 0;
+  for (size_t off = 0; off < bytes; off += chunk) {
+    const size_t len = std::min(chunk, bytes - off);
+    if (hash) h ^= XXH3_64bits(data + off, len);
+    write_all(fd, data + off, len);
+  }
+  return h;
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc != 6) {
+    std::fprintf(stderr, "usage: %s MODEL_MB CLIENTS CHUNK_KB HASH REPS\n", argv[0]);
+    return 2;
+  }
+  const size_t bytes = static_cast<size_t>(std::atof(argv[1]) * (1 << 20));
+  const int clients = std::atoi(argv[2]);
+  const size_t chunk = static_cast<size_t>(std::atol(argv[3])) << 10;
+  const bool hash = std::atoi(argv[4]) != 0;
+  const int reps = std::atoi(argv[5]);
+  if (bytes == 0 || clients < 1 || chunk == 0 || reps < 1) {
+    std::fprintf(stderr, "MODEL_MB, CLIENTS, CHUNK_KB and REPS must be positive\n");
+    return 2;
+  }
+  const int ls = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t alen = sizeof addr;
+  if (::bind(ls, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0 || ::listen(ls, clients) != 0 ||
+      ::getsockname(ls, reinterpret_cast<sockaddr*>(&addr), &alen) != 0) {
+    die("listen");
+  }
+  for (int c = 0; c < clients; ++c) {
+    if (::fork() != 0) continue;
+    // A client: its model buffer, touched once (memfl's client arena is
+    // resident after its first round).
+    const int s = ::socket(AF_INET, SOCK_STREAM, 0);
+    if (::connect(s, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) die("connect");
+    std::vector<char> model(bytes, static_cast<char>(c + 1));
+    char go = 0;
+    for (int r = 0; r < reps; ++r) {
+      for (size_t off = 0; off < bytes; off += chunk) {
+        const size_t len = std::min(chunk, bytes - off);
+        read_all(s, model.data() + off, len);
+        if (hash) (void)XXH3_64bits(model.data() + off, len);  // the receiver's check
+      }
+      write_all(s, &go, 1);  // downloaded
+      read_all(s, &go, 1);   // the server's "upload now"
+      send_model(s, model.data(), bytes, chunk, hash);
+    }
+    ::close(s);
+    std::_Exit(0);
+  }
+  std::vector<int> fds;
+  for (int c = 0; c < clients; ++c) {
+    const int fd = ::accept(ls, nullptr, nullptr);
+    if (fd < 0) die("accept");
+    fds.push_back(fd);
+  }
+  std::vector<char> global(bytes, 7);
+  std::vector<double> down, up;
+  for (int r = 0; r < reps; ++r) {
+    auto t0 = Clock::now();
+    {
+      std::vector<std::thread> th;
+      for (int fd : fds) {
+        th.emplace_back([&, fd] {
+          send_model(fd, global.data(), bytes, chunk, hash);
+          char ack;
+          read_all(fd, &ack, 1);
+        });
+      }
+      for (auto& t : th) t.join();
+    }
+    const double ds = std::chrono::duration<double>(Clock::now() - t0).count();
+    t0 = Clock::now();
+    {
+      std::vector<std::thread> th;
+      for (int fd : fds) {
+        th.emplace_back([&, fd] {
+          std::vector<char> buf(chunk);
+          const char go = 1;
+          write_all(fd, &go, 1);
+          for (size_t off = 0; off < bytes; off += chunk) {
+            const size_t len = std::min(chunk, bytes - off);
+            read_all(fd, buf.data(), len);
+            if (hash) (void)XXH3_64bits(buf.data(), len);
+          }
+        });
+      }
+      for (auto& t : th) t.join();
+    }
+    const double us = std::chrono::duration<double>(Clock::now() - t0).count();
+    down.push_back(static_cast<double>(bytes) * clients / ds / 1e9);
+    up.push_back(static_cast<double>(bytes) * clients / us / 1e9);
+  }
+  for (int fd : fds) ::close(fd);
+  while (::wait(nullptr) > 0) {
+  }
+  std::printf(
+      "{\"model_bytes\": %zu, \"clients\": %d, \"chunk_bytes\": %zu, \"xxh3\": %s, \"reps\": %d, "
+      "\"download_gbps_best\": %.3f, \"download_gbps_median\": %.3f, \"upload_gbps_best\": %.3f, "
+      "\"upload_gbps_median\": %.3f}\n",
+      bytes, clients, chunk, hash ? "true" : "false", reps, *std::max_element(down.begin(), down.end()), median(down),
+      *std::max_element(up.begin(), up.end()), median(up));
+  return 0;
+}
