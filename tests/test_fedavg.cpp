@@ -363,3 +363,62 @@ TEST(ChunkChecksums, OnePerChunkPerModelVersion) {
 
 }  // namespace
 }  // namespace memfl
+
+namespace memfl {
+namespace {
+
+// The round's first update to fold writes the sum instead of adding to a
+// zeroed one (begin_round no longer clears it). In place, the sum is the
+// global model, full of last round's values: round 2 must not see them,
+// whichever update folds first (here the second to arrive: the first parks),
+// and a product of -0 must come out +0 as 0 + (-0) does.
+TEST(FedAvgInPlace, TheFirstUpdateToFoldWritesTheSumWhateverItHeld) {
+  LayoutBuilder b;
+  b.add("w", DType::kF32, {1000}).add("step", DType::kI64, {});
+  Layout layout = std::move(b).build().value();
+  Arena global(layout.total_bytes(), MemoryCategory::kModel);
+  FedAvgAggregator agg(layout, ClientWeightsMode::kSampleSize, global);
+  auto* g = reinterpret_cast<float*>(global.data() + layout.entries()[0].offset);
+  for (size_t i = 0; i < 1000; ++i) g[i] = 1e6f + static_cast<float>(i);  // last round's model
+  Arena a(layout.total_bytes(), MemoryCategory::kModel), c(layout.total_bytes(), MemoryCategory::kModel);
+  auto* fa = reinterpret_cast<float*>(a.data() + layout.entries()[0].offset);
+  auto* fc = reinterpret_cast<float*>(c.data() + layout.entries()[0].offset);
+  for (size_t i = 0; i < 1000; ++i) {
+    fa[i] = static_cast<float>(i % 7) - 3.0f;
+    fc[i] = 0.5f * static_cast<float>(i % 11);
+  }
+  fa[0] = -0.0f;
+  fc[0] = -0.0f;
+  *reinterpret_cast<int64_t*>(a.data() + layout.entries()[1].offset) = 10;
+  *reinterpret_cast<int64_t*>(c.data() + layout.entries()[1].offset) = 40;
+  // Fold order: client_c first, but client_a's whole update arrives before
+  // client_c opens (it parks in the spool and folds after client_c).
+  ASSERT_TRUE(agg.begin_round(2, {"client_c", "client_a"}).ok());
+  auto ua = agg.open_update("client_a", 3);
+  ASSERT_TRUE(ua.ok());
+  ASSERT_TRUE(stream_arena(layout, a, 1000, **ua).ok());
+  ASSERT_TRUE((*ua)->commit().ok());
+  auto uc = agg.open_update("client_c", 1);
+  ASSERT_TRUE(uc.ok());
+  ASSERT_TRUE(stream_arena(layout, c, 1000, **uc).ok());
+  ASSERT_TRUE((*uc)->commit().ok());
+  ASSERT_TRUE(agg.finalize(global).ok());
+  for (size_t i = 0; i < 1000; ++i) {
+    const double want = (3.0 * fa[i] + 1.0 * fc[i]) / 4.0;
+    ASSERT_NEAR(g[i], want, 1e-6 * (1 + std::abs(want))) << i;
+  }
+  EXPECT_FALSE(std::signbit(g[0])) << "0 + (-0) is +0; the written sum must agree";
+  EXPECT_EQ(*reinterpret_cast<int64_t*>(global.data() + layout.entries()[1].offset), 18);  // (3·10 + 40) / 4 = 17.5
+  // Round 3: one client, which withdraws nothing: its values alone.
+  ASSERT_TRUE(agg.begin_round(3).ok());
+  auto u = agg.open_update("client_a", 5);
+  ASSERT_TRUE(u.ok());
+  ASSERT_TRUE(stream_arena(layout, a, 333, **u).ok());
+  ASSERT_TRUE((*u)->commit().ok());
+  ASSERT_TRUE(agg.finalize(global).ok());
+  for (size_t i = 0; i < 1000; ++i) ASSERT_EQ(g[i], fa[i] + 0.0f) << i;
+  EXPECT_EQ(*reinterpret_cast<int64_t*>(global.data() + layout.entries()[1].offset), 10);
+}
+
+}  // namespace
+}  // namespace memfl

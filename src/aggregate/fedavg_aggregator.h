@@ -66,8 +66,8 @@ class FedAvgAggregator final : public Aggregator {
   // of an arena of its own, so the server holds one model-sized buffer. Only
   // possible when every accumulator element is as wide as its model element
   // (f32 and i64 entries); see sums_in_place(). The caller must have finished
-  // broadcasting `in_place` before begin_round(), which zeroes it, and keeps
-  // the pre-round checkpoint as the undo.
+  // broadcasting `in_place` before begin_round() (the round's first update
+  // overwrites it), and keeps the pre-round checkpoint as the undo.
   FedAvgAggregator(const Layout& layout, ClientWeightsMode mode, Arena& in_place,
                    Accumulation accumulation = Accumulation::kSum);
   // The sum in `sum_storage` (e.g. a file-backed arena) instead of memory.
@@ -115,6 +115,9 @@ class FedAvgAggregator final : public Aggregator {
     double weight = 0;       // wᵢ
     double fold_weight = 0;  // what it folds with (wᵢ, or wᵢ/Wᵢ for a running mean)
     bool folded_any = false;
+    // The round's first update to fold writes the sum (w·x) instead of
+    // adding to it: no zeroing pass over the sum, no read of it.
+    bool writes_sum = false;
   };
   // Called with mu_ held: the update in `slot` starts folding; the first
   // `parked_bytes` of it come from the spool.
@@ -125,9 +128,11 @@ class FedAvgAggregator final : public Aggregator {
   void spool_release_locked(size_t slot);
   // Folds `payload` (model bytes starting at `offset`, whole elements only
   // or the tail/head of one) into the sum with weight `w`.
-  void fold(size_t offset, std::span<const std::byte> payload, double w, std::byte* carry);
+  // With `write`, the sum's elements are set (w·x + 0, the same bits as
+  // adding w·x to a zeroed sum, signed zeros included) instead of added to.
+  void fold(size_t offset, std::span<const std::byte> payload, double w, bool write, std::byte* carry);
   void fold_elements(const LayoutEntry& e, size_t acc_offset, size_t first, const std::byte* src, size_t count,
-                     double w);
+                     double w, bool write);
   // kRunningMean: m ← m + f·(x − m) in the model's dtype (f = 1 copies).
   void mean_elements(const LayoutEntry& e, size_t first, const std::byte* src, size_t count, double f);
 
@@ -139,6 +144,9 @@ class FedAvgAggregator final : public Aggregator {
   Arena* in_place_ = nullptr;
   Accumulation accumulation_ = Accumulation::kSum;
   double mean_weight_ = 0;  // kRunningMean: W of the updates that have folded
+  // kSum: no update has started folding this round; the sum holds whatever
+  // it held (the last model, in place), not zeros.
+  bool sum_unwritten_ = true;
   mutable std::mutex mu_;
   std::vector<Slot> slots_;
   bool ordered_ = false;

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# gRPC against raw TCP on the same loopback, alternated in one run (issue
+# #18 part 3). For each cell (model MiB × clients × model_chunk_size MiB) and
+# each repetition: raw TCP with xxh3 on both sides (bench/tcp_raw_bandwidth.cpp,
+# the same shape as memfl's transfer: one server, N client processes), raw
+# TCP without, then `memfl bench transfer --transport grpc` (DummyTrainer,
+# 2 rounds; round 2's figures: every client's arena is resident by then, as
+# the raw clients' buffers are). One JSON object per line, with memfl ÷ raw
+# per direction, and each role's peak RSS ÷ model (the memory table).
+# Usage: [CELLS="1024:1:1 1024:2:1 …"] [REPS=3] bench/grpc_vs_tcp.sh [BUILD_DIR] > out.jsonl
+set -euo pipefail
+BUILD=${1:-build}
+REPS=${REPS:-3}
+CELLS=${CELLS:-"1024:1:1 1024:2:1 1024:4:1 1024:1:4 1024:1:64 1024:1:1024 1024:4:4 1024:4:1024"}
+RAW=$BUILD/tcp_raw_bandwidth
+c++ -O2 -std=c++20 -march=x86-64-v3 "$(dirname "$0")/tcp_raw_bandwidth.cpp" -o "$RAW" -pthread
+for rep in $(seq 1 "$REPS"); do
+  for cell in $CELLS; do
+    IFS=: read -r mb n chunk_mb <<<"$cell"
+    raw_hash=$("$RAW" "$mb" "$n" $((chunk_mb > 4 ? 4096 : chunk_mb * 1024)) 1 2)
+    raw_plain=$("$RAW" "$mb" "$n" $((chunk_mb > 4 ? 4096 : chunk_mb * 1024)) 0 2)
+    memfl=$("$BUILD/memfl" bench transfer --transport grpc --model-mb "$mb" --clients "$n" --chunk-mb "$chunk_mb" \
+      --memory-mode streaming 2>/dev/null)
+    python3 - "$rep" "$chunk_mb" "$raw_hash" "$raw_plain" "$memfl" <<'PY'
+import json, sys
+rep, chunk_mb = int(sys.argv[1]), int(sys.argv[2])
+rh, rp, m = (json.loads(a) for a in sys.argv[3:6])
+last = m["rounds"][-1]
+out = {
+    "rep": rep, "model_bytes": m["model_bytes"], "clients": m["clients"],
+    "model_chunk_size_mib": chunk_mb, "wire_chunk_bytes": rh["chunk_bytes"],
+    "grpc_download_gbps": round(last["download_gbps"], 3), "grpc_upload_gbps": round(last["upload_gbps"], 3),
+    "tcp_xxh3_download_gbps": rh["download_gbps_median"], "tcp_xxh3_upload_gbps": rh["upload_gbps_median"],
+    "tcp_download_gbps": rp["download_gbps_median"], "tcp_upload_gbps": rp["upload_gbps_median"],
+    "server_peak_over_model": round(m["server_peak_over_model"], 4),
+    "client_peak_over_model": round(m["client_peak_over_model"], 4),
+}
+for d in ("download", "upload"):
+    out[f"grpc_over_tcp_xxh3_{d}"] = round(out[f"grpc_{d}_gbps"] / out[f"tcp_xxh3_{d}_gbps"], 3)
+    out[f"grpc_over_tcp_{d}"] = round(out[f"grpc_{d}_gbps"] / out[f"tcp_{d}_gbps"], 3)
+print(json.dumps(out))
+PY
+  done
+done
