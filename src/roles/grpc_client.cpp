@@ -133,7 +133,7 @@ Status run_grpc_client(const ExperimentConfig& local, int client_id, const RoleO
   MEMFL_ASSIGN_OR_RETURN(LocalModel model, make_local_model(cfg, input, /*fill=*/false, cfg.server.seed, opts.run_dir));
   const Layout& layout = model.layout();
   const size_t chunk =
-      transfer_chunk_bytes(cfg.server.use_model_chunking, cfg.server.model_chunk_size, layout.total_bytes());
+      grpc_chunk_bytes(cfg.server.use_model_chunking, cfg.server.model_chunk_size, layout.total_bytes());
   std::atomic<int64_t> inflight{0};
   int rounds = 0;
   bool stopped_once = false;  // a stop_* fault fires once, even if the client rejoins

@@ -102,7 +102,7 @@ Status run_grpc_server(const ExperimentConfig& cfg, const RoleOptions& opts) {
                layout.num_params(), format_bytes(static_cast<double>(layout.payload_bytes())), layout.hash(),
                global->description(),
                format_bytes(static_cast<double>(
-                   transfer_chunk_bytes(sc.use_model_chunking, sc.model_chunk_size, layout.total_bytes()))));
+                   grpc_chunk_bytes(sc.use_model_chunking, sc.model_chunk_size, layout.total_bytes()))));
 
   transport->wait_for_clients();
 

@@ -43,10 +43,10 @@ StatusOr<std::shared_ptr<grpc::Channel>> make_client_channel(const std::string& 
   }
   grpc::ChannelArguments args;
   // Messages are at most one transfer chunk, whatever model_chunk_size says
-  // (the server's may differ from this local config): limits and the flow
-  // control window follow that bound.
-  const int64_t wire_chunk = static_cast<int64_t>(kMaxTransferChunk);
-  const int limit = max_message_bytes(wire_chunk, max_message_size);
+  // (the server's may differ from this local config): the limits accept the
+  // largest any transport sends, the flow control window holds two of gRPC's.
+  const int64_t wire_chunk = static_cast<int64_t>(kMaxGrpcChunk);
+  const int limit = max_message_bytes(static_cast<int64_t>(kMaxTransferChunk), max_message_size);
   args.SetMaxReceiveMessageSize(limit);
   args.SetMaxSendMessageSize(limit);
   args.SetInt(GRPC_ARG_HTTP2_BDP_PROBE, 0);  // see the server: flow control is the backpressure
@@ -147,8 +147,7 @@ StatusOr<std::unique_ptr<GrpcClientSession>> GrpcClientSession::connect(const Se
   MEMFL_ASSIGN_OR_RETURN(s->layout_, std::move(b).build());
   MEMFL_ASSIGN_OR_RETURN(ExperimentConfig cfg,
                          load_config_text(s->config_yaml_, "configuration from server " + s->peer_));
-  s->chunk_ =
-      transfer_chunk_bytes(cfg.server.use_model_chunking, cfg.server.model_chunk_size, s->layout_.total_bytes());
+  s->chunk_ = grpc_chunk_bytes(cfg.server.use_model_chunking, cfg.server.model_chunk_size, s->layout_.total_bytes());
   return s;
 }
 

@@ -95,7 +95,7 @@ class ServerAgent final : public ServerTransport {
   ServerAgent(const ExperimentConfig& cfg, const Layout& layout, bool naive)
       : cfg_(cfg),
         layout_(layout),
-        chunk_(transfer_chunk_bytes(cfg.server.use_model_chunking, cfg.server.model_chunk_size, layout.total_bytes())),
+        chunk_(grpc_chunk_bytes(cfg.server.use_model_chunking, cfg.server.model_chunk_size, layout.total_bytes())),
         naive_(naive),
         slots_(static_cast<size_t>(cfg.server.num_clients)) {
     // Asynchronous from the first message: a client may ask for the model
@@ -868,8 +868,8 @@ StatusOr<std::unique_ptr<GrpcServerTransport>> GrpcServerTransport::listen(const
   // past that (≈150 MiB buffered at 1 GiB models).
   builder.AddChannelArgument(GRPC_ARG_HTTP2_BDP_PROBE, 0);
   builder.AddChannelArgument(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES,
-                             stream_window_bytes(static_cast<int64_t>(transfer_chunk_bytes(
-                                 sc.use_model_chunking, sc.model_chunk_size, layout.total_bytes()))));
+                             stream_window_bytes(static_cast<int64_t>(
+                                 grpc_chunk_bytes(sc.use_model_chunking, sc.model_chunk_size, layout.total_bytes()))));
   builder.RegisterService(&t->impl_->service);
   t->impl_->server = builder.BuildAndStart();
   if (!t->impl_->server || port == 0) {
