@@ -67,6 +67,11 @@ bench: build
 	./$(BUILD)/memfl bench dp --model llama-dp-tiny --seq 64,128 --batch 2 --json $(BUILD)/bench_dp.json
 	./$(BUILD)/memfl_bench_trainer 5 2 > $(BUILD)/bench_trainer.jsonl
 	bash bench/sim_floor.sh $(BUILD) 100 2 1 > $(BUILD)/bench_sim_floor.jsonl
+	bash bench/grpc_vs_tcp.sh $(BUILD) > $(BUILD)/bench_grpc_vs_tcp.jsonl
+	python3 bench/spread.py $(BUILD)/bench_grpc_vs_tcp.jsonl clients,model_chunk_size_mib > $(BUILD)/bench_grpc_vs_tcp_spread.jsonl
+	bash bench/mpi_spread.sh $(BUILD) > $(BUILD)/bench_mpi_spread.jsonl
+	python3 bench/spread.py $(BUILD)/bench_mpi_spread.jsonl model_bytes,clients > $(BUILD)/bench_mpi_spread_summary.jsonl
+	c++ -O2 -std=c++20 -march=x86-64-v3 bench/membw.cpp -o $(BUILD)/membw && ./$(BUILD)/membw > $(BUILD)/bench_membw.json
 	./$(BUILD)/memfl bench dp --model llama-dp-tiny --seq 64,128 --batch 2 --optimizer adam --gpus 1 --sharded \
 	  --json $(BUILD)/bench_dp_sharded_1rank.json
 	./$(BUILD)/memfl bench dp --model llama-dp-tiny --seq 64,128 --batch 2 --optimizer adam --gpus 2 \

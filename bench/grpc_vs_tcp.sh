@@ -11,14 +11,17 @@
 set -euo pipefail
 BUILD=${1:-build}
 REPS=${REPS:-3}
-CELLS=${CELLS:-"1024:1:1 1024:2:1 1024:4:1 1024:1:4 1024:1:64 1024:1:1024 1024:4:4 1024:4:1024"}
+CELLS=${CELLS:-"1024:1:1 1024:2:1 1024:4:1 1024:1:64 1024:1:1024 1024:4:1024"}
 RAW=$BUILD/tcp_raw_bandwidth
 c++ -O2 -std=c++20 -march=x86-64-v3 "$(dirname "$0")/tcp_raw_bandwidth.cpp" -o "$RAW" -pthread
 for rep in $(seq 1 "$REPS"); do
   for cell in $CELLS; do
     IFS=: read -r mb n chunk_mb <<<"$cell"
-    raw_hash=$("$RAW" "$mb" "$n" $((chunk_mb > 4 ? 4096 : chunk_mb * 1024)) 1 2)
-    raw_plain=$("$RAW" "$mb" "$n" $((chunk_mb > 4 ? 4096 : chunk_mb * 1024)) 0 2)
+    # Raw TCP moves the chunks memfl's gRPC moves: model_chunk_size, at
+    # most 1 MiB (comm/chunk.h: kMaxGrpcChunk).
+    wire_kib=$((chunk_mb > 1 ? 1024 : chunk_mb * 1024))
+    raw_hash=$("$RAW" "$mb" "$n" "$wire_kib" 1 2)
+    raw_plain=$("$RAW" "$mb" "$n" "$wire_kib" 0 2)
     memfl=$("$BUILD/memfl" bench transfer --transport grpc --model-mb "$mb" --clients "$n" --chunk-mb "$chunk_mb" \
       --memory-mode streaming 2>/dev/null)
     python3 - "$rep" "$chunk_mb" "$raw_hash" "$raw_plain" "$memfl" <<'PY'
