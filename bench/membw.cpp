@@ -26,20 +26,20 @@ int main() {
   };
   for (int rep = 0; rep < 3; ++rep) {
     copy = std::max(copy, gbps([&] {
-      for (size_t o = 0; o < n; o += step) std::memcpy(b.data() + o, a.data() + o, step);
-    }));
+                      for (size_t o = 0; o < n; o += step) std::memcpy(b.data() + o, a.data() + o, step);
+                    }));
     hash = std::max(hash, gbps([&] {
-      for (size_t o = 0; o < n; o += step) sink ^= XXH3_64bits(a.data() + o, step);
-    }));
+                      for (size_t o = 0; o < n; o += step) sink ^= XXH3_64bits(a.data() + o, step);
+                    }));
     fused = std::max(fused, gbps([&] {
-      XXH3_state_t st;
-      XXH3_64bits_reset(&st);
-      for (size_t o = 0; o < n; o += block) {
-        std::memcpy(b.data() + o, a.data() + o, block);
-        XXH3_64bits_update(&st, b.data() + o, block);
-      }
-      sink ^= XXH3_64bits_digest(&st);
-    }));
+                       XXH3_state_t st;
+                       XXH3_64bits_reset(&st);
+                       for (size_t o = 0; o < n; o += block) {
+                         std::memcpy(b.data() + o, a.data() + o, block);
+                         XXH3_64bits_update(&st, b.data() + o, block);
+                       }
+                       sink ^= XXH3_64bits_digest(&st);
+                     }));
   }
   std::printf("{\"memcpy_gbps\": %.2f, \"xxh3_gbps\": %.2f, \"memcpy_then_xxh3_fused_gbps\": %.2f, \"sink\": %llu}\n",
               copy, hash, fused, static_cast<unsigned long long>(sink & 1));
