@@ -182,6 +182,7 @@ class ServerAgent final : public ServerTransport {
   std::vector<int> rejoined_;  // clients back since the driver last asked
   std::atomic<int64_t> inflight_{0};
   ChunkChecksums down_sums_;  // of the model being broadcast
+  int64_t broadcasts_ = 0;    // rounds mode: the key of down_sums_
   // Transfer timing of the current round.
   std::optional<Clock::time_point> down_start_, up_start_;
   Clock::time_point down_end_, up_end_;
@@ -216,10 +217,10 @@ grpc::Status ServerAgent::send_model(grpc::ServerReaderWriter<Frame, Frame>* str
   {
     std::lock_guard lock(mu_);
     if (!down_start_) down_start_ = Clock::now();
-    // Every sender of this model shares its chunks' checksums. A new round
-    // (or, asynchronous, a new version: it changes only while no sender
-    // runs) forgets the old ones.
-    down_sums_.reset(round, layout.total_bytes(), chunk_);
+    // Every sender of this model shares its chunks' checksums. Asynchronous,
+    // a new version forgets the old ones (the model changes only while no
+    // sender runs); in rounds, broadcast() resets them.
+    if (async_) down_sums_.reset(round, layout.total_bytes(), chunk_);
   }
   // Naive mode serialises the whole model into one buffer first, as typical
   // frameworks do (pickle/torch.save); streaming sends from the arena.
@@ -711,6 +712,10 @@ Status ServerAgent::broadcast(int round, const std::vector<int>& selected, const
   up_start_.reset();
   bytes_down_ = bytes_up_ = 0;
   naive_updates_.clear();
+  // A new model to send (a round redone after a broken update sends the
+  // restored model again: its checksums are computed again too). No sender
+  // runs until the phase below says so.
+  down_sums_.reset(++broadcasts_, layout_.total_bytes(), chunk_);
   round_ = round;
   phase_ = Phase::kBroadcast;
   cv_.notify_all();
