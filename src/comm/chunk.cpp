@@ -69,18 +69,27 @@ uint64_t chunk_checksum(Payload payload) {
   return hash.digest();
 }
 
-namespace chunk_detail {
-uint64_t copy_with_checksum(std::byte* dst, const std::byte* src, size_t n, ChecksumSide side,
-                            void (*after_copy)(void*, size_t, size_t), void* ctx) {
-  constexpr size_t kBlock = 32 * 1024;  // the hash reads what the copy just brought into L1
+namespace {
+// Copies n bytes in blocks and feeds each block to `hash` right after the
+// copy, while it is in L1: from the side named (see ChecksumSide).
+void copy_and_hash(Xxh3Stream& hash, std::byte* dst, const std::byte* src, size_t n, ChecksumSide side,
+                   void (*after_copy)(void*, size_t, size_t), void* ctx) {
+  constexpr size_t kBlock = 32 * 1024;
   const std::byte* hashed = side == ChecksumSide::kDestination ? dst : src;
-  Xxh3Stream hash;
   for (size_t off = 0; off < n; off += kBlock) {
     const size_t len = std::min(kBlock, n - off);
     std::memcpy(dst + off, src + off, len);
     if (after_copy != nullptr) after_copy(ctx, off, len);
     hash.update(hashed + off, len);
   }
+}
+}  // namespace
+
+namespace chunk_detail {
+uint64_t copy_with_checksum(std::byte* dst, const std::byte* src, size_t n, ChecksumSide side,
+                            void (*after_copy)(void*, size_t, size_t), void* ctx) {
+  Xxh3Stream hash;
+  copy_and_hash(hash, dst, src, n, side, after_copy, ctx);
   return hash.digest();
 }
 }  // namespace chunk_detail
@@ -90,15 +99,9 @@ uint64_t copy_with_checksum(std::byte* dst, const std::byte* src, size_t n, Chec
 }
 
 uint64_t copy_with_checksum(std::byte* dst, Payload src) {
-  if (src.size() == 1) return copy_with_checksum(dst, src[0].data(), src[0].size(), ChecksumSide::kDestination);
-  constexpr size_t kBlock = 32 * 1024;  // as above: the hash reads what the copy just wrote
   Xxh3Stream hash;
   for (auto part : src) {
-    for (size_t off = 0; off < part.size(); off += kBlock) {
-      const size_t len = std::min(kBlock, part.size() - off);
-      std::memcpy(dst + off, part.data() + off, len);
-      hash.update(dst + off, len);
-    }
+    copy_and_hash(hash, dst, part.data(), part.size(), ChecksumSide::kDestination, nullptr, nullptr);
     dst += part.size();
   }
   return hash.digest();

@@ -157,8 +157,9 @@ class ArenaUpdateSource final : public UpdateSource {
 // Returns the number of bytes sent.
 StatusOr<uint64_t> stream_arena(const Layout& layout, const Arena& arena, size_t chunk_size, ChunkSink& sink);
 
-// Receives one model stream: every chunk is checked (verify_chunk: layout
-// hash, offset in order, length, checksum) before store() sees a byte.
+// Receives one model stream: every chunk's header is checked (layout hash,
+// offset in order, length, bounds) before store() sees a byte, and store()
+// checks the checksum.
 class ModelWriter : public ChunkSink {
  public:
   using ChunkSink::accept;
