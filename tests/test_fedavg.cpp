@@ -422,3 +422,18 @@ TEST(FedAvgInPlace, TheFirstUpdateToFoldWritesTheSumWhateverItHeld) {
 
 }  // namespace
 }  // namespace memfl
+
+// gRPC moves chunks of at most 1 MiB whatever model_chunk_size says (APPFL
+// users configure 1 GiB) and keeps a smaller configured size; chunking off
+// means "the whole model", capped the same way. Expected values worked by
+// hand.
+TEST(GrpcChunkBytes, AtMostOneMiBWhateverTheConfigSays) {
+  const uint64_t model = 3ull << 30;
+  EXPECT_EQ(memfl::grpc_chunk_bytes(true, int64_t{1} << 30, model), 1u << 20);
+  EXPECT_EQ(memfl::grpc_chunk_bytes(true, 64 << 20, model), 1u << 20);
+  EXPECT_EQ(memfl::grpc_chunk_bytes(true, 300000, model), 300000u);
+  EXPECT_EQ(memfl::grpc_chunk_bytes(false, 0, model), 1u << 20);
+  EXPECT_EQ(memfl::grpc_chunk_bytes(false, 0, 777), 777u);
+  // MPI keeps its own bound.
+  EXPECT_EQ(memfl::transfer_chunk_bytes(true, 64 << 20, model), 4u << 20);
+}
