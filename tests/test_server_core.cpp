@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -301,6 +302,128 @@ TEST(FoldOrder, RunningMeanIsTheSameForEveryArrivalOrder) {
     }
   } while (std::next_permutation(arrival.begin(), arrival.end()));
   for (const auto& r : results) EXPECT_EQ(r, results.front());
+}
+
+// Uploads that stream at the same time, each on its own thread (as gRPC's
+// sessions do), fold chunk by chunk behind the one before them in fold
+// order: each has taken all its bytes before the one ahead of it commits,
+// nothing goes to the spool, and the bytes are the fold-order sum.
+TEST(FoldOrder, UpdatesStreamingTogetherTrailEachOtherWithoutTheSpool) {
+  Clients cl;
+  testing::TempDir tmp;
+  const auto expected = cl.expected();
+  FedAvgAggregator agg(cl.layout, ClientWeightsMode::kSampleSize);
+  agg.set_spool_dir(tmp.path.string());
+  // Long enough that a busy machine's scheduling never makes a stream look paused.
+  agg.set_live_idle(std::chrono::seconds(10));
+  ASSERT_TRUE(agg.begin_round(1, cl.order()).ok());
+  const size_t sizes[4] = {13, 64, 21, 40};  // unequal chunks, some cutting f32 elements
+  std::atomic<int> accepted[4] = {0, 0, 0, 0};
+  std::atomic<bool> all_accepted[4] = {false, false, false, false};
+  bool overlapped[3] = {false, false, false};
+  std::vector<Status> results(4, Status::Ok());
+  std::vector<std::thread> threads;
+  for (int c = 0; c < 4; ++c) {
+    threads.emplace_back([&, c] {
+      // Each starts once the one before it has folded a chunk: it finds it streaming.
+      while (c > 0 && accepted[c - 1].load() == 0) std::this_thread::yield();
+      auto u = agg.open_update("client_" + std::to_string(c), cl.samples[static_cast<size_t>(c)]);
+      if (!u.ok()) {
+        results[static_cast<size_t>(c)] = u.status();
+        return;
+      }
+      const size_t total = cl.layout.total_bytes(), chunk = sizes[c];
+      for (size_t off = 0; off < total; off += chunk) {
+        const size_t len = std::min(chunk, total - off);
+        auto bytes = cl.models[static_cast<size_t>(c)].bytes(off, len);
+        Status s = (*u)->accept({cl.layout.hash(), off, len, chunk_checksum(bytes)}, bytes);
+        if (!s.ok()) {
+          results[static_cast<size_t>(c)] = s;
+          return;
+        }
+        accepted[c]++;
+      }
+      all_accepted[c] = true;
+      // Commit only once the next one has taken every chunk (5 s at most):
+      // an aggregator that held it until this one's commit times out here.
+      if (c < 3) {
+        const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+        while (!all_accepted[c + 1].load() && std::chrono::steady_clock::now() < until) std::this_thread::yield();
+        overlapped[c] = all_accepted[c + 1].load();
+      }
+      results[static_cast<size_t>(c)] = (*u)->commit();
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (const auto& r : results) ASSERT_TRUE(r.ok()) << r.to_string();
+  for (int c = 0; c < 3; ++c) EXPECT_TRUE(overlapped[c]) << "client_" << c + 1 << " waited for client_" << c;
+  EXPECT_EQ(agg.parked_bytes(), 0u) << "every update trailed the one before it";
+  Arena g(cl.layout.total_bytes(), MemoryCategory::kModel);
+  ASSERT_TRUE(agg.finalize(g).ok());
+  const auto got = cl.values(g);
+  EXPECT_EQ(std::memcmp(got.data(), expected.data(), 4 * got.size()), 0);
+}
+
+// A trailing update whose predecessor pauses parks the rest of its bytes
+// (it does not wait on a stalled client), and they fold from the spool,
+// after the part it folded live, once the predecessor is done.
+TEST(FoldOrder, ATrailingUpdateParksWhatArrivesWhileTheOneAheadPauses) {
+  Clients cl;
+  cl.models.erase(cl.models.begin() + 2, cl.models.end());
+  cl.samples.resize(2);
+  testing::TempDir tmp;
+  const auto expected = cl.expected();
+  FedAvgAggregator agg(cl.layout, ClientWeightsMode::kSampleSize);
+  agg.set_spool_dir(tmp.path.string());
+  agg.set_live_idle(std::chrono::milliseconds(300));
+  ASSERT_TRUE(agg.begin_round(1, {"client_0", "client_1"}).ok());
+  const size_t total = cl.layout.total_bytes();
+  std::atomic<uint64_t> second_bytes{0};  // what client_1 has handed over
+  std::atomic<bool> first_started{false};
+  Status r0 = Status::Ok(), r1 = Status::Ok();
+  std::thread t0([&] {
+    auto u = agg.open_update("client_0", cl.samples[0]);
+    ASSERT_TRUE(u.ok());
+    bool paused = false;
+    for (size_t off = 0; off < total; off += 16) {
+      // At most 64 bytes ahead of client_1, so that it trails closely …
+      while (second_bytes.load() + 64 < off) std::this_thread::yield();
+      // … until it has folded three chunks: then a pause longer than live_idle.
+      if (!paused && second_bytes.load() >= 3 * 24) {
+        paused = true;
+        std::this_thread::sleep_for(std::chrono::milliseconds(1000));
+      }
+      const size_t len = std::min<size_t>(16, total - off);
+      auto bytes = cl.models[0].bytes(off, len);
+      r0 = (*u)->accept({cl.layout.hash(), off, len, chunk_checksum(bytes)}, bytes);
+      if (!r0.ok()) return;
+      first_started = true;
+    }
+    r0 = (*u)->commit();
+  });
+  std::thread t1([&] {
+    while (!first_started.load()) std::this_thread::yield();
+    auto u = agg.open_update("client_1", cl.samples[1]);
+    ASSERT_TRUE(u.ok());
+    for (size_t off = 0; off < total; off += 24) {
+      const size_t len = std::min<size_t>(24, total - off);
+      auto bytes = cl.models[1].bytes(off, len);
+      r1 = (*u)->accept({cl.layout.hash(), off, len, chunk_checksum(bytes)}, bytes);
+      if (!r1.ok()) return;
+      second_bytes = off + len;
+    }
+    r1 = (*u)->commit();
+  });
+  t0.join();
+  t1.join();
+  ASSERT_TRUE(r0.ok()) << r0.to_string();
+  ASSERT_TRUE(r1.ok()) << r1.to_string();
+  EXPECT_GT(agg.parked_bytes(), 0u) << "what arrived during the pause was parked";
+  EXPECT_LE(agg.parked_bytes(), total - 3 * 24) << "the first three chunks folded live";
+  Arena g(total, MemoryCategory::kModel);
+  ASSERT_TRUE(agg.finalize(g).ok());
+  const auto got = cl.values(g);
+  EXPECT_EQ(std::memcmp(got.data(), expected.data(), 4 * got.size()), 0);
 }
 
 // The committed state: a round trip, then a torn and a corrupt newest commit.

@@ -115,40 +115,71 @@ class FedAvgAggregator::Stream final : public UpdateStream {
       abort();  // a peer that sends bad bytes loses its update
       return s;
     }
-    // Not our turn yet, nothing parked, and the update whose turn it is is
-    // streaming right now: the machine is busy moving its bytes, so parking
-    // ours would only add a write and a read. Hold this chunk (the transport's
-    // flow control holds the sender) until our turn comes or that stream
-    // pauses (kLiveIdle) — a slow or stalled client never holds us up longer.
-    if (!live_ && next_offset_ == 0 && agg_.cursor_.load(std::memory_order_acquire) != slot_) {
-      std::unique_lock lock(agg_.mu_);
-      while (agg_.cursor_.load(std::memory_order_relaxed) != slot_ && agg_.live_streaming_locked()) {
-        agg_.turn_cv_.wait_for(lock, kLiveIdle);
+    const uint64_t end = h.offset + h.length;
+    Slot& slot = agg_.slots_[slot_];
+    std::unique_lock lock(agg_.mu_);
+    slot.feeder = std::this_thread::get_id();
+    if (mode_ == Mode::kNone) {
+      // The first chunk. Every update before ours in fold order has folded,
+      // is out, or is folding as it streams: fold behind them (trail), chunk
+      // by chunk. Otherwise hold this chunk while the update whose turn it
+      // is streams (the transport's flow control holds the sender: parking
+      // would only add a write and a read), then park — a slow or stalled
+      // client never holds us up longer than kLiveIdle.
+      while (!agg_.may_trail_locked(slot_) && agg_.live_streaming_locked())
+        agg_.turn_cv_.wait_for(lock, agg_.live_idle_);
+      if (agg_.may_trail_locked(slot_)) {
+        agg_.begin_folding_locked(slot_);
+        mode_ = Mode::kLive;
+      } else {
+        mode_ = Mode::kParked;
+      }
+    } else if (mode_ == Mode::kParked && agg_.may_trail_locked(slot_)) {
+      // Parked, and every update before ours has folded, is out or is
+      // folding as it streams (our turn is the case where none streams):
+      // hold this chunk until they have folded what we parked, fold that
+      // from the spool, and trail them from here.
+      while (!agg_.folded_ahead_locked(slot_, next_offset_) && agg_.streaming_ahead_locked(slot_)) {
+        agg_.turn_cv_.wait_for(lock, agg_.live_idle_);
+      }
+      if (agg_.folded_ahead_locked(slot_, next_offset_)) {
+        if (!slot.folded_any) agg_.begin_folding_locked(slot_);
+        MEMFL_RETURN_IF_ERROR(agg_.fold_spool_locked(slot_, next_offset_));
+        mode_ = Mode::kLive;
       }
     }
-    // Our turn (every update before ours in fold order has folded or is
-    // out): fold straight into the state. Otherwise park the bytes in the
-    // spool, without the lock, while the update whose turn it is folds.
-    if (!live_ && agg_.cursor_.load(std::memory_order_acquire) == slot_) {
-      std::lock_guard lock(agg_.mu_);
-      MEMFL_RETURN_IF_ERROR(agg_.start_folding_locked(slot_, next_offset_, carry_));
-      agg_.slots_[slot_].state = SlotState::kLive;
-      live_ = true;
+    if (mode_ == Mode::kLive) {
+      // Trailing: the updates before ours fold this range first. One that
+      // pauses (kLiveIdle) is not waited for: the rest of ours parks.
+      while (!agg_.folded_ahead_locked(slot_, end)) {
+        if (!agg_.streaming_ahead_locked(slot_)) {
+          mode_ = Mode::kParked;
+          break;
+        }
+        agg_.turn_cv_.wait_for(lock, agg_.live_idle_);
+      }
     }
-    if (live_) {
-      std::lock_guard lock(agg_.mu_);
+    slot.state = mode_ == Mode::kLive ? SlotState::kLive : SlotState::kParked;
+    lock.unlock();
+    // Outside the lock: the ranges being folded are disjoint (an update
+    // folds only what every update before it has folded), so trailing
+    // updates fold at the same time, each on its transport's thread.
+    if (mode_ == Mode::kLive) {
       size_t at = h.offset;
       for (auto part : payload) {  // pieces may cut elements anywhere: fold carries them
-        agg_.fold(at, part, agg_.slots_[slot_].fold_weight, agg_.slots_[slot_].writes_sum, carry_);
+        agg_.fold(at, part, slot.fold_weight, slot.writes_sum, slot.carry);
         at += part.size();
       }
-      agg_.last_live_fold_ = std::chrono::steady_clock::now();
+      lock.lock();
+      slot.folded_to = end;
+      slot.complete_to = agg_.element_floor(end);
+      slot.last_fold = std::chrono::steady_clock::now();
+      lock.unlock();
+      agg_.turn_cv_.notify_all();
     } else {
       MEMFL_RETURN_IF_ERROR(agg_.park(slot_, h.offset, payload, client_id_));
-      std::lock_guard lock(agg_.mu_);
-      agg_.slots_[slot_].state = SlotState::kParked;
     }
-    next_offset_ += h.length;
+    next_offset_ = end;
     return Status::Ok();
   }
 
@@ -166,11 +197,14 @@ class FedAvgAggregator::Stream final : public UpdateStream {
     agg_.total_weight_ += weight_;
     agg_.committed_++;
     auto& slot = agg_.slots_[slot_];
-    slot.state = live_ ? SlotState::kFolded : SlotState::kCommittedParked;
+    slot.state = mode_ == Mode::kLive ? SlotState::kFolded : SlotState::kCommittedParked;
     return agg_.advance_locked();
   }
 
  private:
+  // kNone: no chunk yet; kLive: folding as chunks arrive; kParked: chunks go
+  // to the spool and fold from there when our turn comes.
+  enum class Mode { kNone, kLive, kParked };
   void abort() {
     if (done_) return;
     done_ = true;
@@ -179,7 +213,7 @@ class FedAvgAggregator::Stream final : public UpdateStream {
     auto& slot = agg_.slots_[slot_];
     // Bytes already in the state cannot be taken out: the round is redone.
     // Parked bytes never reached it: the update is simply out.
-    if (live_ && slot.folded_any && agg_.tainted_by_.empty()) agg_.tainted_by_ = client_id_;
+    if (slot.folded_any && agg_.tainted_by_.empty()) agg_.tainted_by_ = client_id_;
     slot.state = SlotState::kOut;
     agg_.spool_release_locked(slot_);
     (void)agg_.advance_locked();
@@ -190,8 +224,7 @@ class FedAvgAggregator::Stream final : public UpdateStream {
   std::string client_id_;
   double weight_;
   uint64_t next_offset_ = 0;
-  std::byte carry_[8] = {};
-  bool live_ = false;
+  Mode mode_ = Mode::kNone;
   bool done_ = false;
 };
 
@@ -203,6 +236,7 @@ Status FedAvgAggregator::park(size_t slot, uint64_t offset, Payload payload, con
   }
   uint64_t at = static_cast<uint64_t>(slot) * layout_.total_bytes() + offset;
   for (auto part : payload) {
+    parked_bytes_.fetch_add(part.size(), std::memory_order_relaxed);
     Status s = spool_->write(at, part);
     if (!s.ok()) return s.with_context("update from " + client_id);
     at += part.size();
@@ -214,10 +248,11 @@ void FedAvgAggregator::spool_release_locked(size_t slot) {
   spool_->release(static_cast<uint64_t>(slot) * layout_.total_bytes(), layout_.total_bytes());
 }
 
-Status FedAvgAggregator::start_folding_locked(size_t slot, uint64_t parked_bytes, std::byte* carry) {
+void FedAvgAggregator::begin_folding_locked(size_t slot) {
   Slot& s = slots_[slot];
-  // The weight this update folds with is fixed here, in fold order, so a
-  // running mean is the same whatever order the bytes arrived in.
+  // The weight this update folds with is fixed here, in fold order (an
+  // update begins only after every update before it has begun or is out),
+  // so a running mean is the same whatever order the bytes arrived in.
   s.fold_weight = s.weight;
   if (accumulation_ == Accumulation::kRunningMean) {
     mean_weight_ += s.weight;
@@ -229,27 +264,79 @@ Status FedAvgAggregator::start_folding_locked(size_t slot, uint64_t parked_bytes
   // tainted and redone from begin_round.
   s.writes_sum = accumulation_ == Accumulation::kSum && sum_unwritten_;
   sum_unwritten_ = false;
-  if (parked_bytes == 0) return Status::Ok();
-  // What arrived before our turn folds from the spool first, a block at a time.
-  std::vector<std::byte> block(std::min<uint64_t>(kSpoolBlock, parked_bytes));
-  const uint64_t base = static_cast<uint64_t>(slot) * layout_.total_bytes();
-  for (uint64_t off = 0; off < parked_bytes; off += block.size()) {
-    const size_t len = static_cast<size_t>(std::min<uint64_t>(block.size(), parked_bytes - off));
-    Status st = spool_->read(base + off, std::span(block.data(), len));
-    if (!st.ok()) {
-      if (tainted_by_.empty()) tainted_by_ = s.client_id;
-      return st;
+  s.last_fold = std::chrono::steady_clock::now();
+}
+
+Status FedAvgAggregator::fold_spool_locked(size_t slot, uint64_t to) {
+  Slot& s = slots_[slot];
+  // What was parked folds from the spool, a block at a time, after what
+  // this update folded before it parked (its carry holds a cut element).
+  if (to > s.folded_to) {
+    std::vector<std::byte> block(std::min<uint64_t>(kSpoolBlock, to - s.folded_to));
+    const uint64_t base = static_cast<uint64_t>(slot) * layout_.total_bytes();
+    for (uint64_t off = s.folded_to; off < to; off += block.size()) {
+      const size_t len = static_cast<size_t>(std::min<uint64_t>(block.size(), to - off));
+      Status st = spool_->read(base + off, std::span(block.data(), len));
+      if (!st.ok()) {
+        if (tainted_by_.empty()) tainted_by_ = s.client_id;
+        return st;
+      }
+      fold(off, std::span<const std::byte>(block.data(), len), s.fold_weight, s.writes_sum, s.carry);
     }
-    fold(off, std::span<const std::byte>(block.data(), len), s.fold_weight, s.writes_sum, carry);
+    s.folded_to = to;
+    s.complete_to = element_floor(to);
   }
   spool_release_locked(slot);
   return Status::Ok();
 }
 
+uint64_t FedAvgAggregator::element_floor(uint64_t offset) const {
+  const auto& entries = layout_.entries();
+  const size_t idx = layout_.entry_at_or_after(offset);
+  if (idx >= entries.size() || offset <= entries[idx].offset) return offset;
+  const LayoutEntry& e = entries[idx];
+  return offset - (offset - e.offset) % dtype_size(e.dtype);
+}
+
+bool FedAvgAggregator::streaming(const Slot& s, std::chrono::steady_clock::time_point now) const {
+  return s.state == SlotState::kLive && now - s.last_fold < live_idle_ && s.feeder != std::this_thread::get_id();
+}
+
+bool FedAvgAggregator::may_trail_locked(size_t slot) const {
+  const auto now = std::chrono::steady_clock::now();
+  for (size_t j = 0; j < slot && j < slots_.size(); ++j) {
+    const Slot& s = slots_[j];
+    if (s.state == SlotState::kFolded || s.state == SlotState::kOut) continue;
+    if (s.state == SlotState::kLive && (s.complete_to >= layout_.total_bytes() || streaming(s, now))) continue;
+    return false;
+  }
+  return true;
+}
+
+bool FedAvgAggregator::folded_ahead_locked(size_t slot, uint64_t end) const {
+  for (size_t j = 0; j < slot; ++j) {
+    const Slot& s = slots_[j];
+    if (s.state == SlotState::kFolded || s.state == SlotState::kOut) continue;
+    if (s.state == SlotState::kLive && s.complete_to >= end) continue;
+    return false;
+  }
+  return true;
+}
+
+bool FedAvgAggregator::streaming_ahead_locked(size_t slot) const {
+  const auto now = std::chrono::steady_clock::now();
+  for (size_t j = 0; j < slot; ++j) {
+    const Slot& s = slots_[j];
+    if (s.state == SlotState::kFolded || s.state == SlotState::kOut) continue;
+    if (streaming(s, now)) continue;
+    return false;
+  }
+  return true;
+}
+
 bool FedAvgAggregator::live_streaming_locked() const {
   const size_t c = cursor_.load(std::memory_order_relaxed);
-  return c < slots_.size() && slots_[c].state == SlotState::kLive &&
-         std::chrono::steady_clock::now() - last_live_fold_ < kLiveIdle;
+  return c < slots_.size() && streaming(slots_[c], std::chrono::steady_clock::now());
 }
 
 Status FedAvgAggregator::advance_locked() {
@@ -262,8 +349,8 @@ Status FedAvgAggregator::advance_locked() {
       continue;
     }
     if (s.state != SlotState::kCommittedParked) break;  // its turn; it folds live or when it commits
-    std::byte carry[8] = {};
-    Status st = start_folding_locked(c, layout_.total_bytes(), carry);
+    if (!s.folded_any) begin_folding_locked(c);
+    Status st = fold_spool_locked(c, layout_.total_bytes());
     if (!st.ok() && result.ok()) result = st;
     s.state = SlotState::kFolded;
     ++c;
@@ -349,6 +436,7 @@ Status FedAvgAggregator::begin_round(int round, std::vector<std::string> fold_or
     slots_.push_back(Slot{std::move(id)});
   }
   cursor_.store(0, std::memory_order_release);
+  parked_bytes_.store(0, std::memory_order_relaxed);
   spool_->clear();
   return Status::Ok();
 }

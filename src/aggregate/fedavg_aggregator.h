@@ -29,26 +29,36 @@
 // updates fold in. The aggregator fixes that order — the round's fold order
 // given to begin_round (the selected clients, in client order), or the order
 // updates were opened in when none is given — and never makes an upload wait
-// for it: an update whose turn has come folds chunk by chunk as it arrives;
-// one that arrives early is *parked*: its verified chunks are written to an
-// unnamed spool file (O_TMPFILE in `spool_dir`, page cache, not anonymous
-// memory), and fold from there, 4 MiB at a time, when its turn comes (or
-// straight away from the point its turn comes, if it is still arriving).
+// long for it. The update whose turn it is folds chunk by chunk as it
+// arrives; an update that streams while every update before it in fold
+// order has folded, is out, or streams too, *trails* them: it folds a range
+// of the model once each of them has folded that range, on its own
+// transport thread, so N concurrent uploads fold at once rather than one
+// after another (gRPC, 1 GiB × 4 clients: 1.17 → 2.32 GB/s up). One that
+// cannot trail — an update before it is not in yet, or has paused for
+// live_idle (kLiveIdle, 20 ms) — is *parked*: its verified chunks are
+// written to an unnamed spool file (O_TMPFILE in `spool_dir`, page cache,
+// not anonymous memory), and fold from there, 4 MiB at a time, when its
+// turn comes or as soon as the updates before it stream again and have
+// folded past what it parked (it then trails them). A stream fed by the
+// thread that would wait for it never counts as streaming, so a caller that
+// feeds several streams in turn from one thread never blocks on itself.
 // So the result is bit-identical whatever the arrival order and the
 // transport. Cost: a parked update is written and read once more (disk
 // space ≤ (clients − 1) × model in the worst case, given back slot by slot
 // as each folds); memory: one 4 MiB block while a parked update folds. A
-// parked update that breaks never touched the sum: it is simply out, where a
-// live one that breaks after folding bytes taints the round (redo).
-// Streams may be open concurrently; folding into the sum is serialised.
+// parked update that breaks never touched the sum: it is simply out, where
+// one that breaks after folding bytes taints the round (redo).
 #pragma once
 
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <deque>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "aggregate/aggregator.h"
@@ -97,6 +107,12 @@ class FedAvgAggregator final : public Aggregator {
   static constexpr size_t kSpoolBlock = 4 << 20;
   // Whether a stream broke after some of its bytes were folded this round.
   bool tainted() const;
+  // Bytes this round's updates wrote to the spool (parked).
+  uint64_t parked_bytes() const { return parked_bytes_.load(std::memory_order_relaxed); }
+  // How long an update may go without a chunk and still count as streaming
+  // (kLiveIdle unless set; tests lengthen it so that a busy machine's
+  // scheduling does not decide what they check).
+  void set_live_idle(std::chrono::milliseconds idle) { live_idle_ = idle; }
 
  private:
   class Stream;
@@ -106,8 +122,16 @@ class FedAvgAggregator final : public Aggregator {
   // streaming (an early update holds its first chunk meanwhile, see accept).
   static constexpr std::chrono::milliseconds kLiveIdle{20};
   // Called with mu_ held: the update whose turn it is received a chunk
-  // within kLiveIdle.
+  // within live_idle_, on another thread than this one.
   bool live_streaming_locked() const;
+  // Called with mu_ held, for the update in `slot`: every update before it
+  // has folded, is out, or is folding as it streams (it may trail them).
+  bool may_trail_locked(size_t slot) const;
+  // ... every update before it has folded the model's bytes before `end`.
+  bool folded_ahead_locked(size_t slot, uint64_t end) const;
+  // ... every update before it that has not folded is folding as it streams
+  // (another thread than this one feeds it).
+  bool streaming_ahead_locked(size_t slot) const;
   // One place in the round's fold order.
   struct Slot {
     std::string client_id;
@@ -118,10 +142,25 @@ class FedAvgAggregator final : public Aggregator {
     // The round's first update to fold writes the sum (w·x) instead of
     // adding to it: no zeroing pass over the sum, no read of it.
     bool writes_sum = false;
+    uint64_t folded_to = 0;    // its first bytes, up to here, are in the sum
+    uint64_t complete_to = 0;  // every element that ends here or before is in the sum
+    std::byte carry[8] = {};   // the bytes of an element cut by a chunk, until the rest arrives
+    std::chrono::steady_clock::time_point last_fold{};
+    // The thread that gave it its last chunk: an update fed by the thread
+    // that would wait for it cannot move meanwhile (a caller that feeds
+    // several streams in turn), so it never counts as streaming for it.
+    std::thread::id feeder{};
   };
-  // Called with mu_ held: the update in `slot` starts folding; the first
-  // `parked_bytes` of it come from the spool.
-  Status start_folding_locked(size_t slot, uint64_t parked_bytes, std::byte* carry);
+  // Called with mu_ held: the update in `slot` starts folding (its weight
+  // and whether it writes the sum are fixed here).
+  void begin_folding_locked(size_t slot);
+  // Whether `s` is folding as it streams, fed by another thread than this one.
+  bool streaming(const Slot& s, std::chrono::steady_clock::time_point now) const;
+  // Called with mu_ held: folds the update's parked bytes, from what it has
+  // folded up to `to`, from the spool.
+  Status fold_spool_locked(size_t slot, uint64_t to);
+  // The start of the element that holds byte `offset` (itself between elements).
+  uint64_t element_floor(uint64_t offset) const;
   // Moves the cursor past every update that is done, folding the parked ones.
   Status advance_locked();
   Status park(size_t slot, uint64_t offset, Payload payload, const std::string& client_id);
@@ -148,11 +187,14 @@ class FedAvgAggregator final : public Aggregator {
   // it held (the last model, in place), not zeros.
   bool sum_unwritten_ = true;
   mutable std::mutex mu_;
-  std::vector<Slot> slots_;
+  // A deque: a stream keeps a reference to its slot, and folds through it
+  // outside the lock while open_update may add slots.
+  std::deque<Slot> slots_;
+  std::atomic<uint64_t> parked_bytes_{0};
+  std::chrono::milliseconds live_idle_ = kLiveIdle;
   bool ordered_ = false;
   std::atomic<size_t> cursor_{0};    // the slot whose turn it is to fold
   std::condition_variable turn_cv_;  // the cursor moved
-  std::chrono::steady_clock::time_point last_live_fold_;
   std::unique_ptr<SpoolFile> spool_;
   std::string spool_dir_;
   int round_ = -1;

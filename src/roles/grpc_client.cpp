@@ -175,15 +175,22 @@ Status run_grpc_client(const ExperimentConfig& local, int client_id, const RoleO
     } else {
       into = std::make_unique<ArenaWriter>(layout, model.arena(), "server " + peer);
     }
-    while (true) {
-      MEMFL_RETURN_IF_ERROR(read_server_message(*stream, peer, &d, &msg));
-      if (!d.is_chunk) {
-        if (msg.has_model_end()) break;
-        return data_loss("server {}: unexpected message during the model download", peer);
-      }
-      MEMFL_RETURN_IF_ERROR(into->accept(d.header, d.payload()));
-      stop_here("stop_in_broadcast");
-    }
+    // The next chunks are read while one is checked and copied in
+    // (read_chunk_run). A download that fails is not drained: the stream
+    // is cancelled, and the client registers again.
+    bool broke = false;
+    Status down = read_chunk_run([&](Frame* f) { return stream->Read(f); }, [&] { ctx->TryCancel(); },
+                                 kServerChunkField, "server " + peer, ChunkRunOptions{.drain = {}},
+                                 [&](const DecodedFrame& frame) {
+                                   MEMFL_RETURN_IF_ERROR(into->accept(frame.header, frame.payload()));
+                                   stop_here("stop_in_broadcast");
+                                   return Status::Ok();
+                                 },
+                                 &msg, &broke);
+    if (broke) return Status(StatusCode::kUnavailable, fmt::format("server {} closed the stream", peer));
+    MEMFL_RETURN_IF_ERROR(down);
+    if (msg.has_error()) return failed_precondition("server {}: {}", peer, msg.error().message());
+    if (!msg.has_model_end()) return data_loss("server {}: unexpected message during the model download", peer);
     MEMFL_RETURN_IF_ERROR(into->finish());
     out.Clear();
     out.mutable_model_received();

@@ -45,26 +45,29 @@ std::string read_file(const std::string& path) {
 enum class Phase { kWaiting, kBroadcast, kUpload, kFinished };
 
 // Reads an update's frames until UpdateEnd, giving each chunk to `on_chunk`
-// (which checks it and takes its bytes); returns the first failure: the
-// stream broke, a frame was malformed, or a chunk was refused.
-Status read_update_frames(grpc::ServerReaderWriter<Frame, Frame>* stream, const std::string& peer, uint64_t total,
-                          uint64_t* received, const std::function<Status(const DecodedFrame&)>& on_chunk) {
-  Frame frame;
-  DecodedFrame d;
+// (which checks it and takes its bytes) while the next frames are read
+// (read_chunk_run); returns the first failure: the stream broke, a frame
+// was malformed, or a chunk was refused.
+Status read_update_frames(grpc::ServerContext* ctx, grpc::ServerReaderWriter<Frame, Frame>* stream,
+                          const std::string& peer, uint64_t total, uint64_t* received,
+                          const std::function<Status(const DecodedFrame&)>& on_chunk) {
   wire::ClientMessage msg;
-  while (true) {
-    if (!stream->Read(&frame)) {
-      return Status(StatusCode::kUnavailable,
-                    fmt::format("{} disconnected after {} of {} bytes of its update", peer, *received, total));
-    }
-    MEMFL_RETURN_IF_ERROR(decode_frame(frame, kClientChunkField, peer, &d, &msg));
-    if (!d.is_chunk) {
-      if (msg.has_update_end()) return Status::Ok();
-      return data_loss("{}: unexpected message in the middle of an update", peer);
-    }
-    MEMFL_RETURN_IF_ERROR(on_chunk(d));
-    *received += d.header.length;
+  bool broke = false;
+  Status st = read_chunk_run([stream](Frame* f) { return stream->Read(f); }, [ctx] { ctx->TryCancel(); },
+                             kClientChunkField, peer, ChunkRunOptions{},
+                             [&](const DecodedFrame& d) {
+                               MEMFL_RETURN_IF_ERROR(on_chunk(d));
+                               *received += d.header.length;
+                               return Status::Ok();
+                             },
+                             &msg, &broke);
+  if (broke) {
+    return Status(StatusCode::kUnavailable,
+                  fmt::format("{} disconnected after {} of {} bytes of its update", peer, *received, total));
   }
+  MEMFL_RETURN_IF_ERROR(st);
+  if (!msg.has_update_end()) return data_loss("{}: unexpected message in the middle of an update", peer);
+  return Status::Ok();
 }
 
 struct ClientSlot {
@@ -150,8 +153,8 @@ class ServerAgent final : public ServerTransport {
   }
   grpc::Status async_send_model(grpc::ServerReaderWriter<Frame, Frame>* stream, int id, uint64_t session,
                                 const std::string& peer, bool* finished);
-  grpc::Status async_receive_update(grpc::ServerReaderWriter<Frame, Frame>* stream, int id, uint64_t session,
-                                    const wire::UpdateMetadata& md, const std::string& peer);
+  grpc::Status async_receive_update(grpc::ServerContext* ctx, grpc::ServerReaderWriter<Frame, Frame>* stream, int id,
+                                    uint64_t session, const wire::UpdateMetadata& md, const std::string& peer);
   std::unique_ptr<Async> async_;
 
   bool wait_for(std::unique_lock<std::mutex>& lock, Clock::time_point deadline, const std::function<bool()>& pred);
@@ -161,8 +164,8 @@ class ServerAgent final : public ServerTransport {
   void fail_locked(int id, const std::string& why, bool cancel = false);
   grpc::Status send_model(grpc::ServerReaderWriter<Frame, Frame>* stream, int round, const std::string& peer,
                           int local_steps = 0);
-  grpc::Status receive_update(grpc::ServerReaderWriter<Frame, Frame>* stream, int id, uint64_t session,
-                              const wire::UpdateMetadata& md, const std::string& peer);
+  grpc::Status receive_update(grpc::ServerContext* ctx, grpc::ServerReaderWriter<Frame, Frame>* stream, int id,
+                              uint64_t session, const wire::UpdateMetadata& md, const std::string& peer);
   void naive_average_locked();
 
   const ExperimentConfig& cfg_;
@@ -255,8 +258,9 @@ grpc::Status ServerAgent::send_model(grpc::ServerReaderWriter<Frame, Frame>* str
   return grpc::Status::OK;
 }
 
-grpc::Status ServerAgent::receive_update(grpc::ServerReaderWriter<Frame, Frame>* stream, int id, uint64_t session,
-                                         const wire::UpdateMetadata& md, const std::string& peer) {
+grpc::Status ServerAgent::receive_update(grpc::ServerContext* ctx, grpc::ServerReaderWriter<Frame, Frame>* stream,
+                                         int id, uint64_t session, const wire::UpdateMetadata& md,
+                                         const std::string& peer) {
   {
     std::unique_lock lock(mu_);
     // The others' broadcast may still run: this update waits for the upload
@@ -304,7 +308,7 @@ grpc::Status ServerAgent::receive_update(grpc::ServerReaderWriter<Frame, Frame>*
     naive_copy.resize(layout.total_bytes());
   }
   uint64_t received = 0;
-  Status bad = read_update_frames(stream, peer, layout.total_bytes(), &received, [&](const DecodedFrame& d) {
+  Status bad = read_update_frames(ctx, stream, peer, layout.total_bytes(), &received, [&](const DecodedFrame& d) {
     if (!naive_) return update->accept(d.header, d.payload());
     MEMFL_RETURN_IF_ERROR(verify_chunk(d.header, d.payload(), layout, received, peer));
     size_t at = d.header.offset;
@@ -476,8 +480,8 @@ grpc::Status ServerAgent::session(grpc::ServerContext* ctx, grpc::ServerReaderWr
       down_end_ = Clock::now();
       cv_.notify_all();
     } else if (msg.has_update_metadata()) {
-      grpc::Status gs = async_ ? async_receive_update(stream, id, my_session, msg.update_metadata(), peer)
-                               : receive_update(stream, id, my_session, msg.update_metadata(), peer);
+      grpc::Status gs = async_ ? async_receive_update(ctx, stream, id, my_session, msg.update_metadata(), peer)
+                               : receive_update(ctx, stream, id, my_session, msg.update_metadata(), peer);
       if (!gs.ok()) return on_exit(gs);
     } else if (msg.has_custom_action()) {
       // InvokeCustomAction: the actions a client may ask of the server.
@@ -546,8 +550,9 @@ grpc::Status ServerAgent::async_send_model(grpc::ServerReaderWriter<Frame, Frame
   return send_model(stream, static_cast<int>(version), peer, steps);
 }
 
-grpc::Status ServerAgent::async_receive_update(grpc::ServerReaderWriter<Frame, Frame>* stream, int id, uint64_t session,
-                                               const wire::UpdateMetadata& md, const std::string& peer) {
+grpc::Status ServerAgent::async_receive_update(grpc::ServerContext* ctx, grpc::ServerReaderWriter<Frame, Frame>* stream,
+                                               int id, uint64_t session, const wire::UpdateMetadata& md,
+                                               const std::string& peer) {
   Async& a = *async_;
   const Layout& layout = layout_;
   size_t slot = 0;
@@ -563,7 +568,7 @@ grpc::Status ServerAgent::async_receive_update(grpc::ServerReaderWriter<Frame, F
   // model only once it is whole.
   SpoolSlotWriter into(a.slots->spool(), slot, layout, peer);
   uint64_t received = 0;
-  Status bad = read_update_frames(stream, peer, layout.total_bytes(), &received,
+  Status bad = read_update_frames(ctx, stream, peer, layout.total_bytes(), &received,
                                   [&](const DecodedFrame& d) { return into.accept(d.header, d.payload()); });
   if (bad.ok()) bad = into.commit();
   if (!bad.ok()) {

@@ -1,7 +1,11 @@
 #include "comm/grpc/wire.h"
 
 #include <algorithm>
+#include <condition_variable>
 #include <cstring>
+#include <deque>
+#include <mutex>
+#include <thread>
 
 namespace memfl {
 
@@ -183,6 +187,77 @@ Status decode_bytes(std::span<const uint8_t> bytes, int chunk_field, std::string
   out->pieces.clear();
   out->pieces.emplace_back(reinterpret_cast<const std::byte*>(bytes.data()), bytes.size());
   return decode_pieces(out, chunk_field, peer, control);
+}
+
+Status read_chunk_run(const std::function<bool(Frame*)>& read, const std::function<void()>& cancel, int chunk_field,
+                      std::string_view peer, const ChunkRunOptions& options,
+                      const std::function<Status(const DecodedFrame&)>& on_chunk,
+                      google::protobuf::MessageLite* control, bool* broke) {
+  struct Item {
+    bool broke = false;
+    Status status;
+    DecodedFrame frame;
+  };
+  std::mutex mu;
+  std::condition_variable cv;
+  std::deque<Item> ready;
+  bool dropping = false;     // the run failed: the reader drops what it reads
+  bool reader_done = false;  // it read the run's last frame (or the stream broke)
+  const size_t depth = std::max<size_t>(options.read_ahead, 1);
+  // The reader owns `control` until it is done: the run's control message
+  // is parsed into it there.
+  std::thread reader([&] {
+    Frame frame;
+    while (true) {
+      {
+        std::unique_lock lock(mu);
+        cv.wait(lock, [&] { return dropping || ready.size() < depth; });
+      }
+      Item item;
+      item.broke = !read(&frame);
+      if (!item.broke) item.status = decode_frame(frame, chunk_field, peer, &item.frame, control);
+      const bool last = item.broke || !item.status.ok() || !item.frame.is_chunk;
+      std::lock_guard lock(mu);
+      if (!dropping) ready.push_back(std::move(item));
+      if (last) reader_done = true;
+      cv.notify_all();
+      if (last) return;
+    }
+  });
+  Status result;
+  while (true) {
+    Item item;
+    {
+      std::unique_lock lock(mu);
+      cv.wait(lock, [&] { return !ready.empty(); });
+      item = std::move(ready.front());
+      ready.pop_front();
+      cv.notify_all();
+    }
+    if (item.broke) {
+      *broke = true;
+      result = Status(StatusCode::kUnavailable, fmt::format("{} closed the stream", peer));
+      break;
+    }
+    if (!item.status.ok() || !item.frame.is_chunk) {
+      result = item.status;
+      break;
+    }
+    result = on_chunk(item.frame);
+    if (!result.ok()) {
+      std::unique_lock lock(mu);
+      dropping = true;
+      ready.clear();
+      cv.notify_all();
+      if (!cv.wait_for(lock, options.drain, [&] { return reader_done; })) {
+        lock.unlock();
+        cancel();  // a peer that stalls after a refused chunk: its Read returns now
+      }
+      break;
+    }
+  }
+  reader.join();
+  return result;
 }
 
 int max_message_bytes(int64_t chunk_size, int64_t configured) {

@@ -15,6 +15,8 @@
 #include <grpcpp/impl/codegen/serialization_traits.h>
 
 #include <atomic>
+#include <chrono>
+#include <functional>
 #include <vector>
 
 #include "comm/chunk.h"
@@ -63,6 +65,28 @@ Status decode_frame(Frame& frame, int chunk_field, std::string_view peer, Decode
 // The same decoder over plain bytes (for the fuzz target and tests).
 Status decode_bytes(std::span<const uint8_t> bytes, int chunk_field, std::string_view peer, DecodedFrame* out,
                     google::protobuf::MessageLite* control);
+
+// Reads a run of chunk frames and the control message that ends it (the
+// model's ModelEnd, an update's UpdateEnd). A second thread reads and decodes
+// up to `read_ahead` frames ahead of `on_chunk`, so that gRPC's receive work
+// (the socket read, HTTP/2 parsing) overlaps the checking and folding of the
+// chunk before; with the synchronous API alone the two take turns on one
+// thread. `read` is the stream's Read; `cancel` its context's TryCancel.
+//
+// Returns OK with `control` parsed when a control message ended the run (the
+// caller checks which). A frame that does not decode, or a chunk `on_chunk`
+// refuses, ends the run with that status: the rest of the run is then read
+// and dropped, so that the peer still hears the reply, for `drain` at most
+// before the stream is cancelled. A stream that breaks sets *broke and
+// returns kUnavailable.
+struct ChunkRunOptions {
+  size_t read_ahead = 2;
+  std::chrono::milliseconds drain{5000};
+};
+Status read_chunk_run(const std::function<bool(Frame*)>& read, const std::function<void()>& cancel, int chunk_field,
+                      std::string_view peer, const ChunkRunOptions& options,
+                      const std::function<Status(const DecodedFrame&)>& on_chunk,
+                      google::protobuf::MessageLite* control, bool* broke);
 
 // gRPC message limits both sides set from the chunk size (see server.cpp).
 int max_message_bytes(int64_t chunk_size, int64_t configured);
