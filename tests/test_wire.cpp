@@ -1,5 +1,11 @@
 #include <gtest/gtest.h>
 
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <mutex>
+#include <thread>
+#include <algorithm>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -193,6 +199,123 @@ TEST(Wire, ReplaysTheFuzzCorpus) {
   EXPECT_GE(accepted_as_is, 1) << "fold_head is accepted as the fuzzer sends it";
   EXPECT_GE(written, 5);
   EXPECT_GE(folded, 5) << "client_chunk, server_chunk, fold_head, fold_tail and fold_unaligned fold when repaired";
+}
+
+// A run of chunk frames ended by UpdateEnd, as a client's upload sends it.
+struct ChunkRun {
+  std::vector<std::byte> model = std::vector<std::byte>(4000);
+  std::vector<Frame> frames;
+  static constexpr size_t kChunk = 100;
+  ChunkRun() {
+    for (size_t i = 0; i < model.size(); ++i) model[i] = static_cast<std::byte>(i * 13 + 5);
+    for (size_t off = 0; off < model.size(); off += kChunk) {
+      std::span<const std::byte> part(model.data() + off, kChunk);
+      frames.push_back(encode_chunk_frame(kClientChunkField, {7, off, kChunk, chunk_checksum(part)}, part, nullptr));
+    }
+    wire::ClientMessage end;
+    end.mutable_update_end();
+    frames.push_back(encode_message(end));
+  }
+};
+
+// Runs read_chunk_run over `run` with a consumer slower than the reader;
+// returns the most frames whose Read had begun beyond the one being folded.
+int most_read_ahead(ChunkRun& run, size_t read_ahead, std::atomic<int>* budget) {
+  std::atomic<size_t> begun{0};
+  int most = 0;
+  size_t next = 0;
+  wire::ClientMessage msg;
+  bool broke = false;
+  Status st = read_chunk_run(
+      [&](Frame* f) {
+        const size_t i = begun++;
+        if (i >= run.frames.size()) return false;
+        *f = run.frames[i];
+        return true;
+      },
+      [] {}, kClientChunkField, "peer", ChunkRunOptions{.read_ahead = read_ahead, .budget = budget},
+      [&](const DecodedFrame& d) {
+        // In order, whole and intact, whatever was read ahead.
+        EXPECT_EQ(d.header.offset, next * ChunkRun::kChunk);
+        std::vector<std::byte> got;
+        for (auto p : d.payload()) got.insert(got.end(), p.begin(), p.end());
+        EXPECT_EQ(std::memcmp(got.data(), run.model.data() + next * ChunkRun::kChunk, ChunkRun::kChunk), 0);
+        ++next;
+        std::this_thread::sleep_for(std::chrono::milliseconds(2));  // the reader gets ahead meanwhile
+        most = std::max(most, static_cast<int>(begun.load()) - static_cast<int>(next));
+        return Status::Ok();
+      },
+      &msg, &broke);
+  EXPECT_TRUE(st.ok()) << st.to_string();
+  EXPECT_FALSE(broke);
+  EXPECT_TRUE(msg.has_update_end());
+  EXPECT_EQ(next, run.frames.size() - 1) << "every chunk, once";
+  return most;
+}
+
+TEST(ReadChunkRun, ReadsAheadOfTheFoldAsFarAsItsDepth) {
+  ChunkRun run;
+  EXPECT_EQ(most_read_ahead(run, 2, nullptr), 2);
+  EXPECT_EQ(most_read_ahead(run, 1, nullptr), 1);
+}
+
+TEST(ReadChunkRun, ASharedBudgetBoundsTheReadAheadAndIsGivenBack) {
+  ChunkRun run;
+  std::atomic<int> budget{1};
+  EXPECT_EQ(most_read_ahead(run, 2, &budget), 1) << "one token: one frame ahead, though the depth is 2";
+  EXPECT_EQ(budget.load(), 1) << "every token given back";
+  budget = 0;
+  EXPECT_EQ(most_read_ahead(run, 2, &budget), 0) << "no token: a frame is read only when the fold asks for it";
+  EXPECT_EQ(budget.load(), 0);
+}
+
+TEST(ReadChunkRun, ARefusedChunkEndsTheRunOnceTheRestIsReadOrTheStreamCancelled) {
+  ChunkRun run;
+  std::atomic<int> budget{2};
+  // Drained: the peer goes on sending; every frame is read, the refusal returned.
+  size_t reads = 0;
+  wire::ClientMessage msg;
+  bool broke = false;
+  int folded = 0;
+  Status st = read_chunk_run(
+      [&](Frame* f) {
+        if (reads >= run.frames.size()) return false;
+        *f = run.frames[reads++];
+        return true;
+      },
+      [] { ADD_FAILURE() << "a peer that keeps sending is not cancelled"; }, kClientChunkField, "peer",
+      ChunkRunOptions{.budget = &budget},
+      [&](const DecodedFrame&) { return ++folded == 5 ? data_loss("chunk 4 refused") : Status::Ok(); }, &msg, &broke);
+  EXPECT_EQ(st.message(), "chunk 4 refused");
+  EXPECT_EQ(folded, 5) << "nothing folds after the refusal";
+  EXPECT_EQ(reads, run.frames.size()) << "the rest of the run was read and dropped";
+  EXPECT_EQ(budget.load(), 2);
+  // A peer that stalls after the refusal: cancelled once `drain` has passed.
+  std::mutex mu;
+  std::condition_variable cv;
+  bool cancelled = false;
+  size_t served = 0;
+  folded = 0;
+  st = read_chunk_run(
+      [&](Frame* f) {
+        std::unique_lock lock(mu);
+        if (served == 10) {  // stalls here until cancelled
+          cv.wait(lock, [&] { return cancelled; });
+          return false;
+        }
+        *f = run.frames[served++];
+        return true;
+      },
+      [&] {
+        std::lock_guard lock(mu);
+        cancelled = true;
+        cv.notify_all();
+      },
+      kClientChunkField, "peer", ChunkRunOptions{.drain = std::chrono::milliseconds(50), .budget = &budget},
+      [&](const DecodedFrame&) { return ++folded == 3 ? data_loss("chunk 2 refused") : Status::Ok(); }, &msg, &broke);
+  EXPECT_EQ(st.message(), "chunk 2 refused");
+  EXPECT_TRUE(cancelled);
+  EXPECT_EQ(budget.load(), 2);
 }
 
 }  // namespace

@@ -49,12 +49,12 @@ enum class Phase { kWaiting, kBroadcast, kUpload, kFinished };
 // (read_chunk_run); returns the first failure: the stream broke, a frame
 // was malformed, or a chunk was refused.
 Status read_update_frames(grpc::ServerContext* ctx, grpc::ServerReaderWriter<Frame, Frame>* stream,
-                          const std::string& peer, uint64_t total, uint64_t* received,
-                          const std::function<Status(const DecodedFrame&)>& on_chunk) {
+                          const std::string& peer, uint64_t total, std::atomic<int>* read_ahead_budget,
+                          uint64_t* received, const std::function<Status(const DecodedFrame&)>& on_chunk) {
   wire::ClientMessage msg;
   bool broke = false;
   Status st = read_chunk_run([stream](Frame* f) { return stream->Read(f); }, [ctx] { ctx->TryCancel(); },
-                             kClientChunkField, peer, ChunkRunOptions{},
+                             kClientChunkField, peer, ChunkRunOptions{.budget = read_ahead_budget},
                              [&](const DecodedFrame& d) {
                                MEMFL_RETURN_IF_ERROR(on_chunk(d));
                                *received += d.header.length;
@@ -184,6 +184,11 @@ class ServerAgent final : public ServerTransport {
   std::vector<int> order_;     // selected clients
   std::vector<int> rejoined_;  // clients back since the driver last asked
   std::atomic<int64_t> inflight_{0};
+  // Chunks the upload sessions may read ahead of their folds, all of them
+  // together (read_chunk_run): the server's memory does not grow with its
+  // clients. Four (≤ 4 MiB): two clients' uploads read two ahead each; at
+  // 4 clients 1 GiB uploads measured the same with 4 or 8 (2.02 GB/s median).
+  std::atomic<int> read_ahead_budget_{4};
   ChunkChecksums down_sums_;  // of the model being broadcast
   int64_t broadcasts_ = 0;    // rounds mode: the key of down_sums_
   // Transfer timing of the current round.
@@ -308,16 +313,17 @@ grpc::Status ServerAgent::receive_update(grpc::ServerContext* ctx, grpc::ServerR
     naive_copy.resize(layout.total_bytes());
   }
   uint64_t received = 0;
-  Status bad = read_update_frames(ctx, stream, peer, layout.total_bytes(), &received, [&](const DecodedFrame& d) {
-    if (!naive_) return update->accept(d.header, d.payload());
-    MEMFL_RETURN_IF_ERROR(verify_chunk(d.header, d.payload(), layout, received, peer));
-    size_t at = d.header.offset;
-    for (auto p : d.pieces) {
-      std::memcpy(naive_copy.data() + at, p.data(), p.size());
-      at += p.size();
-    }
-    return Status::Ok();
-  });
+  Status bad = read_update_frames(ctx, stream, peer, layout.total_bytes(), &read_ahead_budget_, &received,
+                                  [&](const DecodedFrame& d) {
+                                    if (!naive_) return update->accept(d.header, d.payload());
+                                    MEMFL_RETURN_IF_ERROR(verify_chunk(d.header, d.payload(), layout, received, peer));
+                                    size_t at = d.header.offset;
+                                    for (auto p : d.pieces) {
+                                      std::memcpy(naive_copy.data() + at, p.data(), p.size());
+                                      at += p.size();
+                                    }
+                                    return Status::Ok();
+                                  });
   if (bad.ok() && !naive_) bad = update->commit();
   if (bad.ok() && naive_ && received != layout.total_bytes()) {
     bad = data_loss("update from {} ended after {} of {} bytes", peer, received, layout.total_bytes());
@@ -568,7 +574,7 @@ grpc::Status ServerAgent::async_receive_update(grpc::ServerContext* ctx, grpc::S
   // model only once it is whole.
   SpoolSlotWriter into(a.slots->spool(), slot, layout, peer);
   uint64_t received = 0;
-  Status bad = read_update_frames(ctx, stream, peer, layout.total_bytes(), &received,
+  Status bad = read_update_frames(ctx, stream, peer, layout.total_bytes(), &read_ahead_budget_, &received,
                                   [&](const DecodedFrame& d) { return into.accept(d.header, d.payload()); });
   if (bad.ok()) bad = into.commit();
   if (!bad.ok()) {

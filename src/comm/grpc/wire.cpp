@@ -195,30 +195,54 @@ Status read_chunk_run(const std::function<bool(Frame*)>& read, const std::functi
                       google::protobuf::MessageLite* control, bool* broke) {
   struct Item {
     bool broke = false;
+    bool token = false;  // it took a token of the shared budget
     Status status;
     DecodedFrame frame;
   };
   std::mutex mu;
   std::condition_variable cv;
   std::deque<Item> ready;
-  bool dropping = false;     // the run failed: the reader drops what it reads
-  bool reader_done = false;  // it read the run's last frame (or the stream broke)
+  bool dropping = false;          // the run failed: the reader drops what it reads
+  bool reader_done = false;       // it read the run's last frame (or the stream broke)
+  bool consumer_waiting = false;  // the consumer waits for a frame: reading now is not ahead
   const size_t depth = std::max<size_t>(options.read_ahead, 1);
+  auto take_token = [&] {
+    if (options.budget == nullptr) return true;
+    int left = options.budget->load();
+    while (left > 0 && !options.budget->compare_exchange_weak(left, left - 1)) {
+    }
+    return left > 0;
+  };
+  auto give_token = [&](bool token) {
+    if (token && options.budget != nullptr) options.budget->fetch_add(1);
+  };
   // The reader owns `control` until it is done: the run's control message
   // is parsed into it there.
   std::thread reader([&] {
     Frame frame;
     while (true) {
+      bool token = false;
       {
         std::unique_lock lock(mu);
-        cv.wait(lock, [&] { return dropping || ready.size() < depth; });
+        cv.wait(lock, [&] {
+          if (dropping) return true;
+          if (ready.size() >= depth) return false;
+          if (consumer_waiting && ready.empty()) return true;
+          token = take_token();
+          return token;
+        });
       }
       Item item;
+      item.token = token;
       item.broke = !read(&frame);
       if (!item.broke) item.status = decode_frame(frame, chunk_field, peer, &item.frame, control);
       const bool last = item.broke || !item.status.ok() || !item.frame.is_chunk;
       std::lock_guard lock(mu);
-      if (!dropping) ready.push_back(std::move(item));
+      if (!dropping) {
+        ready.push_back(std::move(item));
+      } else {
+        give_token(item.token);
+      }
       if (last) reader_done = true;
       cv.notify_all();
       if (last) return;
@@ -229,9 +253,13 @@ Status read_chunk_run(const std::function<bool(Frame*)>& read, const std::functi
     Item item;
     {
       std::unique_lock lock(mu);
+      consumer_waiting = true;
+      cv.notify_all();
       cv.wait(lock, [&] { return !ready.empty(); });
+      consumer_waiting = false;
       item = std::move(ready.front());
       ready.pop_front();
+      give_token(item.token);
       cv.notify_all();
     }
     if (item.broke) {
@@ -247,6 +275,7 @@ Status read_chunk_run(const std::function<bool(Frame*)>& read, const std::functi
     if (!result.ok()) {
       std::unique_lock lock(mu);
       dropping = true;
+      for (const auto& left : ready) give_token(left.token);
       ready.clear();
       cv.notify_all();
       if (!cv.wait_for(lock, options.drain, [&] { return reader_done; })) {

@@ -79,9 +79,16 @@ Status decode_bytes(std::span<const uint8_t> bytes, int chunk_field, std::string
 // and dropped, so that the peer still hears the reply, for `drain` at most
 // before the stream is cancelled. A stream that breaks sets *broke and
 // returns kUnavailable.
+//
+// `budget` (may be null), shared by the runs of one process, bounds the
+// frames read ahead by all of them together: a frame read while this run's
+// consumer is busy takes a token, given back when the frame is taken; with
+// none left a run reads only when its consumer waits (as the synchronous API
+// would), so a server's read-ahead memory does not grow with its clients.
 struct ChunkRunOptions {
   size_t read_ahead = 2;
   std::chrono::milliseconds drain{5000};
+  std::atomic<int>* budget = nullptr;
 };
 Status read_chunk_run(const std::function<bool(Frame*)>& read, const std::function<void()>& cancel, int chunk_field,
                       std::string_view peer, const ChunkRunOptions& options,
