@@ -298,8 +298,8 @@ int max_message_bytes(int64_t chunk_size, int64_t configured) {
   return static_cast<int>(std::min<int64_t>(v, INT32_MAX));
 }
 
-int stream_window_bytes(int64_t chunk_size) {
-  return static_cast<int>(std::clamp<int64_t>(2 * (chunk_size + 1024), 1 << 20, 256 << 20));
+int stream_window_bytes(int64_t chunk_size, int chunks) {
+  return static_cast<int>(std::clamp<int64_t>(chunks * (chunk_size + 1024), 1 << 20, 256 << 20));
 }
 
 }  // namespace memfl

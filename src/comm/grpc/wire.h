@@ -97,9 +97,11 @@ Status read_chunk_run(const std::function<bool(Frame*)>& read, const std::functi
 
 // gRPC message limits both sides set from the chunk size (see server.cpp).
 int max_message_bytes(int64_t chunk_size, int64_t configured);
-// The HTTP/2 stream window both sides ask for: two chunks in flight, at
+// The HTTP/2 stream window a side asks for: `chunks` chunks in flight, at
 // least 1 MiB, so a stream keeps the pipe full without buffering a model.
-int stream_window_bytes(int64_t chunk_size);
+// Clients ask for two; the server for one, as its uploads also read ahead
+// (read_chunk_run's shared budget) — per client, one chunk less to hold.
+int stream_window_bytes(int64_t chunk_size, int chunks = 2);
 
 }  // namespace memfl
 
