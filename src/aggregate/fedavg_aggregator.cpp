@@ -33,7 +33,8 @@ T load(const std::byte* p) {
 // operation as the scalar code (no FMA contraction across clones:
 // -ffp-contract=off on this file), so the sum is bit-for-bit the same on
 // every machine.
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(__SANITIZE_ADDRESS__)
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(__SANITIZE_ADDRESS__) && \
+    !defined(__SANITIZE_THREAD__)
 #define MEMFL_FOLD_CLONES __attribute__((target_clones("avx2", "default")))
 #else
 #define MEMFL_FOLD_CLONES
