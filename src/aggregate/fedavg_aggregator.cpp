@@ -85,7 +85,7 @@ __attribute__((target("avx2"))) void write_avx2(float* acc, const std::byte* src
     _mm256_stream_ps(acc + i, _mm256_add_ps(_mm256_mul_ps(vw, x), zero));
   }
   for (; i < count; ++i) acc[i] = w * update_element<kBf16>(src, i) + 0.0f;
-  _mm_sfence();  // streaming stores are weakly ordered: visible before the lock is released
+  _mm_sfence();  // streaming stores are weakly ordered: visible before the fold's progress is published
 }
 const bool kWriteAvx2 = __builtin_cpu_supports("avx2");
 template <bool kBf16>
@@ -117,8 +117,10 @@ class FedAvgAggregator::Stream final : public UpdateStream {
       return s;
     }
     const uint64_t end = h.offset + h.length;
-    Slot& slot = agg_.slots_[slot_];
     std::unique_lock lock(agg_.mu_);
+    // Taken under the lock (open_update may be adding slots); the deque
+    // keeps the reference valid for the fold outside it.
+    Slot& slot = agg_.slots_[slot_];
     slot.feeder = std::this_thread::get_id();
     if (mode_ == Mode::kNone) {
       // The first chunk. Every update before ours in fold order has folded,
@@ -144,7 +146,7 @@ class FedAvgAggregator::Stream final : public UpdateStream {
         agg_.turn_cv_.wait_for(lock, agg_.live_idle_);
       }
       if (agg_.folded_ahead_locked(slot_, next_offset_)) {
-        if (!slot.folded_any) agg_.begin_folding_locked(slot_);
+        agg_.begin_folding_locked(slot_);
         MEMFL_RETURN_IF_ERROR(agg_.fold_spool_locked(slot_, next_offset_));
         mode_ = Mode::kLive;
       }
@@ -251,6 +253,7 @@ void FedAvgAggregator::spool_release_locked(size_t slot) {
 
 void FedAvgAggregator::begin_folding_locked(size_t slot) {
   Slot& s = slots_[slot];
+  if (s.folded_any) return;  // it began before it parked
   // The weight this update folds with is fixed here, in fold order (an
   // update begins only after every update before it has begun or is out),
   // so a running mean is the same whatever order the bytes arrived in.
@@ -303,36 +306,31 @@ bool FedAvgAggregator::streaming(const Slot& s, std::chrono::steady_clock::time_
   return s.state == SlotState::kLive && now - s.last_fold < live_idle_ && s.feeder != std::this_thread::get_id();
 }
 
-bool FedAvgAggregator::may_trail_locked(size_t slot) const {
-  const auto now = std::chrono::steady_clock::now();
-  for (size_t j = 0; j < slot && j < slots_.size(); ++j) {
+template <typename Pred>
+bool FedAvgAggregator::every_update_ahead_locked(size_t slot, Pred unfinished_ok) const {
+  for (size_t j = 0; j < slot; ++j) {
     const Slot& s = slots_[j];
     if (s.state == SlotState::kFolded || s.state == SlotState::kOut) continue;
-    if (s.state == SlotState::kLive && (s.complete_to >= layout_.total_bytes() || streaming(s, now))) continue;
-    return false;
+    if (!unfinished_ok(s)) return false;
   }
   return true;
 }
 
+bool FedAvgAggregator::may_trail_locked(size_t slot) const {
+  const auto now = std::chrono::steady_clock::now();
+  return every_update_ahead_locked(slot, [&](const Slot& s) {
+    return s.state == SlotState::kLive && (s.complete_to >= layout_.total_bytes() || streaming(s, now));
+  });
+}
+
 bool FedAvgAggregator::folded_ahead_locked(size_t slot, uint64_t end) const {
-  for (size_t j = 0; j < slot; ++j) {
-    const Slot& s = slots_[j];
-    if (s.state == SlotState::kFolded || s.state == SlotState::kOut) continue;
-    if (s.state == SlotState::kLive && s.complete_to >= end) continue;
-    return false;
-  }
-  return true;
+  return every_update_ahead_locked(slot,
+                                   [&](const Slot& s) { return s.state == SlotState::kLive && s.complete_to >= end; });
 }
 
 bool FedAvgAggregator::streaming_ahead_locked(size_t slot) const {
   const auto now = std::chrono::steady_clock::now();
-  for (size_t j = 0; j < slot; ++j) {
-    const Slot& s = slots_[j];
-    if (s.state == SlotState::kFolded || s.state == SlotState::kOut) continue;
-    if (streaming(s, now)) continue;
-    return false;
-  }
-  return true;
+  return every_update_ahead_locked(slot, [&](const Slot& s) { return streaming(s, now); });
 }
 
 bool FedAvgAggregator::live_streaming_locked() const {
@@ -350,7 +348,7 @@ Status FedAvgAggregator::advance_locked() {
       continue;
     }
     if (s.state != SlotState::kCommittedParked) break;  // its turn; it folds live or when it commits
-    if (!s.folded_any) begin_folding_locked(c);
+    begin_folding_locked(c);
     Status st = fold_spool_locked(c, layout_.total_bytes());
     if (!st.ok() && result.ok()) result = st;
     s.state = SlotState::kFolded;

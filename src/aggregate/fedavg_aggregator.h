@@ -132,6 +132,10 @@ class FedAvgAggregator final : public Aggregator {
   // ... every update before it that has not folded is folding as it streams
   // (another thread than this one feeds it).
   bool streaming_ahead_locked(size_t slot) const;
+  // Called with mu_ held: every update before `slot` in fold order has
+  // folded or is out, or `unfinished_ok` holds for it.
+  template <typename Pred>
+  bool every_update_ahead_locked(size_t slot, Pred unfinished_ok) const;
   // One place in the round's fold order.
   struct Slot {
     std::string client_id;
@@ -152,7 +156,7 @@ class FedAvgAggregator final : public Aggregator {
     std::thread::id feeder{};
   };
   // Called with mu_ held: the update in `slot` starts folding (its weight
-  // and whether it writes the sum are fixed here).
+  // and whether it writes the sum are fixed here); once per round.
   void begin_folding_locked(size_t slot);
   // Whether `s` is folding as it streams, fed by another thread than this one.
   bool streaming(const Slot& s, std::chrono::steady_clock::time_point now) const;

@@ -187,8 +187,7 @@ Status run_grpc_client(const ExperimentConfig& local, int client_id, const RoleO
                                    return Status::Ok();
                                  },
                                  &msg, &broke);
-    if (broke) return Status(StatusCode::kUnavailable, fmt::format("server {} closed the stream", peer));
-    MEMFL_RETURN_IF_ERROR(down);
+    MEMFL_RETURN_IF_ERROR(down);  // a broken stream: "server <peer> closed the stream"
     if (msg.has_error()) return failed_precondition("server {}: {}", peer, msg.error().message());
     if (!msg.has_model_end()) return data_loss("server {}: unexpected message during the model download", peer);
     MEMFL_RETURN_IF_ERROR(into->finish());
