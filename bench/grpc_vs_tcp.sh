@@ -3,7 +3,9 @@
 # #18 part 3). For each cell (model MiB × clients × model_chunk_size MiB) and
 # each repetition: raw TCP with xxh3 on both sides (bench/tcp_raw_bandwidth.cpp,
 # the same shape as memfl's transfer: one server, N client processes), raw
-# TCP without, then `memfl bench transfer --transport grpc` (DummyTrainer,
+# TCP without, raw TCP with xxh3 and the server folding every chunk in fold
+# order (the ceiling of an aggregating server's upload: tcp_raw_bandwidth's
+# FOLD), then `memfl bench transfer --transport grpc` (DummyTrainer,
 # 2 rounds; round 2's figures: every client's arena is resident by then, as
 # the raw clients' buffers are). One JSON object per line, with memfl ÷ raw
 # per direction, and each role's peak RSS ÷ model (the memory table).
@@ -22,12 +24,13 @@ for rep in $(seq 1 "$REPS"); do
     wire_kib=$((chunk_mb > 1 ? 1024 : chunk_mb * 1024))
     raw_hash=$("$RAW" "$mb" "$n" "$wire_kib" 1 2)
     raw_plain=$("$RAW" "$mb" "$n" "$wire_kib" 0 2)
+    raw_fold=$("$RAW" "$mb" "$n" "$wire_kib" 1 2 1)
     memfl=$("$BUILD/memfl" bench transfer --transport grpc --model-mb "$mb" --clients "$n" --chunk-mb "$chunk_mb" \
       --memory-mode streaming 2>/dev/null)
-    python3 - "$rep" "$chunk_mb" "$raw_hash" "$raw_plain" "$memfl" <<'PY'
+    python3 - "$rep" "$chunk_mb" "$raw_hash" "$raw_plain" "$memfl" "$raw_fold" <<'PY'
 import json, sys
 rep, chunk_mb = int(sys.argv[1]), int(sys.argv[2])
-rh, rp, m = (json.loads(a) for a in sys.argv[3:6])
+rh, rp, m, rf = (json.loads(a) for a in sys.argv[3:7])
 last = m["rounds"][-1]
 out = {
     "rep": rep, "model_bytes": m["model_bytes"], "clients": m["clients"],
@@ -35,12 +38,14 @@ out = {
     "grpc_download_gbps": round(last["download_gbps"], 3), "grpc_upload_gbps": round(last["upload_gbps"], 3),
     "tcp_xxh3_download_gbps": rh["download_gbps_median"], "tcp_xxh3_upload_gbps": rh["upload_gbps_median"],
     "tcp_download_gbps": rp["download_gbps_median"], "tcp_upload_gbps": rp["upload_gbps_median"],
+    "tcp_xxh3_fold_upload_gbps": rf["upload_gbps_median"],
     "server_peak_over_model": round(m["server_peak_over_model"], 4),
     "client_peak_over_model": round(m["client_peak_over_model"], 4),
 }
 for d in ("download", "upload"):
     out[f"grpc_over_tcp_xxh3_{d}"] = round(out[f"grpc_{d}_gbps"] / out[f"tcp_xxh3_{d}_gbps"], 3)
     out[f"grpc_over_tcp_{d}"] = round(out[f"grpc_{d}_gbps"] / out[f"tcp_{d}_gbps"], 3)
+out["grpc_over_tcp_xxh3_fold_upload"] = round(out["grpc_upload_gbps"] / out["tcp_xxh3_fold_upload_gbps"], 3)
 print(json.dumps(out))
 PY
   done

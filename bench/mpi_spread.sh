@@ -4,8 +4,11 @@
 # part 4). Each line: one run of `memfl bench transfer --transport mpi`
 # (DummyTrainer, 2 rounds; round 2's figures) and the raw figures of the same
 # repetition (bench/mpi_raw_bandwidth.cpp: 1 MiB chunks, 4 in flight, best of
-# 3, CMA single copy, without and with xxh3 on both sides). Summarise with
-# bench/spread.py.
+# 3, CMA single copy, without and with xxh3 on both sides), and the same
+# cell's ceiling: the work memfl's ring does per chunk (copy with xxh3 into a
+# slot, the xxh3 check, the FedAvg fold) by two threads of one process with
+# no MPI in between (bench/transfer_ceiling.cpp: 4 MiB chunks, 2 slots, as
+# memfl's ring). Summarise with bench/spread.py.
 # Usage: [CELLS="1024:1 …"] [REPS=5] bench/mpi_spread.sh [BUILD_DIR] > out.jsonl
 set -euo pipefail
 BUILD=${1:-build}
@@ -13,6 +16,8 @@ REPS=${REPS:-5}
 CELLS=${CELLS:-"1024:1 1024:2 1024:4 4096:1 4096:2"}
 RAW=$BUILD/mpi_raw_bandwidth
 mpicxx -O2 -std=c++20 "$(dirname "$0")/mpi_raw_bandwidth.cpp" -o "$RAW" -lxxhash
+CEILING=$BUILD/transfer_ceiling
+c++ -O2 -std=c++20 -march=x86-64-v3 "$(dirname "$0")/transfer_ceiling.cpp" -o "$CEILING" -pthread
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 for rep in $(seq 1 "$REPS"); do
   raw=$(mpirun -np 2 --bind-to none "$RAW" 1024 4 0 | tr -d '\n')
@@ -21,21 +26,27 @@ for rep in $(seq 1 "$REPS"); do
     IFS=: read -r mb n <<<"$cell"
     memfl=$("$BUILD/memfl" bench transfer --transport mpi --model-mb "$mb" --clients "$n" --memory-mode streaming \
       2>/dev/null)
-    python3 - "$rep" "$raw" "$raw_hash" "$memfl" <<'PY'
+    ceiling=$("$CEILING" "$mb" "$n" 4096 2 2)
+    python3 - "$rep" "$raw" "$raw_hash" "$memfl" "$ceiling" <<'PY'
 import json, sys
 rep = int(sys.argv[1])
-raw, rh, m = (json.loads(a) for a in sys.argv[2:5])
+raw, rh, m, c = (json.loads(a) for a in sys.argv[2:6])
 last = m["rounds"][-1]
 out = {
     "rep": rep, "model_bytes": m["model_bytes"], "clients": m["clients"], "chunk_path": m.get("chunk_path"),
     "mpi_download_gbps": round(last["download_gbps"], 3), "mpi_upload_gbps": round(last["upload_gbps"], 3),
     "raw_mpi_gbps": raw["best_of_3_gbps"], "raw_mpi_xxh3_gbps": rh["best_of_3_gbps"],
+    "ceiling_download_gbps": round(c["download_gbps_median"], 3),
+    "ceiling_upload_gbps": round(c["upload_sequential_gbps_median"], 3),
+    "ceiling_upload_interleaved_gbps": round(c["upload_interleaved_gbps_median"], 3),
+    "ceiling_upload_direct_gbps": round(c["upload_direct_gbps_median"], 3),
     "server_peak_over_model": round(m["server_peak_over_model"], 4),
     "client_peak_over_model": round(m["client_peak_over_model"], 4),
 }
 for d in ("download", "upload"):
     out[f"memfl_over_raw_{d}"] = round(out[f"mpi_{d}_gbps"] / out["raw_mpi_gbps"], 3)
     out[f"memfl_over_raw_xxh3_{d}"] = round(out[f"mpi_{d}_gbps"] / out["raw_mpi_xxh3_gbps"], 3)
+    out[f"memfl_over_ceiling_{d}"] = round(out[f"mpi_{d}_gbps"] / out[f"ceiling_{d}_gbps"], 3)
 print(json.dumps(out))
 PY
   done

@@ -8,8 +8,13 @@
 // chunk buffer per connection (as gRPC's receive slices are). With HASH=1
 // each side also computes xxh3-64 of every chunk, as memfl's transports do.
 // GB/s counts the bytes of every client, like memfl's metrics.csv.
+// With FOLD=1 the server also folds every received chunk into one f32 sum
+// as memfl's FedAvg does, in a fixed fold order (client 0 writes the sum
+// with streaming stores, every later client adds to a range once the client
+// before it has folded that range, as memfl's trailing updates do): the
+// upload's ceiling for a server that aggregates.
 //
-// Usage: tcp_raw_bandwidth MODEL_MB CLIENTS CHUNK_KB HASH REPS
+// Usage: tcp_raw_bandwidth MODEL_MB CLIENTS CHUNK_KB HASH REPS [FOLD]
 // Prints one JSON object: the best and median of REPS rounds per direction.
 #include <arpa/inet.h>
 #include <netinet/in.h>
@@ -20,7 +25,10 @@
 #define XXH_INLINE_ALL  // the AVX2 build, as memfl's comm/xxh3_avx2.cpp
 #include <xxhash.h>
 
+#include <immintrin.h>
+
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
@@ -68,6 +76,22 @@ uint64_t send_model(int fd, const char* data, size_t bytes, size_t chunk, bool h
   return h;
 }
 
+// The fold of memfl's FedAvg for f32 (a whole number of floats per chunk):
+// sum = w·x for the first update in fold order (streaming stores: the sum
+// is written, never read), sum += w·x for the others.
+__attribute__((target("avx2"))) void fold(float* sum, const char* src, size_t bytes, float w, bool first) {
+  const __m256 vw = _mm256_set1_ps(w);
+  const size_t n = bytes / 4;
+  const auto* x = reinterpret_cast<const float*>(src);
+  if (first) {
+    for (size_t i = 0; i < n; i += 8) _mm256_stream_ps(sum + i, _mm256_mul_ps(vw, _mm256_loadu_ps(x + i)));
+    _mm_sfence();
+  } else {
+    for (size_t i = 0; i < n; i += 8)
+      _mm256_store_ps(sum + i, _mm256_add_ps(_mm256_load_ps(sum + i), _mm256_mul_ps(vw, _mm256_loadu_ps(x + i))));
+  }
+}
+
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   const size_t n = v.size();
@@ -77,8 +101,8 @@ double median(std::vector<double> v) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc != 6) {
-    std::fprintf(stderr, "usage: %s MODEL_MB CLIENTS CHUNK_KB HASH REPS\n", argv[0]);
+  if (argc != 6 && argc != 7) {
+    std::fprintf(stderr, "usage: %s MODEL_MB CLIENTS CHUNK_KB HASH REPS [FOLD]\n", argv[0]);
     return 2;
   }
   const size_t bytes = static_cast<size_t>(std::atof(argv[1]) * (1 << 20));
@@ -86,8 +110,9 @@ int main(int argc, char** argv) {
   const size_t chunk = static_cast<size_t>(std::atol(argv[3])) << 10;
   const bool hash = std::atoi(argv[4]) != 0;
   const int reps = std::atoi(argv[5]);
-  if (bytes == 0 || clients < 1 || chunk == 0 || reps < 1) {
-    std::fprintf(stderr, "MODEL_MB, CLIENTS, CHUNK_KB and REPS must be positive\n");
+  const bool with_fold = argc == 7 && std::atoi(argv[6]) != 0;
+  if (bytes == 0 || clients < 1 || chunk == 0 || reps < 1 || (with_fold && (chunk % 32 != 0 || bytes % chunk != 0))) {
+    std::fprintf(stderr, "MODEL_MB, CLIENTS, CHUNK_KB and REPS must be positive (FOLD: whole 32-byte chunks)\n");
     return 2;
   }
   const int ls = ::socket(AF_INET, SOCK_STREAM, 0);
@@ -127,6 +152,9 @@ int main(int argc, char** argv) {
     fds.push_back(fd);
   }
   std::vector<char> global(bytes, 7);
+  // The sum, resident and 32-byte aligned for the streaming stores.
+  auto* sum = static_cast<float*>(std::aligned_alloc(64, with_fold ? bytes : 64));
+  if (with_fold) std::memset(sum, 0, bytes);
   std::vector<double> down, up;
   for (int r = 0; r < reps; ++r) {
     auto t0 = Clock::now();
@@ -144,9 +172,12 @@ int main(int argc, char** argv) {
     const double ds = std::chrono::duration<double>(Clock::now() - t0).count();
     t0 = Clock::now();
     {
+      // folded[c]: the bytes client c has folded this round.
+      std::vector<std::atomic<uint64_t>> folded(fds.size());
       std::vector<std::thread> th;
-      for (int fd : fds) {
-        th.emplace_back([&, fd] {
+      for (size_t c = 0; c < fds.size(); ++c) {
+        th.emplace_back([&, c] {
+          const int fd = fds[c];
           std::vector<char> buf(chunk);
           const char go = 1;
           write_all(fd, &go, 1);
@@ -154,6 +185,13 @@ int main(int argc, char** argv) {
             const size_t len = std::min(chunk, bytes - off);
             read_all(fd, buf.data(), len);
             if (hash) (void)XXH3_64bits(buf.data(), len);
+            if (!with_fold) continue;
+            if (c > 0) {  // fold order: the client before has folded this range
+              for (uint64_t f = folded[c - 1].load(); f < off + len; f = folded[c - 1].load()) folded[c - 1].wait(f);
+            }
+            fold(sum + off / 4, buf.data(), len, 1.0f / static_cast<float>(clients), c == 0);
+            folded[c].store(off + len);
+            folded[c].notify_all();
           }
         });
       }
@@ -163,14 +201,15 @@ int main(int argc, char** argv) {
     down.push_back(static_cast<double>(bytes) * clients / ds / 1e9);
     up.push_back(static_cast<double>(bytes) * clients / us / 1e9);
   }
+  std::free(sum);
   for (int fd : fds) ::close(fd);
   while (::wait(nullptr) > 0) {
   }
   std::printf(
-      "{\"model_bytes\": %zu, \"clients\": %d, \"chunk_bytes\": %zu, \"xxh3\": %s, \"reps\": %d, "
+      "{\"model_bytes\": %zu, \"clients\": %d, \"chunk_bytes\": %zu, \"xxh3\": %s, \"fold\": %s, \"reps\": %d, "
       "\"download_gbps_best\": %.3f, \"download_gbps_median\": %.3f, \"upload_gbps_best\": %.3f, "
       "\"upload_gbps_median\": %.3f}\n",
-      bytes, clients, chunk, hash ? "true" : "false", reps, *std::max_element(down.begin(), down.end()), median(down),
-      *std::max_element(up.begin(), up.end()), median(up));
+      bytes, clients, chunk, hash ? "true" : "false", with_fold ? "true" : "false", reps,
+      *std::max_element(down.begin(), down.end()), median(down), *std::max_element(up.begin(), up.end()), median(up));
   return 0;
 }
