@@ -5,7 +5,10 @@
 # the same shape as memfl's transfer: one server, N client processes), raw
 # TCP without, raw TCP with xxh3 and the server folding every chunk in fold
 # order (the ceiling of an aggregating server's upload: tcp_raw_bandwidth's
-# FOLD), then `memfl bench transfer --transport grpc` (DummyTrainer,
+# FOLD), bare gRPC in memfl's message pattern with xxh3 on both sides and
+# no memfl in between, served by the synchronous and by the callback API
+# (bench/grpc_raw_bandwidth.cpp, built with memfl; 1 MiB chunks only), then
+# `memfl bench transfer --transport grpc` (DummyTrainer,
 # 2 rounds; round 2's figures: every client's arena is resident by then, as
 # the raw clients' buffers are). One JSON object per line, with memfl ÷ raw
 # per direction, and each role's peak RSS ÷ model (the memory table).
@@ -25,12 +28,14 @@ for rep in $(seq 1 "$REPS"); do
     raw_hash=$("$RAW" "$mb" "$n" "$wire_kib" 1 2)
     raw_plain=$("$RAW" "$mb" "$n" "$wire_kib" 0 2)
     raw_fold=$("$RAW" "$mb" "$n" "$wire_kib" 1 2 1)
+    grpc_sync=$("$BUILD/grpc_raw_bandwidth" "$mb" "$n" 1 2 sync)
+    grpc_callback=$("$BUILD/grpc_raw_bandwidth" "$mb" "$n" 1 2 callback)
     memfl=$("$BUILD/memfl" bench transfer --transport grpc --model-mb "$mb" --clients "$n" --chunk-mb "$chunk_mb" \
       --memory-mode streaming 2>/dev/null)
-    python3 - "$rep" "$chunk_mb" "$raw_hash" "$raw_plain" "$memfl" "$raw_fold" <<'PY'
+    python3 - "$rep" "$chunk_mb" "$raw_hash" "$raw_plain" "$memfl" "$raw_fold" "$grpc_sync" "$grpc_callback" <<'PY'
 import json, sys
 rep, chunk_mb = int(sys.argv[1]), int(sys.argv[2])
-rh, rp, m, rf = (json.loads(a) for a in sys.argv[3:7])
+rh, rp, m, rf, gs, gc = (json.loads(a) for a in sys.argv[3:9])
 last = m["rounds"][-1]
 out = {
     "rep": rep, "model_bytes": m["model_bytes"], "clients": m["clients"],
@@ -39,6 +44,9 @@ out = {
     "tcp_xxh3_download_gbps": rh["download_gbps_median"], "tcp_xxh3_upload_gbps": rh["upload_gbps_median"],
     "tcp_download_gbps": rp["download_gbps_median"], "tcp_upload_gbps": rp["upload_gbps_median"],
     "tcp_xxh3_fold_upload_gbps": rf["upload_gbps_median"],
+    "bare_grpc_sync_download_gbps": gs["download_gbps_median"], "bare_grpc_sync_upload_gbps": gs["upload_gbps_median"],
+    "bare_grpc_callback_download_gbps": gc["download_gbps_median"],
+    "bare_grpc_callback_upload_gbps": gc["upload_gbps_median"],
     "server_peak_over_model": round(m["server_peak_over_model"], 4),
     "client_peak_over_model": round(m["client_peak_over_model"], 4),
 }
@@ -46,6 +54,8 @@ for d in ("download", "upload"):
     out[f"grpc_over_tcp_xxh3_{d}"] = round(out[f"grpc_{d}_gbps"] / out[f"tcp_xxh3_{d}_gbps"], 3)
     out[f"grpc_over_tcp_{d}"] = round(out[f"grpc_{d}_gbps"] / out[f"tcp_{d}_gbps"], 3)
 out["grpc_over_tcp_xxh3_fold_upload"] = round(out["grpc_upload_gbps"] / out["tcp_xxh3_fold_upload_gbps"], 3)
+for d in ("download", "upload"):
+    out[f"grpc_over_bare_grpc_sync_{d}"] = round(out[f"grpc_{d}_gbps"] / out[f"bare_grpc_sync_{d}_gbps"], 3)
 print(json.dumps(out))
 PY
   done
