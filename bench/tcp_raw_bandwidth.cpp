@@ -25,8 +25,6 @@
 #define XXH_INLINE_ALL  // the AVX2 build, as memfl's comm/xxh3_avx2.cpp
 #include <xxhash.h>
 
-#include <immintrin.h>
-
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -36,6 +34,8 @@
 #include <cstring>
 #include <thread>
 #include <vector>
+
+#include "ceiling_fold.h"
 
 namespace {
 
@@ -74,22 +74,6 @@ uint64_t send_model(int fd, const char* data, size_t bytes, size_t chunk, bool h
     write_all(fd, data + off, len);
   }
   return h;
-}
-
-// The fold of memfl's FedAvg for f32 (a whole number of floats per chunk):
-// sum = w·x for the first update in fold order (streaming stores: the sum
-// is written, never read), sum += w·x for the others.
-__attribute__((target("avx2"))) void fold(float* sum, const char* src, size_t bytes, float w, bool first) {
-  const __m256 vw = _mm256_set1_ps(w);
-  const size_t n = bytes / 4;
-  const auto* x = reinterpret_cast<const float*>(src);
-  if (first) {
-    for (size_t i = 0; i < n; i += 8) _mm256_stream_ps(sum + i, _mm256_mul_ps(vw, _mm256_loadu_ps(x + i)));
-    _mm_sfence();
-  } else {
-    for (size_t i = 0; i < n; i += 8)
-      _mm256_store_ps(sum + i, _mm256_add_ps(_mm256_load_ps(sum + i), _mm256_mul_ps(vw, _mm256_loadu_ps(x + i))));
-  }
 }
 
 double median(std::vector<double> v) {
@@ -189,7 +173,8 @@ int main(int argc, char** argv) {
             if (c > 0) {  // fold order: the client before has folded this range
               for (uint64_t f = folded[c - 1].load(); f < off + len; f = folded[c - 1].load()) folded[c - 1].wait(f);
             }
-            fold(sum + off / 4, buf.data(), len, 1.0f / static_cast<float>(clients), c == 0);
+            ceiling_fold(sum + off / 4, reinterpret_cast<const float*>(buf.data()), len / 4,
+                         1.0f / static_cast<float>(clients), c == 0);
             folded[c].store(off + len);
             folded[c].notify_all();
           }

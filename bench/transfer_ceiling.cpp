@@ -25,7 +25,6 @@
 // Usage: transfer_ceiling MODEL_MB CLIENTS CHUNK_KB SLOTS REPS
 // Prints one JSON object: best and median of REPS for each way.
 #define XXH_INLINE_ALL
-#include <immintrin.h>
 #include <xxhash.h>
 
 #include <algorithm>
@@ -41,22 +40,11 @@
 #include <utility>
 #include <vector>
 
+#include "ceiling_fold.h"
+
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-// The fold, as memfl's FedAvg does it for f32: acc = w·x (+ 0) for the first
-// update in fold order, with streaming stores; acc += w·x for the others.
-__attribute__((target("avx2"))) void fold(float* acc, const float* x, size_t n, float w, bool first) {
-  const __m256 vw = _mm256_set1_ps(w);
-  if (first) {
-    for (size_t i = 0; i < n; i += 8) _mm256_stream_ps(acc + i, _mm256_mul_ps(vw, _mm256_loadu_ps(x + i)));
-    _mm_sfence();
-  } else {
-    for (size_t i = 0; i < n; i += 8)
-      _mm256_store_ps(acc + i, _mm256_add_ps(_mm256_load_ps(acc + i), _mm256_mul_ps(vw, _mm256_loadu_ps(x + i))));
-  }
-}
 
 // Copies and hashes in one pass, 32 KiB at a time (as comm/chunk's
 // copy_with_checksum: the block is still in L1 when it is hashed).
@@ -131,7 +119,7 @@ double upload(const std::vector<std::unique_ptr<Buffer>>& models, Buffer& sum, s
     const size_t len = std::min(chunk, model - i * chunk);
     const char* got = direct ? models[static_cast<size_t>(k)]->p + i * chunk : ring[n % slots]->p;
     if (xxh3_blocks(got, len) != sums[n]) fail("checksum mismatch");
-    fold(reinterpret_cast<float*>(sum.p + i * chunk), reinterpret_cast<const float*>(got), len / 4, w, k == 0);
+    ceiling_fold(reinterpret_cast<float*>(sum.p + i * chunk), reinterpret_cast<const float*>(got), len / 4, w, k == 0);
     taken.store(n + 1);
     taken.notify_one();
   }
