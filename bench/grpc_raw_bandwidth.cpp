@@ -29,6 +29,7 @@
 #include <barrier>
 #include <condition_variable>
 #include <mutex>
+#include <optional>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -337,8 +338,9 @@ int main(int argc, char** argv) {
     (void)s->Finish();
     std::_Exit(0);
   }
-  Bench service(bytes, clients, hash, reps);
-  CallbackBench callback_service(bytes, hash);
+  // Only the chosen server is built: each holds a model.
+  std::optional<Bench> sync_service;
+  std::optional<CallbackBench> callback_service;
   grpc::ServerBuilder builder;
   int port = 0;
   builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
@@ -347,23 +349,23 @@ int main(int argc, char** argv) {
   builder.AddChannelArgument(GRPC_ARG_HTTP2_BDP_PROBE, 0);
   builder.AddChannelArgument(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, memfl::stream_window_bytes(kChunk, 1));
   if (callback) {
-    builder.RegisterService(&callback_service);
+    builder.RegisterService(&callback_service.emplace(bytes, hash));
   } else {
-    builder.RegisterService(&service);
+    builder.RegisterService(&sync_service.emplace(bytes, clients, hash, reps));
   }
   auto server = builder.BuildAndStart();
   if (!server || port == 0) die("listen");
   for (int c = 0; c < clients; ++c) {
     if (::write(ports[1], &port, sizeof port) != sizeof port) die("port");
   }
-  const std::vector<Round> rounds = callback ? callback_service.run(clients, reps) : std::vector<Round>{};
+  const std::vector<Round> rounds = callback ? callback_service->run(clients, reps) : std::vector<Round>{};
   int status = 0;
   for (pid_t p : pids) {
     if (::waitpid(p, &status, 0) != p || !WIFEXITED(status) || WEXITSTATUS(status) != 0) die("a client failed");
   }
   server->Shutdown();
   std::vector<double> down, up;
-  for (const Round& r : callback ? rounds : service.rounds()) {
+  for (const Round& r : callback ? rounds : sync_service->rounds()) {
     down.push_back(static_cast<double>(bytes) * clients / r.down / 1e9);
     up.push_back(static_cast<double>(bytes) * clients / r.up / 1e9);
   }

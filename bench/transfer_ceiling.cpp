@@ -60,13 +60,6 @@ uint64_t copy_with_xxh3(char* dst, const char* src, size_t n) {
   return XXH3_64bits_digest(&st);
 }
 
-uint64_t xxh3_blocks(const char* p, size_t n) {
-  XXH3_state_t st;
-  XXH3_64bits_reset(&st);
-  XXH3_64bits_update(&st, p, n);
-  return XXH3_64bits_digest(&st);
-}
-
 struct Buffer {
   explicit Buffer(size_t n) : bytes(n), p(static_cast<char*>(std::aligned_alloc(64, n))) {
     // Resident, as a model arena is after its first round; 0x3f bytes are
@@ -108,7 +101,7 @@ double upload(const std::vector<std::unique_ptr<Buffer>>& models, Buffer& sum, s
       const auto [k, i] = order[n];
       const size_t len = std::min(chunk, model - i * chunk);
       const char* src = models[static_cast<size_t>(k)]->p + i * chunk;
-      sums[n] = direct ? xxh3_blocks(src, len) : copy_with_xxh3(ring[n % slots]->p, src, len);
+      sums[n] = direct ? XXH3_64bits(src, len) : copy_with_xxh3(ring[n % slots]->p, src, len);
       filled.store(n + 1);
       filled.notify_one();
     }
@@ -118,7 +111,7 @@ double upload(const std::vector<std::unique_ptr<Buffer>>& models, Buffer& sum, s
     const auto [k, i] = order[n];
     const size_t len = std::min(chunk, model - i * chunk);
     const char* got = direct ? models[static_cast<size_t>(k)]->p + i * chunk : ring[n % slots]->p;
-    if (xxh3_blocks(got, len) != sums[n]) fail("checksum mismatch");
+    if (XXH3_64bits(got, len) != sums[n]) fail("checksum mismatch");
     ceiling_fold(reinterpret_cast<float*>(sum.p + i * chunk), reinterpret_cast<const float*>(got), len / 4, w, k == 0);
     taken.store(n + 1);
     taken.notify_one();
