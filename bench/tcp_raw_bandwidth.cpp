@@ -6,7 +6,11 @@
 // intermediate copy: the best case, which gRPC cannot have); then every
 // client sends its buffer back and the server reads each into one reused
 // chunk buffer per connection (as gRPC's receive slices are). With HASH=1
-// each side also computes xxh3-64 of every chunk, as memfl's transports do.
+// the sender puts each chunk's xxh3-64 before it (8 bytes, where memfl sends
+// a 32-byte header) and the receiver hashes what arrived and compares, as
+// memfl's transports do. (Until 2026-11-27 the receiver discarded its hash
+// and the sender's was never sent: the compiler removed both, and HASH=1
+// measured TCP without hashing. Figures before then are raw TCP's.)
 // GB/s counts the bytes of every client, like memfl's metrics.csv.
 // With FOLD=1 the server also folds every received chunk into one f32 sum
 // as memfl's FedAvg does, in a fixed fold order (client 0 writes the sum
@@ -20,6 +24,7 @@
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <sys/socket.h>
+#include <sys/uio.h>
 #include <sys/wait.h>
 #include <unistd.h>
 #define XXH_INLINE_ALL  // the AVX2 build, as memfl's comm/xxh3_avx2.cpp
@@ -66,14 +71,44 @@ void read_all(int fd, char* p, size_t n) {
 
 // Sends `bytes` in chunks; with `hash`, hashes each chunk first (the sender's
 // checksum, which memfl puts in the chunk header).
-uint64_t send_model(int fd, const char* data, size_t bytes, size_t chunk, bool hash) {
-  uint64_t h = 0;
+void send_model(int fd, const char* data, size_t bytes, size_t chunk, bool hash) {
   for (size_t off = 0; off < bytes; off += chunk) {
     const size_t len = std::min(chunk, bytes - off);
-    if (hash) h ^= XXH3_64bits(data + off, len);
-    write_all(fd, data + off, len);
+    if (!hash) {
+      write_all(fd, data + off, len);
+      continue;
+    }
+    // Checksum and chunk in one system call, as memfl's data channel sends
+    // its header and chunk.
+    uint64_t h = XXH3_64bits(data + off, len);
+    iovec iov[2] = {{&h, sizeof h}, {const_cast<char*>(data + off), len}};
+    int n = 2;
+    for (iovec* v = iov; n > 0;) {
+      const ssize_t w = ::writev(fd, v, n);
+      if (w <= 0) die("writev");
+      for (size_t left = static_cast<size_t>(w); n > 0 && left > 0;) {
+        const size_t step = std::min(left, v->iov_len);
+        v->iov_base = static_cast<char*>(v->iov_base) + step;
+        v->iov_len -= step;
+        left -= step;
+        if (v->iov_len == 0) {
+          ++v;
+          --n;
+        }
+      }
+    }
   }
-  return h;
+}
+
+// Reads a chunk's checksum (with `hash`), then the chunk, and checks it.
+void receive_chunk(int fd, char* into, size_t len, bool hash) {
+  uint64_t want = 0;
+  if (hash) read_all(fd, reinterpret_cast<char*>(&want), sizeof want);
+  read_all(fd, into, len);
+  if (hash && XXH3_64bits(into, len) != want) {
+    std::fprintf(stderr, "checksum mismatch\n");
+    std::exit(1);
+  }
 }
 
 double median(std::vector<double> v) {
@@ -119,8 +154,7 @@ int main(int argc, char** argv) {
     for (int r = 0; r < reps; ++r) {
       for (size_t off = 0; off < bytes; off += chunk) {
         const size_t len = std::min(chunk, bytes - off);
-        read_all(s, model.data() + off, len);
-        if (hash) (void)XXH3_64bits(model.data() + off, len);  // the receiver's check
+        receive_chunk(s, model.data() + off, len, hash);
       }
       write_all(s, &go, 1);  // downloaded
       read_all(s, &go, 1);   // the server's "upload now"
@@ -167,8 +201,7 @@ int main(int argc, char** argv) {
           write_all(fd, &go, 1);
           for (size_t off = 0; off < bytes; off += chunk) {
             const size_t len = std::min(chunk, bytes - off);
-            read_all(fd, buf.data(), len);
-            if (hash) (void)XXH3_64bits(buf.data(), len);
+            receive_chunk(fd, buf.data(), len, hash);
             if (!with_fold) continue;
             if (c > 0) {  // fold order: the client before has folded this range
               for (uint64_t f = folded[c - 1].load(); f < off + len; f = folded[c - 1].load()) folded[c - 1].wait(f);

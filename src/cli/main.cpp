@@ -333,6 +333,10 @@ int main(int argc, char** argv) {
   memfl::TransferBenchOptions tb;
   transfer->add_option("--transport", tb.transport, "grpc")->capture_default_str();
   transfer->add_option("--model-mb", tb.model_mb, "model size in MiB")->capture_default_str();
+  transfer
+      ->add_option("--data-channel", tb.data_channel,
+                   "gRPC: where chunks travel, grpc (in the stream) | tcp (grpc_configs.data_channel)")
+      ->capture_default_str();
   transfer->add_option("--clients", tb.clients, "client processes")->capture_default_str();
   transfer->add_option("--dtype", tb.dtype, "f32 | bf16 | f16")->capture_default_str();
   transfer->add_option("--chunk-mb", tb.chunk_mb, "chunk size in MiB")->capture_default_str();

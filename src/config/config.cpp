@@ -683,6 +683,23 @@ const std::vector<KeySpec>& schema() {
        2147483647,
        "gRPC message limit in bytes (0 = model_chunk_size + 64 KiB)",
        I(server.max_message_size)},
+      {"server_configs.comm_configs.grpc_configs.data_channel",
+       Type::kString,
+       "grpc",
+       {"grpc", "tcp"},
+       -kInf,
+       kInf,
+       "where chunks travel: grpc (inside the stream) or tcp (a TCP connection beside it, opened with a "
+       "per-session ticket; not encrypted, so not with use_ssl)",
+       S(server.data_channel)},
+      {"server_configs.comm_configs.grpc_configs.data_channel_port",
+       Type::kInt,
+       "0",
+       {},
+       0,
+       65535,
+       "data_channel tcp: the port the server listens on for it (0: any free port, told to clients)",
+       I(server.data_channel_port)},
       {"server_configs.comm_configs.grpc_configs.use_ssl",
        Type::kBool,
        "false",
@@ -1056,6 +1073,14 @@ Status cross_checks(const ExperimentConfig& c, const std::string& source) {
     return invalid_argument(
         "{}: 'server_configs.comm_configs.grpc_configs.use_ssl' needs server_cert, server_key "
         "and root_cert",
+        source);
+  }
+  if (c.server.use_ssl && c.server.data_channel == "tcp") {
+    // The data channel carries the model in the clear: TLS on the stream
+    // alone would protect the control messages and leave the model open.
+    return invalid_argument(
+        "{}: 'server_configs.comm_configs.grpc_configs.data_channel: tcp' is not encrypted and cannot be used with "
+        "use_ssl: true; set data_channel: grpc for TLS",
         source);
   }
   if (c.server.is_async() || c.server.aggregator == "FedAsyncAggregator" ||

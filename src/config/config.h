@@ -131,6 +131,10 @@ struct ServerConfig {
   int broadcast_deadline_s() const { return broadcast_timeout_s > 0 ? broadcast_timeout_s : round_timeout_s; }
   int upload_deadline_s() const { return upload_timeout_s > 0 ? upload_timeout_s : round_timeout_s; }
   int connect_timeout_s = 30;
+  // Where a model's chunks travel over gRPC: "grpc" (inside the stream) or
+  // "tcp" (a TCP connection beside it, comm/grpc/data_channel.h).
+  std::string data_channel = "grpc";
+  int data_channel_port = 0;  // 0: any free port (told to clients at Register)
   int clients_per_rank = 1;
   bool mpi_shared_memory = true;  // MPI on one node: chunks through a shared-memory ring
   int parallel_clients = 1;       // in-process worker replicas (K); -1 = as many as memory_budget allows

@@ -15,6 +15,7 @@
 #include <spdlog/spdlog.h>
 
 #include "comm/grpc/client_session.h"
+#include "comm/grpc/data_channel.h"
 #include "comm/grpc/wire.h"
 #include "memory/sampler.h"
 #include "client/client_work.h"
@@ -65,6 +66,9 @@ Status run_grpc_client(const ExperimentConfig& local, int client_id, const RoleO
                                                            lc.connect_timeout_s));
   std::unique_ptr<grpc::ClientContext> ctx;
   std::unique_ptr<Stream> stream;
+  // The session's data channel, when the server offers one (data_channel:
+  // tcp): the model's chunks travel there, the stream keeps the rest.
+  std::unique_ptr<DataSocket> data_link;
   DecodedFrame d;
   wire::ServerMessage msg;
   wire::ClientMessage out;
@@ -76,12 +80,20 @@ Status run_grpc_client(const ExperimentConfig& local, int client_id, const RoleO
     out.Clear();
     out.mutable_register_()->set_client_id(std::to_string(client_id));
     out.mutable_register_()->set_token(fault == "wrong_token" ? lc.auth_token + "-wrong" : lc.auth_token);
+    out.mutable_register_()->set_data_channel(true);  // the server's config decides
     MEMFL_RETURN_IF_ERROR(write(*stream, out, peer));
     MEMFL_RETURN_IF_ERROR(read_server_message(*stream, peer, &d, &msg));
     if (d.is_chunk || !msg.has_register_reply()) return data_loss("server {}: expected a RegisterReply", peer);
     if (!msg.register_reply().accepted()) {
       return Status(StatusCode::kFailedPrecondition,
                     fmt::format("server {} refused {}: {}", peer, role, msg.register_reply().message()));
+    }
+    data_link.reset();
+    if (const uint32_t port = msg.register_reply().data_port(); port != 0) {
+      const uint64_t ticket = msg.register_reply().data_ticket() ^ (fault == "wrong_data_ticket" ? 1 : 0);
+      MEMFL_ASSIGN_OR_RETURN(
+          data_link, dial_data_channel(lc.server_uri, static_cast<int>(port), static_cast<uint32_t>(client_id), ticket,
+                                       lc.connect_timeout_s));
     }
     // The server's configuration is the experiment; the local one only says
     // how to reach the server.
@@ -178,19 +190,47 @@ Status run_grpc_client(const ExperimentConfig& local, int client_id, const RoleO
     // The next chunks are read while one is checked and copied in
     // (read_chunk_run). A download that fails is not drained: the stream
     // is cancelled, and the client registers again.
-    bool broke = false;
-    Status down = read_chunk_run([&](Frame* f) { return stream->Read(f); }, [&] { ctx->TryCancel(); },
-                                 kServerChunkField, "server " + peer, ChunkRunOptions{.drain = {}},
-                                 [&](const DecodedFrame& frame) {
-                                   MEMFL_RETURN_IF_ERROR(into->accept(frame.header, frame.payload()));
-                                   stop_here("stop_in_broadcast");
-                                   return Status::Ok();
-                                 },
-                                 &msg, &broke);
-    MEMFL_RETURN_IF_ERROR(down);  // a broken stream: "server <peer> closed the stream"
+    if (data_link != nullptr) {
+      // Over the data channel: a header, checked before a byte lands, then
+      // the bytes straight into the arena and their checksum there (the
+      // chunk is still in cache); a sharded model takes them through its
+      // writer, one chunk-sized buffer.
+      std::vector<std::byte> buffer(shards != nullptr ? chunk : 0);
+      for (uint64_t next = 0; next < layout.total_bytes();) {
+        ChunkHeader h;
+        MEMFL_RETURN_IF_ERROR(data_link->read_header(&h, chunk));
+        if (shards != nullptr) {
+          const auto payload = std::span(buffer).first(static_cast<size_t>(h.length));
+          MEMFL_RETURN_IF_ERROR(data_link->read_exact(payload));
+          MEMFL_RETURN_IF_ERROR(into->accept(h, std::span<const std::byte>(payload)));
+        } else {
+          MEMFL_RETURN_IF_ERROR(verify_chunk_header(h, h.length, layout, next, "server " + peer));
+          const auto dst = model.arena().bytes(h.offset, h.length);
+          MEMFL_RETURN_IF_ERROR(data_link->read_exact(dst));
+          if (chunk_checksum(std::span<const std::byte>(dst)) != h.checksum) {
+            return checksum_mismatch(h, "server " + peer);
+          }
+        }
+        next += h.length;
+        stop_here("stop_in_broadcast");
+      }
+      MEMFL_RETURN_IF_ERROR(read_server_message(*stream, peer, &d, &msg));
+      if (d.is_chunk) return data_loss("server {}: a chunk on the stream while the data channel is open", peer);
+    } else {
+      bool broke = false;
+      Status down = read_chunk_run([&](Frame* f) { return stream->Read(f); }, [&] { ctx->TryCancel(); },
+                                   kServerChunkField, "server " + peer, ChunkRunOptions{.drain = {}},
+                                   [&](const DecodedFrame& frame) {
+                                     MEMFL_RETURN_IF_ERROR(into->accept(frame.header, frame.payload()));
+                                     stop_here("stop_in_broadcast");
+                                     return Status::Ok();
+                                   },
+                                   &msg, &broke);
+      MEMFL_RETURN_IF_ERROR(down);  // a broken stream: "server <peer> closed the stream"
+    }
     if (msg.has_error()) return failed_precondition("server {}: {}", peer, msg.error().message());
     if (!msg.has_model_end()) return data_loss("server {}: unexpected message during the model download", peer);
-    MEMFL_RETURN_IF_ERROR(into->finish());
+    if (data_link == nullptr || shards != nullptr) MEMFL_RETURN_IF_ERROR(into->finish());
     out.Clear();
     out.mutable_model_received();
     MEMFL_RETURN_IF_ERROR(write(*stream, out, peer));
@@ -249,6 +289,7 @@ Status run_grpc_client(const ExperimentConfig& local, int client_id, const RoleO
       const bool inject = !fault.empty() && rounds == 0 && (index == 1 || off + len >= layout.total_bytes());
       if (inject && fault == "disconnect_mid_upload") {
         ctx->TryCancel();
+        if (data_link != nullptr) data_link->shutdown();
         return Status(StatusCode::kAborted, "injected fault: disconnected in the middle of the upload");
       }
       if (index == 1) stop_here("stop_mid_upload");
@@ -256,7 +297,12 @@ Status run_grpc_client(const ExperimentConfig& local, int client_id, const RoleO
       if (inject && fault == "wrong_layout_hash") h.layout_hash ^= 1;
       if (inject && fault == "offset_past_end") h.offset = layout.total_bytes() + 8;
       if (inject && fault == "extra_bytes") h.length = len - 1;  // more bytes than the header announces
-      if (!stream->Write(encode_chunk_frame(kClientChunkField, h, bytes, &inflight))) {
+      if (data_link != nullptr) {
+        // The kernel has copied the bytes when write_chunk returns.
+        if (Status w = data_link->write_chunk(h, bytes); !w.ok()) {
+          return Status(StatusCode::kUnavailable, fmt::format("{} during the upload", w.message()));
+        }
+      } else if (!stream->Write(encode_chunk_frame(kClientChunkField, h, bytes, &inflight))) {
         return Status(StatusCode::kUnavailable, fmt::format("server {} closed the stream during the upload", peer));
       }
     }

@@ -27,6 +27,7 @@
 #include <spdlog/spdlog.h>
 
 #include "comm/chunk.h"
+#include "comm/grpc/data_channel.h"
 #include "comm/grpc/wire.h"
 #include "comm/spool_update.h"
 
@@ -47,12 +48,37 @@ enum class Phase { kWaiting, kBroadcast, kUpload, kFinished };
 // Reads an update's frames until UpdateEnd, giving each chunk to `on_chunk`
 // (which checks it and takes its bytes) while the next frames are read
 // (read_chunk_run); returns the first failure: the stream broke, a frame
-// was malformed, or a chunk was refused.
+// was malformed, or a chunk was refused. With a data channel (`data`), the
+// chunks come from it, each read into one chunk-sized buffer (the socket's
+// kernel buffer is the read-ahead), and the stream says UpdateEnd.
 Status read_update_frames(grpc::ServerContext* ctx, grpc::ServerReaderWriter<Frame, Frame>* stream,
                           const std::string& peer, uint64_t total, std::atomic<int>* read_ahead_budget,
-                          uint64_t* received, const std::function<Status(const DecodedFrame&)>& on_chunk) {
+                          uint64_t* received, DataSocket* data, size_t chunk,
+                          const std::function<Status(const DecodedFrame&)>& on_chunk) {
   wire::ClientMessage msg;
   bool broke = false;
+  if (data != nullptr) {
+    std::vector<std::byte> buffer(chunk);
+    DecodedFrame d;
+    d.is_chunk = true;
+    Status st = read_data_chunks(*data, total, buffer, received, [&](const ChunkHeader& h, auto bytes) {
+      d.header = h;
+      d.pieces.assign(1, bytes);
+      return on_chunk(d);
+    });
+    if (st.code() == StatusCode::kUnavailable) {
+      return Status(StatusCode::kUnavailable, fmt::format("{} disconnected after {} of {} bytes of its update ({})",
+                                                          peer, *received, total, st.message()));
+    }
+    MEMFL_RETURN_IF_ERROR(st);
+    Frame frame;
+    if (!stream->Read(&frame)) {
+      return Status(StatusCode::kUnavailable, fmt::format("{} disconnected before the end of its update", peer));
+    }
+    MEMFL_RETURN_IF_ERROR(decode_frame(frame, kClientChunkField, peer, &d, &msg));
+    if (d.is_chunk || !msg.has_update_end()) return data_loss("{}: unexpected message at the end of an update", peer);
+    return Status::Ok();
+  }
   Status st = read_chunk_run([stream](Frame* f) { return stream->Read(f); }, [ctx] { ctx->TryCancel(); },
                              kClientChunkField, peer, ChunkRunOptions{.budget = read_ahead_budget},
                              [&](const DecodedFrame& d) {
@@ -87,6 +113,11 @@ struct ClientSlot {
   // is not waited for in that round (its new session starts afresh).
   int lost_round = 0;
   ClientUpdateInfo info;  // what its update's metadata said
+  // The data channel (grpc_configs.data_channel: tcp): the ticket its
+  // session was given (0: none, or already used) and the connection it
+  // opened with it.
+  uint64_t data_ticket = 0;
+  std::shared_ptr<DataSocket> data;
 };
 
 // The gRPC transport of the server core: sessions (a thread each, gRPC's
@@ -126,8 +157,16 @@ class ServerAgent final : public ServerTransport {
   }
   // Asynchronous serving: see GrpcServerTransport::serve_async.
   Status serve_async(AsyncUpdateHandler& core, Arena& global, const AsyncServeOptions& options);
+  // data_channel: tcp — listens beside the gRPC port; sessions registered
+  // from then on are offered it.
+  Status start_data_channel();
+  void stop_data_channel() { data_listener_.stop(); }
 
  private:
+  bool attach_data(int fd, const DataHello& hello, const std::string& addr);
+  // The session's data connection, once its client has opened it
+  // (connect_timeout_s at most); null if it did not, or the session ended.
+  std::shared_ptr<DataSocket> wait_for_data(int id, uint64_t session);
   // Asynchronous mode's state (null in rounds). Lock order: model_mu, then mu_.
   struct Async {
     AsyncUpdateHandler* core = nullptr;
@@ -152,9 +191,10 @@ class ServerAgent final : public ServerTransport {
     while (inflight_.load() > 0) std::this_thread::sleep_for(std::chrono::microseconds(200));
   }
   grpc::Status async_send_model(grpc::ServerReaderWriter<Frame, Frame>* stream, int id, uint64_t session,
-                                const std::string& peer, bool* finished);
+                                const std::string& peer, DataSocket* data, bool* finished);
   grpc::Status async_receive_update(grpc::ServerContext* ctx, grpc::ServerReaderWriter<Frame, Frame>* stream, int id,
-                                    uint64_t session, const wire::UpdateMetadata& md, const std::string& peer);
+                                    uint64_t session, const wire::UpdateMetadata& md, const std::string& peer,
+                                    DataSocket* data);
   std::unique_ptr<Async> async_;
 
   bool wait_for(std::unique_lock<std::mutex>& lock, Clock::time_point deadline, const std::function<bool()>& pred);
@@ -162,10 +202,12 @@ class ServerAgent final : public ServerTransport {
   // its session from outside (a deadline passed); a session that fails on
   // its own returns its status instead, which the client reads.
   void fail_locked(int id, const std::string& why, bool cancel = false);
+  // `data` (may be null): the session's data channel, which then carries the chunks.
   grpc::Status send_model(grpc::ServerReaderWriter<Frame, Frame>* stream, int round, const std::string& peer,
-                          int local_steps = 0);
+                          DataSocket* data, int local_steps = 0);
   grpc::Status receive_update(grpc::ServerContext* ctx, grpc::ServerReaderWriter<Frame, Frame>* stream, int id,
-                              uint64_t session, const wire::UpdateMetadata& md, const std::string& peer);
+                              uint64_t session, const wire::UpdateMetadata& md, const std::string& peer,
+                              DataSocket* data);
   void naive_average_locked();
 
   const ExperimentConfig& cfg_;
@@ -197,7 +239,39 @@ class ServerAgent final : public ServerTransport {
   uint64_t bytes_down_ = 0, bytes_up_ = 0;
   // Naive mode: every client's serialised model, held until the end of the upload phase.
   std::vector<std::pair<int, std::pair<double, std::vector<std::byte>>>> naive_updates_;
+  int data_port_ = 0;  // 0: no data channel offered
+  // Last: destroyed first, so its thread stops before what it touches.
+  DataListener data_listener_;
 };
+
+Status ServerAgent::start_data_channel() {
+  MEMFL_RETURN_IF_ERROR(data_listener_.start(
+      cfg_.server.server_uri, cfg_.server.data_channel_port,
+      [this](int fd, const DataHello& hello, const std::string& addr) { return attach_data(fd, hello, addr); }));
+  data_port_ = data_listener_.port();
+  spdlog::info("server: TCP data channel on port {}", data_port_);
+  return Status::Ok();
+}
+
+bool ServerAgent::attach_data(int fd, const DataHello& hello, const std::string& addr) {
+  std::lock_guard lock(mu_);
+  if (hello.client_id >= slots_.size()) return false;
+  auto& s = slots_[hello.client_id];
+  // The ticket is the session's, and good once.
+  if (s.data_ticket == 0 || s.data_ticket != hello.ticket || !send_data_welcome(fd)) return false;
+  s.data_ticket = 0;
+  s.data = std::make_shared<DataSocket>(fd, fmt::format("client_{} ({}, data channel)", hello.client_id, addr));
+  cv_.notify_all();
+  return true;
+}
+
+std::shared_ptr<DataSocket> ServerAgent::wait_for_data(int id, uint64_t session) {
+  std::unique_lock lock(mu_);
+  auto& s = slots_[static_cast<size_t>(id)];
+  wait_for(lock, Clock::now() + std::chrono::seconds(cfg_.server.connect_timeout_s),
+           [&] { return s.data != nullptr || s.failed || s.session != session; });
+  return s.session == session && !s.failed ? s.data : nullptr;
+}
 
 bool ServerAgent::wait_for(std::unique_lock<std::mutex>& lock, Clock::time_point deadline,
                            const std::function<bool()>& pred) {
@@ -210,11 +284,13 @@ void ServerAgent::fail_locked(int id, const std::string& why, bool cancel) {
   s.failed = true;
   spdlog::warn("client_{} is out: {}", id, why);
   if (cancel && s.ctx != nullptr) s.ctx->TryCancel();
+  // A read or write blocked on its data channel returns now.
+  if (s.data) s.data->shutdown();
   cv_.notify_all();
 }
 
 grpc::Status ServerAgent::send_model(grpc::ServerReaderWriter<Frame, Frame>* stream, int round, const std::string& peer,
-                                     int local_steps) {
+                                     DataSocket* data, int local_steps) {
   const Layout& layout = layout_;
   wire::ServerMessage begin;
   begin.mutable_model_begin()->set_round(round);
@@ -250,6 +326,12 @@ grpc::Status ServerAgent::send_model(grpc::ServerReaderWriter<Frame, Frame>* str
     const size_t len = std::min(chunk_, layout.total_bytes() - off);
     std::span<const std::byte> bytes(base + off, len);
     ChunkHeader h{layout.hash(), off, len, down_sums_.get(off, bytes)};
+    if (data != nullptr) {
+      // The kernel copies the bytes before write_chunk returns.
+      const Status w = data->write_chunk(h, bytes);
+      if (!w.ok()) return {grpc::StatusCode::UNAVAILABLE, peer + " went away during the broadcast: " + w.message()};
+      continue;
+    }
     // One write in flight: Write returns when gRPC has taken the message.
     if (!stream->Write(encode_chunk_frame(kServerChunkField, h, bytes, naive_ ? &serialised_inflight : &inflight_))) {
       return {grpc::StatusCode::UNAVAILABLE, peer + " went away during the broadcast"};
@@ -265,7 +347,7 @@ grpc::Status ServerAgent::send_model(grpc::ServerReaderWriter<Frame, Frame>* str
 
 grpc::Status ServerAgent::receive_update(grpc::ServerContext* ctx, grpc::ServerReaderWriter<Frame, Frame>* stream,
                                          int id, uint64_t session, const wire::UpdateMetadata& md,
-                                         const std::string& peer) {
+                                         const std::string& peer, DataSocket* data) {
   {
     std::unique_lock lock(mu_);
     // The others' broadcast may still run: this update waits for the upload
@@ -313,7 +395,7 @@ grpc::Status ServerAgent::receive_update(grpc::ServerContext* ctx, grpc::ServerR
     naive_copy.resize(layout.total_bytes());
   }
   uint64_t received = 0;
-  Status bad = read_update_frames(ctx, stream, peer, layout.total_bytes(), &read_ahead_budget_, &received,
+  Status bad = read_update_frames(ctx, stream, peer, layout.total_bytes(), &read_ahead_budget_, &received, data, chunk_,
                                   [&](const DecodedFrame& d) {
                                     if (!naive_) return update->accept(d.header, d.payload());
                                     MEMFL_RETURN_IF_ERROR(verify_chunk(d.header, d.payload(), layout, received, peer));
@@ -372,7 +454,8 @@ grpc::Status ServerAgent::session(grpc::ServerContext* ctx, grpc::ServerReaderWr
   }
   const auto& reg = msg.register_();
   int id = -1;
-  uint64_t my_session = 0;  // this session's number in the client's slot
+  uint64_t my_session = 0;   // this session's number in the client's slot
+  uint64_t data_ticket = 0;  // non-zero: chunks travel on the data channel
   std::string refusal;
   try {
     size_t pos = 0;
@@ -406,12 +489,20 @@ grpc::Status ServerAgent::session(grpc::ServerContext* ctx, grpc::ServerReaderWr
       s.connected = true;
       s.ctx = ctx;
       my_session = ++s.session;
+      // An earlier session's data connection is not this one's.
+      if (s.data) s.data->shutdown();
+      s.data.reset();
+      s.data_ticket = data_ticket = data_port_ != 0 && reg.data_channel() ? draw_data_ticket() : 0;
       cv_.notify_all();
     }
   }
   wire::ServerMessage reply;
   reply.mutable_register_reply()->set_accepted(refusal.empty());
   reply.mutable_register_reply()->set_message(refusal);
+  if (data_ticket != 0) {
+    reply.mutable_register_reply()->set_data_port(static_cast<uint32_t>(data_port_));
+    reply.mutable_register_reply()->set_data_ticket(data_ticket);
+  }
   stream->Write(encode_message(reply));
   if (!refusal.empty()) {
     spdlog::warn("refused: {}", refusal);
@@ -427,6 +518,30 @@ grpc::Status ServerAgent::session(grpc::ServerContext* ctx, grpc::ServerReaderWr
     slot.ctx = nullptr;
     if (!s.ok() && phase_ != Phase::kFinished) fail_locked(id, s.error_message());
     return s;
+  };
+  // However the session ends, its data connection closes with it.
+  struct CloseData {
+    ServerAgent* a;
+    int id;
+    uint64_t session;
+    ~CloseData() {
+      std::lock_guard lock(a->mu_);
+      auto& slot = a->slots_[static_cast<size_t>(id)];
+      if (slot.session != session) return;
+      if (slot.data) slot.data->shutdown();
+      slot.data.reset();
+      slot.data_ticket = 0;
+    }
+  } close_data{this, id, my_session};
+  std::shared_ptr<DataSocket> data;
+  // The data connection, the first time a model or an update needs it.
+  auto need_data = [&]() -> grpc::Status {
+    if (data_ticket == 0 || data) return grpc::Status::OK;
+    data = wait_for_data(id, my_session);
+    if (data) return grpc::Status::OK;
+    return {grpc::StatusCode::UNAVAILABLE,
+            fmt::format("{}: its data channel did not connect within {} s (grpc_configs.connect_timeout_s)", peer,
+                        cfg_.server.connect_timeout_s)};
   };
   while (true) {
     if (!stream->Read(&frame)) {
@@ -447,7 +562,8 @@ grpc::Status ServerAgent::session(grpc::ServerContext* ctx, grpc::ServerReaderWr
       stream->Write(encode_message(r));
     } else if (msg.has_get_global_model() && async_) {
       bool finished = false;
-      grpc::Status gs = async_send_model(stream, id, my_session, peer, &finished);
+      if (grpc::Status gs = need_data(); !gs.ok()) return on_exit(gs);
+      grpc::Status gs = async_send_model(stream, id, my_session, peer, data.get(), &finished);
       if (!gs.ok()) return on_exit(gs);
       if (finished) {
         wire::ServerMessage r;
@@ -477,7 +593,8 @@ grpc::Status ServerAgent::session(grpc::ServerContext* ctx, grpc::ServerReaderWr
         round = round_;
         s.served_round = round;
       }
-      grpc::Status gs = send_model(stream, round, peer);
+      if (grpc::Status gs = need_data(); !gs.ok()) return on_exit(gs);
+      grpc::Status gs = send_model(stream, round, peer, data.get());
       if (!gs.ok()) return on_exit(gs);
     } else if (msg.has_model_received()) {
       std::lock_guard lock(mu_);
@@ -486,8 +603,10 @@ grpc::Status ServerAgent::session(grpc::ServerContext* ctx, grpc::ServerReaderWr
       down_end_ = Clock::now();
       cv_.notify_all();
     } else if (msg.has_update_metadata()) {
-      grpc::Status gs = async_ ? async_receive_update(ctx, stream, id, my_session, msg.update_metadata(), peer)
-                               : receive_update(ctx, stream, id, my_session, msg.update_metadata(), peer);
+      if (grpc::Status gs = need_data(); !gs.ok()) return on_exit(gs);
+      grpc::Status gs = async_
+                            ? async_receive_update(ctx, stream, id, my_session, msg.update_metadata(), peer, data.get())
+                            : receive_update(ctx, stream, id, my_session, msg.update_metadata(), peer, data.get());
       if (!gs.ok()) return on_exit(gs);
     } else if (msg.has_custom_action()) {
       // InvokeCustomAction: the actions a client may ask of the server.
@@ -525,7 +644,7 @@ void ServerAgent::follow_locked(const AsyncNext& next) {
 }
 
 grpc::Status ServerAgent::async_send_model(grpc::ServerReaderWriter<Frame, Frame>* stream, int id, uint64_t session,
-                                           const std::string& peer, bool* finished) {
+                                           const std::string& peer, DataSocket* data, bool* finished) {
   Async& a = *async_;
   int steps = 0;
   {
@@ -553,12 +672,12 @@ grpc::Status ServerAgent::async_send_model(grpc::ServerReaderWriter<Frame, Frame
     a.dispatched_at[static_cast<size_t>(id)] = a.now();
     global_ = a.global;
   }
-  return send_model(stream, static_cast<int>(version), peer, steps);
+  return send_model(stream, static_cast<int>(version), peer, data, steps);
 }
 
 grpc::Status ServerAgent::async_receive_update(grpc::ServerContext* ctx, grpc::ServerReaderWriter<Frame, Frame>* stream,
                                                int id, uint64_t session, const wire::UpdateMetadata& md,
-                                               const std::string& peer) {
+                                               const std::string& peer, DataSocket* data) {
   Async& a = *async_;
   const Layout& layout = layout_;
   size_t slot = 0;
@@ -574,7 +693,7 @@ grpc::Status ServerAgent::async_receive_update(grpc::ServerContext* ctx, grpc::S
   // model only once it is whole.
   SpoolSlotWriter into(a.slots->spool(), slot, layout, peer);
   uint64_t received = 0;
-  Status bad = read_update_frames(ctx, stream, peer, layout.total_bytes(), &read_ahead_budget_, &received,
+  Status bad = read_update_frames(ctx, stream, peer, layout.total_bytes(), &read_ahead_budget_, &received, data, chunk_,
                                   [&](const DecodedFrame& d) { return into.accept(d.header, d.payload()); });
   if (bad.ok()) bad = into.commit();
   if (!bad.ok()) {
@@ -891,6 +1010,8 @@ StatusOr<std::unique_ptr<GrpcServerTransport>> GrpcServerTransport::listen(const
                                                      sc.use_model_chunking, sc.model_chunk_size, layout.total_bytes())),
                                                  /*chunks=*/1));
   builder.RegisterService(&t->impl_->service);
+  // Before the first client can register: every session is offered it.
+  if (sc.data_channel == "tcp") MEMFL_RETURN_IF_ERROR(t->impl_->agent.start_data_channel());
   t->impl_->server = builder.BuildAndStart();
   if (!t->impl_->server || port == 0) {
     return invalid_argument(
@@ -931,6 +1052,7 @@ void GrpcServerTransport::finish(int last_round) {
   // Let clients hear "finished" and say Bye, then stop (a server that never
   // started — bad TLS files — has nothing to stop).
   if (impl_->server) impl_->server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  impl_->agent.stop_data_channel();
 }
 
 }  // namespace memfl

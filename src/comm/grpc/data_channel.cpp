@@ -1,0 +1,309 @@
+#include "comm/grpc/data_channel.h"
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include <bit>
+#include <cerrno>
+#include <cstring>
+#include <random>
+
+#include <spdlog/spdlog.h>
+
+namespace memfl {
+
+static_assert(std::endian::native == std::endian::little, "the data channel's headers are little-endian u64");
+
+namespace {
+
+void encode_header(const ChunkHeader& h, std::byte* out) {
+  const uint64_t v[4] = {h.layout_hash, h.offset, h.length, h.checksum};
+  std::memcpy(out, v, kDataHeaderBytes);
+}
+
+// Writes all of `iov` (partial writes resumed); false when the peer is gone.
+bool write_all(int fd, iovec* iov, int count) {
+  while (count > 0) {
+    msghdr m{};
+    m.msg_iov = iov;
+    m.msg_iovlen = static_cast<size_t>(count);
+    const ssize_t n = ::sendmsg(fd, &m, MSG_NOSIGNAL);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return false;
+    size_t left = static_cast<size_t>(n);
+    while (count > 0 && left >= iov->iov_len) {
+      left -= iov->iov_len;
+      ++iov;
+      --count;
+    }
+    if (count > 0) {
+      iov->iov_base = static_cast<char*>(iov->iov_base) + left;
+      iov->iov_len -= left;
+    }
+  }
+  return true;
+}
+
+// 0: all read; else errno (or -1 for the peer closing).
+int read_all(int fd, void* dst, size_t n) {
+  auto* p = static_cast<char*>(dst);
+  while (n > 0) {
+    const ssize_t r = ::recv(fd, p, n, MSG_WAITALL);
+    if (r < 0 && errno == EINTR) continue;
+    if (r < 0) return errno;
+    if (r == 0) return -1;
+    p += r;
+    n -= static_cast<size_t>(r);
+  }
+  return 0;
+}
+
+std::string address_text(const sockaddr* sa) {
+  char host[INET6_ADDRSTRLEN] = {0};
+  int port = 0;
+  if (sa->sa_family == AF_INET) {
+    const auto* a = reinterpret_cast<const sockaddr_in*>(sa);
+    ::inet_ntop(AF_INET, &a->sin_addr, host, sizeof host);
+    port = ntohs(a->sin_port);
+    return fmt::format("{}:{}", host, port);
+  }
+  const auto* a = reinterpret_cast<const sockaddr_in6*>(sa);
+  ::inet_ntop(AF_INET6, &a->sin6_addr, host, sizeof host);
+  port = ntohs(a->sin6_port);
+  return fmt::format("[{}]:{}", host, port);
+}
+
+void set_nodelay(int fd) {
+  // Chunks are whole writes; the last segment of one must not wait for an
+  // acknowledgement (Nagle's algorithm against delayed ACKs).
+  const int one = 1;
+  ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+}
+
+void set_timeouts(int fd, int seconds) {
+  timeval tv{};
+  tv.tv_sec = seconds;
+  ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  ::setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+}
+
+}  // namespace
+
+DataSocket::~DataSocket() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+void DataSocket::shutdown() { ::shutdown(fd_, SHUT_RDWR); }
+
+Status DataSocket::write_chunk(const ChunkHeader& header, std::span<const std::byte> bytes) {
+  std::byte head[kDataHeaderBytes];
+  encode_header(header, head);
+  iovec iov[2] = {{head, kDataHeaderBytes}, {const_cast<std::byte*>(bytes.data()), bytes.size()}};
+  if (!write_all(fd_, iov, 2)) {
+    return Status(StatusCode::kUnavailable, fmt::format("{} closed the data channel", peer_));
+  }
+  return Status::Ok();
+}
+
+Status DataSocket::read_exact(std::span<std::byte> into) {
+  const int e = read_all(fd_, into.data(), into.size());
+  if (e == 0) return Status::Ok();
+  return Status(StatusCode::kUnavailable, fmt::format("{} closed the data channel{}", peer_,
+                                                      e > 0 ? fmt::format(" ({})", std::strerror(e)) : ""));
+}
+
+Status DataSocket::read_header(ChunkHeader* h, size_t max_length) {
+  uint64_t v[4];
+  MEMFL_RETURN_IF_ERROR(read_exact(std::as_writable_bytes(std::span(v))));
+  *h = ChunkHeader{v[0], v[1], v[2], v[3]};
+  if (h->length == 0 || h->length > max_length) {
+    return data_loss("chunk from {}: header says {} bytes (a chunk here is 1 to {} bytes)", peer_, h->length,
+                     max_length);
+  }
+  return Status::Ok();
+}
+
+Status read_data_chunks(DataSocket& sock, uint64_t total, std::span<std::byte> buffer, uint64_t* received,
+                        const std::function<Status(const ChunkHeader&, std::span<const std::byte>)>& on_chunk) {
+  while (*received < total) {
+    ChunkHeader h;
+    MEMFL_RETURN_IF_ERROR(sock.read_header(&h, buffer.size()));
+    const auto payload = buffer.first(static_cast<size_t>(h.length));
+    MEMFL_RETURN_IF_ERROR(sock.read_exact(payload));
+    MEMFL_RETURN_IF_ERROR(on_chunk(h, payload));
+    *received += h.length;
+  }
+  return Status::Ok();
+}
+
+Status split_host_port(const std::string& uri, std::string* host, std::string* port) {
+  std::string s = uri;
+  for (const char* scheme : {"dns:///", "dns:", "ipv4:", "ipv6:"}) {
+    if (s.rfind(scheme, 0) == 0) {
+      s = s.substr(std::strlen(scheme));
+      break;
+    }
+  }
+  const auto colon = s.rfind(':');
+  if (colon == std::string::npos || colon == 0 || colon + 1 == s.size()) {
+    return invalid_argument("server_configs.comm_configs.grpc_configs.server_uri: '{}' is not host:port", uri);
+  }
+  *host = s.substr(0, colon);
+  *port = s.substr(colon + 1);
+  if (host->size() >= 2 && host->front() == '[' && host->back() == ']') *host = host->substr(1, host->size() - 2);
+  return Status::Ok();
+}
+
+uint64_t draw_data_ticket() {
+  std::random_device rd;
+  uint64_t t = 0;
+  while (t == 0) t = (static_cast<uint64_t>(rd()) << 32) ^ rd();
+  return t;
+}
+
+Status DataListener::start(const std::string& server_uri, int port, Attach attach) {
+  std::string host, unused;
+  MEMFL_RETURN_IF_ERROR(split_host_port(server_uri, &host, &unused));
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_PASSIVE;
+  addrinfo* res = nullptr;
+  const std::string port_text = std::to_string(port);
+  if (const int e = ::getaddrinfo(host.c_str(), port_text.c_str(), &hints, &res); e != 0) {
+    return invalid_argument("grpc_configs.server_uri: cannot resolve '{}' for the data channel: {}", host,
+                            ::gai_strerror(e));
+  }
+  std::string why = "no address";
+  for (addrinfo* a = res; a != nullptr && listen_fd_ < 0; a = a->ai_next) {
+    const int fd = ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
+    if (fd < 0) continue;
+    const int one = 1;
+    ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+    if (::bind(fd, a->ai_addr, a->ai_addrlen) == 0 && ::listen(fd, 64) == 0) {
+      listen_fd_ = fd;
+    } else {
+      why = std::strerror(errno);
+      ::close(fd);
+    }
+  }
+  ::freeaddrinfo(res);
+  if (listen_fd_ < 0) {
+    return invalid_argument("grpc_configs.data_channel_port: cannot listen on {} port {}: {}", host, port, why);
+  }
+  sockaddr_storage ss{};
+  socklen_t len = sizeof ss;
+  ::getsockname(listen_fd_, reinterpret_cast<sockaddr*>(&ss), &len);
+  port_ = ss.ss_family == AF_INET ? ntohs(reinterpret_cast<sockaddr_in*>(&ss)->sin_port)
+                                  : ntohs(reinterpret_cast<sockaddr_in6*>(&ss)->sin6_port);
+  if (::pipe2(wake_, O_CLOEXEC) != 0) return internal_error("data channel: pipe: {}", std::strerror(errno));
+  attach_ = std::move(attach);
+  thread_ = std::thread([this] { serve(); });
+  return Status::Ok();
+}
+
+void DataListener::serve() {
+  while (true) {
+    pollfd p[2] = {{listen_fd_, POLLIN, 0}, {wake_[0], POLLIN, 0}};
+    if (::poll(p, 2, -1) < 0) {
+      if (errno == EINTR) continue;
+      return;
+    }
+    if (p[1].revents != 0) return;
+    sockaddr_storage ss{};
+    socklen_t len = sizeof ss;
+    const int fd = ::accept4(listen_fd_, reinterpret_cast<sockaddr*>(&ss), &len, SOCK_CLOEXEC);
+    if (fd < 0) continue;
+    const std::string peer = address_text(reinterpret_cast<sockaddr*>(&ss));
+    // A peer that connects and says nothing holds the listener up for 2 s at
+    // most; a known client says its hello at once.
+    set_timeouts(fd, 2);
+    std::byte hello[24];
+    const int e = read_all(fd, hello, sizeof hello);
+    DataHello h;
+    std::memcpy(&h.client_id, hello + 8, 4);
+    std::memcpy(&h.ticket, hello + 16, 8);
+    if (e != 0 || std::memcmp(hello, kDataHelloMagic, 8) != 0) {
+      spdlog::warn("data channel: {} did not say a memfl hello; closed", peer);
+      ::close(fd);
+      continue;
+    }
+    set_nodelay(fd);
+    set_timeouts(fd, 0);  // the session's deadlines govern from here (shutdown)
+    // attach_ says the welcome (send_data_welcome) before it publishes the
+    // connection to its session: the client's chunks may then follow.
+    if (!attach_(fd, h, peer)) {
+      spdlog::warn("data channel: {} (client id {}) has no session with that ticket; closed", peer, h.client_id);
+      ::close(fd);
+    }
+  }
+}
+
+bool send_data_welcome(int fd) {
+  iovec iov{const_cast<char*>(kDataWelcomeMagic), 8};
+  return write_all(fd, &iov, 1);
+}
+
+void DataListener::stop() {
+  if (thread_.joinable()) {
+    const char c = 0;
+    (void)!::write(wake_[1], &c, 1);
+    thread_.join();
+  }
+  for (int* fd : {&listen_fd_, &wake_[0], &wake_[1]}) {
+    if (*fd >= 0) ::close(*fd);
+    *fd = -1;
+  }
+}
+
+StatusOr<std::unique_ptr<DataSocket>> dial_data_channel(const std::string& server_uri, int port, uint32_t client_id,
+                                                        uint64_t ticket, int timeout_s) {
+  std::string host, unused;
+  MEMFL_RETURN_IF_ERROR(split_host_port(server_uri, &host, &unused));
+  const std::string peer = fmt::format("server {} (data channel port {})", server_uri, port);
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* res = nullptr;
+  const std::string port_text = std::to_string(port);
+  if (const int e = ::getaddrinfo(host.c_str(), port_text.c_str(), &hints, &res); e != 0) {
+    return Status(StatusCode::kUnavailable, fmt::format("{}: cannot resolve {}: {}", peer, host, ::gai_strerror(e)));
+  }
+  int fd = -1;
+  std::string why = "no address";
+  for (addrinfo* a = res; a != nullptr && fd < 0; a = a->ai_next) {
+    fd = ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
+    if (fd < 0) continue;
+    set_timeouts(fd, timeout_s);
+    if (::connect(fd, a->ai_addr, a->ai_addrlen) != 0) {
+      why = std::strerror(errno);
+      ::close(fd);
+      fd = -1;
+    }
+  }
+  ::freeaddrinfo(res);
+  if (fd < 0) return Status(StatusCode::kUnavailable, fmt::format("{}: cannot connect: {}", peer, why));
+  auto sock = std::make_unique<DataSocket>(fd, peer);
+  set_nodelay(fd);
+  std::byte hello[24] = {};
+  std::memcpy(hello, kDataHelloMagic, 8);
+  std::memcpy(hello + 8, &client_id, 4);
+  std::memcpy(hello + 16, &ticket, 8);
+  iovec iov{hello, sizeof hello};
+  std::byte welcome[8];
+  if (!write_all(fd, &iov, 1) || read_all(fd, welcome, sizeof welcome) != 0 ||
+      std::memcmp(welcome, kDataWelcomeMagic, 8) != 0) {
+    return Status(StatusCode::kUnavailable, fmt::format("{} refused the data channel's ticket", peer));
+  }
+  set_timeouts(fd, 0);  // the rounds may idle for as long as training takes
+  return sock;
+}
+
+}  // namespace memfl

@@ -1,0 +1,113 @@
+// The TCP data channel (grpc_configs.data_channel: tcp): a model's chunks
+// travel over a plain TCP connection beside the client's gRPC stream, which
+// keeps every control message (Register, ModelBegin/End, UpdateMetadata/End,
+// UpdateAck). gRPC's HTTP/2 transport moves 1 GiB at 1.2–2.7 GB/s on this
+// machine whatever its server API, where TCP doing the same checked work
+// moves 2.9–3.6 (docs/BENCHMARKS.md, issue #18): the bytes leave gRPC, the
+// protocol does not.
+//
+// The connection is tied to one gRPC session: RegisterReply hands the client
+// a port and a 64-bit ticket drawn for that session; the client's first bytes
+// on the connection are a hello with its id and that ticket, used once. A
+// chunk on the wire is a 32-byte header (layout hash, offset, length, xxh3;
+// little-endian u64) and its bytes. Nothing on the connection is trusted:
+// a receiver checks a header (length bounded by the chunk size, offset in
+// order, inside the model) before it reads a byte of the payload, and the
+// checksum before it counts the chunk. The channel is not encrypted: a config
+// that asks for it with use_ssl is refused.
+//
+//   server: DataListener listener;  listener.start(uri, port, [&](int fd, const DataHello& h, auto peer) {...});
+//   client: MEMFL_ASSIGN_OR_RETURN(auto sock, dial_data_channel(uri, port, id, ticket, timeout_s));
+//           sock->write_chunk(header, bytes);  /  sock->read_header(&h, limit)  +  sock->read_exact(dst)
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <span>
+#include <string>
+#include <thread>
+
+#include "comm/chunk.h"
+#include "common/status.h"
+
+namespace memfl {
+
+inline constexpr char kDataHelloMagic[8] = {'m', 'e', 'm', 'f', 'l', 'D', 'C', '1'};
+inline constexpr char kDataWelcomeMagic[8] = {'m', 'e', 'm', 'f', 'l', 'O', 'K', '1'};
+inline constexpr size_t kDataHeaderBytes = 32;
+
+struct DataHello {
+  uint32_t client_id = 0;
+  uint64_t ticket = 0;
+};
+
+// One end of a data connection. shutdown() may be called from any thread
+// (a deadline passed): a read or write blocked on it returns at once.
+class DataSocket {
+ public:
+  DataSocket(int fd, std::string peer) : fd_(fd), peer_(std::move(peer)) {}
+  ~DataSocket();
+  DataSocket(const DataSocket&) = delete;
+  DataSocket& operator=(const DataSocket&) = delete;
+
+  const std::string& peer() const { return peer_; }
+  // Header and bytes in one system call (no copy into a staging buffer).
+  Status write_chunk(const ChunkHeader& header, std::span<const std::byte> bytes);
+  // The next chunk's header; its length must be in [1, max_length] before
+  // the caller reads the payload (read_exact into a buffer of that size).
+  Status read_header(ChunkHeader* header, size_t max_length);
+  Status read_exact(std::span<std::byte> into);
+  void shutdown();
+
+ private:
+  int fd_;
+  std::string peer_;
+};
+
+// The server's side: listens beside the gRPC port and hands every
+// connection whose hello reads in time to `attach`, which returns whether it
+// took the connection (a known client with the ticket of its session: it
+// then says send_data_welcome before the session may use it); a refused one
+// is closed unwelcomed, with a warning naming the address.
+class DataListener {
+ public:
+  using Attach = std::function<bool(int fd, const DataHello& hello, const std::string& peer)>;
+  ~DataListener() { stop(); }
+  // Binds the host of `server_uri` (host:port, [v6]:port) at `port` (0: any
+  // free port); port() is then the one bound.
+  Status start(const std::string& server_uri, int port, Attach attach);
+  int port() const { return port_; }
+  void stop();
+
+ private:
+  void serve();
+  int listen_fd_ = -1, wake_[2] = {-1, -1}, port_ = 0;
+  Attach attach_;
+  std::thread thread_;
+};
+
+bool send_data_welcome(int fd);
+
+// The client's side: connects to the host of `server_uri` at `port`, says
+// its hello and waits for the server's welcome (a refused ticket closes the
+// connection: the error says so).
+StatusOr<std::unique_ptr<DataSocket>> dial_data_channel(const std::string& server_uri, int port, uint32_t client_id,
+                                                        uint64_t ticket, int timeout_s);
+
+// Reads chunks from `sock` until `total` bytes arrived, each into `buffer`
+// (sized to the largest chunk allowed) and then to `on_chunk`; the header's
+// length is bounded by the buffer before a payload byte is read, and
+// `*received` counts what on_chunk took.
+Status read_data_chunks(DataSocket& sock, uint64_t total, std::span<std::byte> buffer, uint64_t* received,
+                        const std::function<Status(const ChunkHeader&, std::span<const std::byte>)>& on_chunk);
+
+// host and port of a gRPC target ("dns:///h:p", "ipv4:h:p", "[::1]:p", "h:p").
+Status split_host_port(const std::string& uri, std::string* host, std::string* port);
+
+// A ticket nobody can guess: 64 bits from the OS, never 0.
+uint64_t draw_data_ticket();
+
+}  // namespace memfl
