@@ -341,12 +341,17 @@ TEST_P(AsyncSimulation, TheModelIsTheReplayOfTheAsyncLog) {
   // With no change (scale 0) the gradient is 0: the model stays the initial one.
   Result init = memfl_cli("run " + tmp.file("init.yaml") + " -q --out " + tmp.file("init"));
   ASSERT_EQ(init.exit_code, 0) << init.output;
-  Result r = transport == "grpc"
-                 ? memfl_cli("launch " + tmp.file("run.yaml") + " --clients 6 -q --out " + tmp.file("out"))
-             : transport == "mpi" ? mpirun(n + 1, tmp.file("run.yaml") + " -q --out " + tmp.file("out"))
-                                  : memfl_cli("run " + tmp.file("run.yaml") + " -q --out " + tmp.file("run"));
+  // grpc_tcp: the same sessions with the chunks on the TCP data channel.
+  const bool over_grpc = transport == "grpc" || transport == "grpc_tcp";
+  const std::string channel =
+      transport == "grpc_tcp" ? " --set server_configs.comm_configs.grpc_configs.data_channel=tcp" : "";
+  Result r =
+      over_grpc
+          ? memfl_cli("launch " + tmp.file("run.yaml") + " --clients 6 -q" + channel + " --out " + tmp.file("out"))
+      : transport == "mpi" ? mpirun(n + 1, tmp.file("run.yaml") + " -q --out " + tmp.file("out"))
+                           : memfl_cli("run " + tmp.file("run.yaml") + " -q --out " + tmp.file("run"));
   ASSERT_EQ(r.exit_code, 0) << r.output;
-  if (transport == "grpc") std::filesystem::rename(tmp.file("out/server"), tmp.file("run"));
+  if (over_grpc) std::filesystem::rename(tmp.file("out/server"), tmp.file("run"));
   if (transport == "mpi") std::filesystem::rename(tmp.file("out/rank_0"), tmp.file("run"));
 
   std::vector<double> step_time(n);
@@ -496,6 +501,7 @@ std::vector<std::string> async_transports() {
   std::vector<std::string> t = {"simulator"};
 #ifdef MEMFL_HAVE_GRPC
   t.push_back("grpc");
+  t.push_back("grpc_tcp");
 #endif
 #ifdef MEMFL_TEST_MPI
   t.push_back("mpi");

@@ -92,6 +92,23 @@ TEST(Config, AppflPythonPathKeysAreRefusedWithWhatToUseInstead) {
   EXPECT_NE(l.status().message().find("loss_fn_name"), std::string::npos) << l.status().message();
 }
 
+// The TCP data channel carries the model in the clear: with TLS asked for,
+// the config is refused, naming both keys and what to set instead.
+TEST(Config, TheTcpDataChannelWithTlsIsRefusedNamingBothKeys) {
+  const std::string tls =
+      "server_configs:\n  comm_configs:\n    grpc_configs:\n      use_ssl: true\n      server_cert: s.pem\n"
+      "      server_key: k.pem\n      root_cert: r.pem\n";
+  const std::string e = error_of(tls, {"server_configs.comm_configs.grpc_configs.data_channel=tcp"});
+  EXPECT_HAS(e, "data_channel: tcp");
+  EXPECT_HAS(e, "use_ssl");
+  EXPECT_HAS(e, "data_channel: grpc");
+  EXPECT_TRUE(load_config_text(tls, "exp.yaml").ok()) << "TLS alone is fine";
+  auto plain = load_config_text("", "exp.yaml", {"server_configs.comm_configs.grpc_configs.data_channel=tcp"});
+  ASSERT_TRUE(plain.ok()) << plain.status().message();
+  EXPECT_EQ(plain->server.data_channel, "tcp");
+  EXPECT_HAS(error_of("", {"server_configs.comm_configs.grpc_configs.data_channel=udp"}), "data_channel");
+}
+
 TEST(Config, EmptyConfigTakesDefaultsAndResolvesEveryKey) {
   auto c = load_config_text("", "empty.yaml");
   ASSERT_TRUE(c.ok());

@@ -115,13 +115,13 @@ INSTANTIATE_TEST_SUITE_P(SevenBytesAndLargerThanModel, GrpcChunks, ::testing::Va
 // of the two healthy ones is the initial model exactly.
 class GrpcFaults : public ::testing::TestWithParam<std::string> {};
 
-TEST_P(GrpcFaults, FaultyClientNeverCorruptsTheGlobalModel) {
+void expect_faulty_client_never_corrupts_the_model(const std::string& fault, const std::string& sets) {
   testing::TempDir tmp;
   const int64_t params = 3000;
   const std::string cfg = synthetic_config(tmp, 3, params, 1000);
-  setenv("MEMFL_FAULT", GetParam().c_str(), 1);
+  setenv("MEMFL_FAULT", fault.c_str(), 1);
   setenv("MEMFL_FAULT_CLIENT", "2", 1);
-  Result r = memfl_cli("launch " + cfg + " --clients 3 -q --out " + tmp.file("run"));
+  Result r = memfl_cli("launch " + cfg + " --clients 3 -q" + sets + " --out " + tmp.file("run"));
   unsetenv("MEMFL_FAULT");
   unsetenv("MEMFL_FAULT_CLIENT");
   EXPECT_NE(r.exit_code, 0) << "the faulty client fails";
@@ -137,6 +137,58 @@ TEST_P(GrpcFaults, FaultyClientNeverCorruptsTheGlobalModel) {
   ASSERT_TRUE(write_safetensors(tmp.file("initial.safetensors"), *layout, initial).ok());
   EXPECT_TRUE(same_model(tmp.file("initial.safetensors"), tmp.file("run/server/global_model.safetensors")));
 }
+
+TEST_P(GrpcFaults, FaultyClientNeverCorruptsTheGlobalModel) {
+  expect_faulty_client_never_corrupts_the_model(GetParam(), "");
+}
+
+// The same faults with the chunks on the TCP data channel (its headers are
+// checked as the stream's frames are), and a client that opens the channel
+// with a ticket that is not its session's.
+class GrpcDataChannelFaults : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(GrpcDataChannelFaults, FaultyClientNeverCorruptsTheGlobalModel) {
+  expect_faulty_client_never_corrupts_the_model(GetParam(),
+                                                " --set server_configs.comm_configs.grpc_configs.data_channel=tcp");
+}
+
+INSTANTIATE_TEST_SUITE_P(Injected, GrpcDataChannelFaults,
+                         ::testing::Values("disconnect_mid_upload", "bad_checksum", "wrong_layout_hash",
+                                           "offset_past_end", "extra_bytes", "wrong_data_ticket"),
+                         [](const auto& p) { return p.param; });
+
+// grpc_configs.data_channel: tcp gives the in-process run's model bit for
+// bit, streaming and naive, at chunk sizes that split the model unevenly
+// (7 bytes: ~1 430 chunks a transfer) and one larger than the model; the
+// server says it served the channel and each client that it used it.
+class GrpcDataChannel : public ::testing::TestWithParam<int64_t> {};
+
+TEST_P(GrpcDataChannel, RunEqualsInProcessAndNaive) {
+  testing::TempDir tmp;
+  const std::string cfg = synthetic_config(tmp, 2, 2500, GetParam());
+  const std::string tcp = " --set server_configs.comm_configs.grpc_configs.data_channel=tcp";
+  ASSERT_EQ(memfl_cli("run " + cfg + " -q --out " + tmp.file("inproc")).exit_code, 0);
+  Result g = memfl_cli("launch " + cfg + " --clients 2 -q" + tcp + " --out " + tmp.file("grpc"));
+  ASSERT_EQ(g.exit_code, 0) << g.output;
+  auto log = [&](const std::string& name) {
+    std::ifstream in(tmp.file("grpc/" + name + ".log"));
+    return std::string((std::istreambuf_iterator<char>(in)), {});
+  };
+  EXPECT_NE(log("server").find("TCP data channel on port"), std::string::npos) << log("server");
+  for (const char* c : {"client_0", "client_1"}) {
+    EXPECT_NE(log(c).find("chunks travel on the TCP data channel"), std::string::npos) << log(c);
+  }
+  EXPECT_TRUE(
+      same_model(tmp.file("inproc/global_model.safetensors"), tmp.file("grpc/server/global_model.safetensors")));
+  Result n = memfl_cli("launch " + cfg + " --clients 2 -q --set server_configs.memory_mode=naive" + tcp + " --out " +
+                       tmp.file("naive"));
+  ASSERT_EQ(n.exit_code, 0) << n.output;
+  EXPECT_TRUE(
+      same_model(tmp.file("inproc/global_model.safetensors"), tmp.file("naive/server/global_model.safetensors")));
+}
+
+INSTANTIATE_TEST_SUITE_P(SevenBytesAndLargerThanModel, GrpcDataChannel, ::testing::Values(7, 4096, 1 << 20),
+                         [](const auto& p) { return "chunk_" + std::to_string(p.param); });
 
 // The LLM path: a bf16 llama whose arenas are files (the server's global
 // model is its checkpoint file, mapped; each round folds a running mean into

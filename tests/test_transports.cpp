@@ -253,6 +253,7 @@ TEST(KillAndResumeGrpc, ServerKilledDuringUploadResumesAndClientsReconnect) {
 struct StallCase {
   const char* fault;
   int client;
+  bool data_channel = false;  // grpc_configs.data_channel: tcp (a deadline shuts the connection down)
 };
 class Stragglers : public ::testing::TestWithParam<StallCase> {};
 
@@ -280,6 +281,7 @@ TEST_P(Stragglers, AStoppedGrpcClientIsDroppedTheOthersFinishAndItRejoinsLater) 
                              " 2>/dev/null)\" = 1 ] && break; sleep 0.1; done; kill -CONT $(cat " + dir + "/pid_" +
                              std::to_string(sc.client) + ") ) & ";
   Result r = run_shell(clients + let_go + bin + " server " + cfg +
+                       (sc.data_channel ? " --set server_configs.comm_configs.grpc_configs.data_channel=tcp" : "") +
                        " --set server_configs.broadcast_timeout_s=2 --set server_configs.upload_timeout_s=4 --out " +
                        dir + "/server > " + dir + "/server.log 2>&1; rc=$?; sleep 1; kill -9 $(cat " + dir +
                        "/pid_*) 2>/dev/null; wait; exit $rc");
@@ -291,6 +293,11 @@ TEST_P(Stragglers, AStoppedGrpcClientIsDroppedTheOthersFinishAndItRejoinsLater) 
   EXPECT_EQ(rows[1][1], "3") << "round 1 ends without the stopped client\n" << text;
   EXPECT_EQ(rows[kStallRounds][1], "4") << "it is back by the last round\n" << text;
   EXPECT_NE(text.find("client_" + std::to_string(sc.client) + " rejoined"), std::string::npos) << text;
+  if (sc.data_channel) {
+    std::ifstream clog(dir + "/client_" + std::to_string(sc.client) + ".log");
+    const std::string ctext((std::istreambuf_iterator<char>(clog)), {});
+    EXPECT_NE(ctext.find("chunks travel on the TCP data channel"), std::string::npos) << ctext;
+  }
   std::vector<std::vector<int>> in;
   for (size_t i = 1; i < rows.size(); ++i) {
     in.emplace_back();
@@ -302,8 +309,12 @@ TEST_P(Stragglers, AStoppedGrpcClientIsDroppedTheOthersFinishAndItRejoinsLater) 
 }
 
 INSTANTIATE_TEST_SUITE_P(Faults, Stragglers,
-                         ::testing::Values(StallCase{"stop_in_broadcast", 1}, StallCase{"stop_mid_upload", 0}),
-                         [](const auto& p) { return std::string(p.param.fault); });
+                         ::testing::Values(StallCase{"stop_in_broadcast", 1}, StallCase{"stop_mid_upload", 0},
+                                           StallCase{"stop_in_broadcast", 1, true},
+                                           StallCase{"stop_mid_upload", 0, true}),
+                         [](const auto& p) {
+                           return std::string(p.param.fault) + (p.param.data_channel ? "_on_the_data_channel" : "");
+                         });
 #endif
 
 #ifdef MEMFL_TEST_GRPC

@@ -1,5 +1,10 @@
 #include <gtest/gtest.h>
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -11,6 +16,7 @@
 #include <fstream>
 
 #include "aggregate/fedavg_aggregator.h"
+#include "comm/grpc/data_channel.h"
 #include "comm/grpc/wire.h"
 #include "model/synthetic.h"
 
@@ -316,6 +322,213 @@ TEST(ReadChunkRun, ARefusedChunkEndsTheRunOnceTheRestIsReadOrTheStreamCancelled)
   EXPECT_EQ(st.message(), "chunk 2 refused");
   EXPECT_TRUE(cancelled);
   EXPECT_EQ(budget.load(), 2);
+}
+
+// The TCP data channel (comm/grpc/data_channel.h) over a socket pair: what
+// the writer sends, header and bytes, is what read_data_chunks hands on, in
+// order and of the sizes sent; the bytes are the writer's own.
+struct SocketPair {
+  SocketPair() {
+    int fds[2];
+    EXPECT_EQ(::socketpair(AF_UNIX, SOCK_STREAM, 0, fds), 0);
+    writer = std::make_unique<DataSocket>(fds[0], "the writer");
+    reader = std::make_unique<DataSocket>(fds[1], "client_3 (data channel)");
+  }
+  std::unique_ptr<DataSocket> writer, reader;
+};
+
+std::vector<std::byte> pattern(size_t n, int seed) {
+  std::vector<std::byte> v(n);
+  for (size_t i = 0; i < n; ++i) v[i] = static_cast<std::byte>((i * 31 + static_cast<size_t>(seed)) & 0xff);
+  return v;
+}
+
+TEST(DataChannel, ChunksArriveInOrderWithTheirHeadersAndBytes) {
+  SocketPair p;
+  const auto model = pattern(98, 5);
+  const size_t sizes[] = {13, 64, 21};  // uneven: a wrong offset or length shows
+  std::thread w([&] {
+    size_t off = 0;
+    for (size_t n : sizes) {
+      std::span<const std::byte> b(model.data() + off, n);
+      ASSERT_TRUE(p.writer->write_chunk(ChunkHeader{0x1234, off, n, chunk_checksum(b)}, b).ok());
+      off += n;
+    }
+  });
+  std::vector<std::byte> buffer(64), got(98);
+  std::vector<std::pair<uint64_t, uint64_t>> seen;
+  uint64_t received = 0;
+  Status st = read_data_chunks(*p.reader, 98, buffer, &received, [&](const ChunkHeader& h, auto bytes) {
+    EXPECT_EQ(h.layout_hash, 0x1234u);
+    EXPECT_EQ(h.checksum, chunk_checksum(bytes));
+    seen.emplace_back(h.offset, h.length);
+    std::memcpy(got.data() + h.offset, bytes.data(), bytes.size());
+    return Status::Ok();
+  });
+  w.join();
+  ASSERT_TRUE(st.ok()) << st.message();
+  EXPECT_EQ(received, 98u);
+  EXPECT_EQ(seen, (std::vector<std::pair<uint64_t, uint64_t>>{{0, 13}, {13, 64}, {77, 21}}));
+  EXPECT_EQ(got, model);
+}
+
+// A header is checked before a byte of its payload is read: a length above
+// the receiver's buffer (or zero) is refused naming the peer, and the
+// payload's bytes are still unread on the socket.
+TEST(DataChannel, AHeaderLongerThanTheBufferIsRefusedBeforeItsPayloadIsRead) {
+  for (uint64_t bad : {uint64_t{65}, uint64_t{0}, uint64_t{1} << 62}) {
+    SocketPair p;
+    const auto payload = pattern(80, 9);
+    ChunkHeader h{1, 0, bad, 0};
+    // write_chunk sends what it is given: the header lies about the length.
+    ASSERT_TRUE(p.writer->write_chunk(h, payload).ok());
+    std::vector<std::byte> buffer(64);
+    uint64_t received = 0;
+    int calls = 0;
+    Status st = read_data_chunks(*p.reader, 80, buffer, &received, [&](const ChunkHeader&, auto) {
+      ++calls;
+      return Status::Ok();
+    });
+    EXPECT_EQ(st.code(), StatusCode::kDataLoss) << bad;
+    EXPECT_NE(st.message().find("client_3 (data channel)"), std::string::npos) << st.message();
+    EXPECT_NE(st.message().find(std::to_string(bad) + " bytes"), std::string::npos) << st.message();
+    EXPECT_EQ(calls, 0);
+    EXPECT_EQ(received, 0u);
+    std::vector<std::byte> next(80);
+    ASSERT_TRUE(p.reader->read_exact(next).ok());
+    EXPECT_EQ(next, payload) << "the payload was left unread";
+  }
+}
+
+// A chunk cut short (the peer went away) is kUnavailable naming the peer; a
+// chunk the consumer refuses ends the run with the consumer's status.
+TEST(DataChannel, ATruncatedChunkIsUnavailableAndARefusedOneStopsTheRun) {
+  {
+    SocketPair p;
+    const auto payload = pattern(4, 1);
+    ASSERT_TRUE(p.writer->write_chunk(ChunkHeader{1, 0, 10, 0}, payload).ok());
+    p.writer.reset();  // closes: 6 bytes never come
+    std::vector<std::byte> buffer(64);
+    uint64_t received = 0;
+    Status st = read_data_chunks(*p.reader, 10, buffer, &received, [](const ChunkHeader&, auto) {
+      ADD_FAILURE() << "no chunk is whole";
+      return Status::Ok();
+    });
+    EXPECT_EQ(st.code(), StatusCode::kUnavailable);
+    EXPECT_NE(st.message().find("client_3 (data channel) closed the data channel"), std::string::npos) << st.message();
+  }
+  {
+    SocketPair p;
+    const auto model = pattern(40, 2);
+    for (size_t off : {0, 20}) {
+      std::span<const std::byte> b(model.data() + off, 20);
+      ASSERT_TRUE(p.writer->write_chunk(ChunkHeader{1, off, 20, chunk_checksum(b)}, b).ok());
+    }
+    std::vector<std::byte> buffer(64);
+    uint64_t received = 0;
+    int calls = 0;
+    Status st = read_data_chunks(*p.reader, 40, buffer, &received, [&](const ChunkHeader&, auto) {
+      ++calls;
+      return data_loss("refused by the test");
+    });
+    EXPECT_EQ(st.message(), "refused by the test");
+    EXPECT_EQ(calls, 1);
+    EXPECT_EQ(received, 0u) << "a refused chunk is not counted";
+  }
+}
+
+// shutdown() from another thread wakes a reader blocked on the channel (a
+// deadline passed): what the server does to a stalled client.
+TEST(DataChannel, ShutdownWakesABlockedReader) {
+  SocketPair p;
+  std::atomic<bool> returned{false};
+  Status st;
+  std::thread r([&] {
+    std::vector<std::byte> b(16);
+    st = p.reader->read_exact(b);
+    returned = true;
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  EXPECT_FALSE(returned.load()) << "nothing was sent: the read waits";
+  p.reader->shutdown();
+  r.join();
+  EXPECT_EQ(st.code(), StatusCode::kUnavailable);
+}
+
+// The listener hands a connection to its session only with that session's
+// ticket, once; a stranger that sends garbage is closed and the listener
+// goes on serving.
+TEST(DataChannel, OnlyTheSessionsTicketIsWelcomedAndOnlyOnce) {
+  std::mutex mu;
+  uint64_t ticket = draw_data_ticket();
+  std::vector<std::unique_ptr<DataSocket>> attached;
+  DataListener listener;
+  ASSERT_TRUE(listener
+                  .start("127.0.0.1:0", 0,
+                         [&](int fd, const DataHello& h, const std::string& peer) {
+                           std::lock_guard lock(mu);
+                           if (h.client_id != 7 || ticket == 0 || h.ticket != ticket || !send_data_welcome(fd))
+                             return false;
+                           ticket = 0;  // used
+                           attached.push_back(std::make_unique<DataSocket>(fd, peer));
+                           return true;
+                         })
+                  .ok());
+  ASSERT_GT(listener.port(), 0);
+  uint64_t t = 0;
+  {
+    std::lock_guard lock(mu);
+    t = ticket;
+  }
+  EXPECT_FALSE(dial_data_channel("127.0.0.1:1", listener.port(), 7, t ^ 1, 5).ok()) << "a wrong ticket";
+  EXPECT_FALSE(dial_data_channel("127.0.0.1:1", listener.port(), 6, t, 5).ok()) << "another client's id";
+  EXPECT_FALSE(dial_data_channel("127.0.0.1:1", listener.port(), 7, 0, 5).ok()) << "no ticket";
+  {
+    // A stranger: connects and says something that is not a hello; it is
+    // closed without a welcome.
+    const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    a.sin_port = htons(static_cast<uint16_t>(listener.port()));
+    ASSERT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
+    const char junk[] = "GET / HTTP/1.1\r\nHost: memfl\r\n\r\n";
+    ASSERT_EQ(::write(fd, junk, sizeof junk), static_cast<ssize_t>(sizeof junk));
+    char c;
+    // Closed with the junk unread: an end of stream or a reset, never a byte.
+    EXPECT_LE(::read(fd, &c, 1), 0) << "closed, nothing said";
+    ::close(fd);
+  }
+  auto ok = dial_data_channel("127.0.0.1:1", listener.port(), 7, t, 5);
+  ASSERT_TRUE(ok.ok()) << ok.status().message();
+  auto again = dial_data_channel("127.0.0.1:1", listener.port(), 7, t, 5);
+  ASSERT_FALSE(again.ok()) << "a ticket is good once";
+  EXPECT_NE(again.status().message().find("refused the data channel's ticket"), std::string::npos)
+      << again.status().message();
+  // The attached connection works both ways.
+  const auto bytes = pattern(33, 4);
+  ASSERT_TRUE((*ok)->write_chunk(ChunkHeader{9, 0, 33, chunk_checksum(bytes)}, bytes).ok());
+  std::lock_guard lock(mu);
+  ASSERT_EQ(attached.size(), 1u);
+  ChunkHeader h;
+  ASSERT_TRUE(attached[0]->read_header(&h, 64).ok());
+  EXPECT_EQ(h.length, 33u);
+  std::vector<std::byte> got(33);
+  ASSERT_TRUE(attached[0]->read_exact(got).ok());
+  EXPECT_EQ(got, bytes);
+}
+
+TEST(DataChannel, HostAndPortOfAGrpcTarget) {
+  std::string host, port;
+  ASSERT_TRUE(split_host_port("127.0.0.1:50051", &host, &port).ok());
+  EXPECT_EQ(host + "|" + port, "127.0.0.1|50051");
+  ASSERT_TRUE(split_host_port("[::1]:7", &host, &port).ok());
+  EXPECT_EQ(host + "|" + port, "::1|7");
+  ASSERT_TRUE(split_host_port("dns:///node-3.example:8080", &host, &port).ok());
+  EXPECT_EQ(host + "|" + port, "node-3.example|8080");
+  Status bad = split_host_port("nohost", &host, &port);
+  EXPECT_FALSE(bad.ok());
+  EXPECT_NE(bad.message().find("server_uri"), std::string::npos) << bad.message();
 }
 
 }  // namespace

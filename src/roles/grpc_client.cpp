@@ -94,6 +94,7 @@ Status run_grpc_client(const ExperimentConfig& local, int client_id, const RoleO
       MEMFL_ASSIGN_OR_RETURN(
           data_link, dial_data_channel(lc.server_uri, static_cast<int>(port), static_cast<uint32_t>(client_id), ticket,
                                        lc.connect_timeout_s));
+      spdlog::info("{}: chunks travel on the TCP data channel (port {})", role, port);
     }
     // The server's configuration is the experiment; the local one only says
     // how to reach the server.
