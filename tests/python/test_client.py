@@ -98,10 +98,12 @@ def read_safetensors(path):
             .reshape(v["shape"]) for k, v in header.items() if k != "__metadata__"}
 
 
-def test_a_state_dict_that_is_not_the_servers_model_is_refused_by_name(tmp_path):
+@pytest.mark.parametrize("channel", ["grpc", "tcp"])
+def test_a_state_dict_that_is_not_the_servers_model_is_refused_by_name(tmp_path, channel):
     # The server starts from weights this test chose (model_configs.initial_model),
     # so what receive() writes into each tensor can be checked value by value —
     # tensors of 10 to 524 288 floats, with padding between them in the arena.
+    # channel tcp: the chunks travel on the TCP data channel (data_channel: tcp).
     torch.manual_seed(3)
     start = CNN().state_dict()
     write_safetensors(tmp_path / "start.safetensors", start)
@@ -109,7 +111,8 @@ def test_a_state_dict_that_is_not_the_servers_model_is_refused_by_name(tmp_path)
     cfg = write_config(tmp_path / "c.yaml", port, rounds=1)
     server = subprocess.Popen([BIN, "server", cfg, "-q", "--out", str(tmp_path / "server"), "--set",
                                "server_configs.num_clients=1", "--set",
-                               f"client_configs.model_configs.initial_model={tmp_path / 'start.safetensors'}"])
+                               f"client_configs.model_configs.initial_model={tmp_path / 'start.safetensors'}",
+                               "--set", f"server_configs.comm_configs.grpc_configs.data_channel={channel}"])
     try:
         client = memfl.Client(f"127.0.0.1:{port}", client_id="0")
         names = [n for n, _, _ in client.layout]

@@ -114,12 +114,19 @@ StatusOr<std::unique_ptr<GrpcClientSession>> GrpcClientSession::connect(const Se
   wire::ClientMessage out;
   out.mutable_register_()->set_client_id(o.client_id);
   out.mutable_register_()->set_token(o.token);
+  out.mutable_register_()->set_data_channel(true);  // the server's config decides
   MEMFL_RETURN_IF_ERROR(write_client_message(stream, out, s->peer_));
   MEMFL_RETURN_IF_ERROR(read_server_message(stream, s->peer_, &d, &msg));
   if (d.is_chunk || !msg.has_register_reply()) return data_loss("server {}: expected a RegisterReply", s->peer_);
   if (!msg.register_reply().accepted()) {
     return failed_precondition("server {} refused client {}: {}", s->peer_, o.client_id,
                                msg.register_reply().message());
+  }
+  if (const uint32_t port = msg.register_reply().data_port(); port != 0) {
+    // The server accepted the id, so it is a number.
+    MEMFL_ASSIGN_OR_RETURN(s->data_, dial_data_channel(o.server_uri, static_cast<int>(port),
+                                                       static_cast<uint32_t>(std::stoul(o.client_id)),
+                                                       msg.register_reply().data_ticket(), o.connect_timeout_s));
   }
   out.Clear();
   out.mutable_get_configuration();
@@ -182,16 +189,10 @@ Status GrpcClientSession::receive(std::span<const TensorBuffer> tensors) {
   uint64_t next = 0;
   DecodedFrame d;
   wire::ServerMessage msg;
-  while (true) {
-    MEMFL_RETURN_IF_ERROR(read_server_message(*stream_, peer_, &d, &msg));
-    if (!d.is_chunk) {
-      if (msg.has_model_end()) break;
-      return data_loss("server {}: unexpected message during the model download", peer_);
-    }
-    MEMFL_RETURN_IF_ERROR(verify_chunk(d.header, d.payload(), layout_, next, peer_));
-    // Scatter the checked bytes into the tensors; padding between entries is dropped.
-    size_t at = d.header.offset;
-    for (auto piece : d.payload()) {
+  // Scatters a checked chunk into the tensors; padding between entries is dropped.
+  auto scatter = [&](const ChunkHeader& h, Payload payload) {
+    size_t at = h.offset;
+    for (auto piece : payload) {
       const size_t end = at + piece.size();
       for (size_t i = layout_.entry_at_or_after(at); i < entries.size() && entries[i].offset < end; ++i) {
         const auto& e = entries[i];
@@ -200,7 +201,35 @@ Status GrpcClientSession::receive(std::span<const TensorBuffer> tensors) {
       }
       at = end;
     }
-    next += d.header.length;
+    next += h.length;
+  };
+  if (data_) {
+    // The header is checked before the payload is read, the checksum before
+    // a byte reaches the caller's tensors.
+    std::vector<std::byte> buffer(chunk_);
+    while (next < layout_.total_bytes()) {
+      ChunkHeader h;
+      MEMFL_RETURN_IF_ERROR(data_->read_header(&h, buffer.size()));
+      MEMFL_RETURN_IF_ERROR(verify_chunk_header(h, h.length, layout_, next, peer_));
+      const auto bytes = std::span(buffer).first(h.length);
+      MEMFL_RETURN_IF_ERROR(data_->read_exact(bytes));
+      const std::span<const std::byte> checked(bytes);
+      MEMFL_RETURN_IF_ERROR(verify_chunk(h, Payload(&checked, 1), layout_, next, peer_));
+      scatter(h, Payload(&checked, 1));
+    }
+    MEMFL_RETURN_IF_ERROR(read_server_message(*stream_, peer_, &d, &msg));
+    if (d.is_chunk || !msg.has_model_end()) {
+      return data_loss("server {}: unexpected message at the end of the model download", peer_);
+    }
+  }
+  while (!data_) {
+    MEMFL_RETURN_IF_ERROR(read_server_message(*stream_, peer_, &d, &msg));
+    if (!d.is_chunk) {
+      if (msg.has_model_end()) break;
+      return data_loss("server {}: unexpected message during the model download", peer_);
+    }
+    MEMFL_RETURN_IF_ERROR(verify_chunk(d.header, d.payload(), layout_, next, peer_));
+    scatter(d.header, d.payload());
   }
   if (next != layout_.total_bytes()) {
     return data_loss("model from {} ended after {} of {} bytes", peer_, next, layout_.total_bytes());
@@ -237,7 +266,12 @@ Status GrpcClientSession::send(std::span<const TensorBuffer> tensors, double num
     }
     const std::span<const std::byte> bytes(buf.data(), len);
     const ChunkHeader h{layout_.hash(), off, len, chunk_checksum(bytes)};
-    if (!stream_->Write(encode_chunk_frame(kClientChunkField, h, bytes, &inflight))) {
+    if (data_) {
+      // The kernel has copied the bytes when write_chunk returns.
+      if (Status w = data_->write_chunk(h, bytes); !w.ok()) {
+        return Status(StatusCode::kUnavailable, fmt::format("{} during the upload", w.message()));
+      }
+    } else if (!stream_->Write(encode_chunk_frame(kClientChunkField, h, bytes, &inflight))) {
       return Status(StatusCode::kUnavailable, fmt::format("server {} closed the stream during the upload", peer_));
     }
   }

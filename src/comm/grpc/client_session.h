@@ -15,7 +15,8 @@
 // The caller's tensors are checked against the server's layout (asked for
 // with the custom action "get_layout") before a byte moves: a missing, extra,
 // mis-shaped or mis-typed tensor is refused by name. Every chunk is checked
-// (layout hash, offset, length, checksum) as in the C++ client.
+// (layout hash, offset, length, checksum) as in the C++ client, on the stream
+// or on the TCP data channel when the server offers one.
 #pragma once
 
 #include <grpcpp/grpcpp.h>
@@ -28,6 +29,7 @@
 #include <string>
 #include <vector>
 
+#include "comm/grpc/data_channel.h"
 #include "comm/grpc/wire.h"
 #include "common/status.h"
 #include "tensor/layout.h"
@@ -93,6 +95,9 @@ class GrpcClientSession {
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<grpc::ClientContext> ctx_;
   std::unique_ptr<ClientStream> stream_;
+  // The TCP data channel, when the server offers one (data_channel: tcp):
+  // the chunks travel there, the stream keeps the control messages.
+  std::unique_ptr<DataSocket> data_;
   std::string peer_, config_yaml_;
   Layout layout_;
   size_t chunk_ = 0;
