@@ -518,6 +518,35 @@ TEST(DataChannel, OnlyTheSessionsTicketIsWelcomedAndOnlyOnce) {
   EXPECT_EQ(got, bytes);
 }
 
+// A stranger that connects and says nothing holds the listener up for its
+// hello's 2 s at most: a client dialling behind it is welcomed after that.
+TEST(DataChannel, ASilentStrangerHoldsTheListenerUpForTwoSecondsAtMost) {
+  const uint64_t ticket = draw_data_ticket();
+  DataListener listener;
+  ASSERT_TRUE(listener
+                  .start("127.0.0.1:0", 0,
+                         [&](int fd, const DataHello& h, const std::string&) {
+                           if (h.ticket != ticket || !send_data_welcome(fd)) return false;
+                           ::close(fd);  // the test keeps only the client's end
+                           return true;
+                         })
+                  .ok());
+  const int silent = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  a.sin_port = htons(static_cast<uint16_t>(listener.port()));
+  ASSERT_EQ(::connect(silent, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));  // accepted first
+  const auto t0 = std::chrono::steady_clock::now();
+  auto ok = dial_data_channel("127.0.0.1:1", listener.port(), 1, ticket, 10);
+  const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  ASSERT_TRUE(ok.ok()) << ok.status().message();
+  EXPECT_GT(waited, 1.5) << "the listener was reading the stranger's hello";
+  EXPECT_LT(waited, 8.0) << "and gave up on it after 2 s (the dial itself would wait 10)";
+  ::close(silent);
+}
+
 TEST(DataChannel, HostAndPortOfAGrpcTarget) {
   std::string host, port;
   ASSERT_TRUE(split_host_port("127.0.0.1:50051", &host, &port).ok());
