@@ -11,7 +11,9 @@
 # `memfl bench transfer --transport grpc` (DummyTrainer,
 # 2 rounds; round 2's figures: every client's arena is resident by then, as
 # the raw clients' buffers are) with the chunks in the gRPC stream (grpc_*)
-# and on the TCP data channel (grpc_tcp_*: grpc_configs.data_channel: tcp).
+# and on the data channel (grpc_configs.data_channel: tcp) over its TCP port
+# (grpc_tcp_*) and over its Unix socket (grpc_unix_*), beside raw Unix-socket
+# transfers with xxh3 (+ fold on upload: unix_xxh3_*).
 # One JSON object per line, with memfl ÷ raw per direction, and each role's
 # peak RSS ÷ model (the memory table). BARE=0 leaves out the bare gRPC runs.
 # Raw TCP's xxh3 is a real check since 2026-11-27 (before, the compiler had
@@ -43,13 +45,17 @@ for rep in $(seq 1 "$REPS"); do
       --memory-mode streaming 2>/dev/null)
     memfl_tcp=$("$BUILD/memfl" bench transfer --transport grpc --data-channel tcp --model-mb "$mb" --clients "$n" \
       --chunk-mb "$chunk_mb" --memory-mode streaming 2>/dev/null)
+    memfl_unix=$("$BUILD/memfl" bench transfer --transport grpc --data-channel unix --model-mb "$mb" --clients "$n" \
+      --chunk-mb "$chunk_mb" --memory-mode streaming 2>/dev/null)
+    raw_unix=$("$RAW" "$mb" "$n" "$wire_kib" 1 2 1 unix)
     python3 - "$rep" "$chunk_mb" "$raw_hash" "$raw_plain" "$memfl" "$raw_fold" "$grpc_sync" "$grpc_callback" \
-      "$memfl_tcp" <<'PY'
+      "$memfl_tcp" "$memfl_unix" "$raw_unix" <<'PY'
 import json, sys
 rep, chunk_mb = int(sys.argv[1]), int(sys.argv[2])
-rh, rp, m, rf, gs, gc, mt = (json.loads(a) for a in sys.argv[3:10])
+rh, rp, m, rf, gs, gc, mt, mu, ru = (json.loads(a) for a in sys.argv[3:12])
 last = m["rounds"][-1]
 last_tcp = mt["rounds"][-1]
+last_unix = mu["rounds"][-1]
 out = {
     "rep": rep, "model_bytes": m["model_bytes"], "clients": m["clients"],
     "model_chunk_size_mib": chunk_mb, "wire_chunk_bytes": rh["chunk_bytes"],
@@ -59,10 +65,15 @@ out = {
     "tcp_xxh3_fold_upload_gbps": rf["upload_gbps_median"],
     "grpc_tcp_download_gbps": round(last_tcp["download_gbps"], 3),
     "grpc_tcp_upload_gbps": round(last_tcp["upload_gbps"], 3),
+    "grpc_unix_download_gbps": round(last_unix["download_gbps"], 3),
+    "grpc_unix_upload_gbps": round(last_unix["upload_gbps"], 3),
+    "unix_xxh3_download_gbps": ru["download_gbps_median"], "unix_xxh3_fold_upload_gbps": ru["upload_gbps_median"],
     "server_peak_over_model": round(m["server_peak_over_model"], 4),
     "client_peak_over_model": round(m["client_peak_over_model"], 4),
     "grpc_tcp_server_peak_over_model": round(mt["server_peak_over_model"], 4),
     "grpc_tcp_client_peak_over_model": round(mt["client_peak_over_model"], 4),
+    "grpc_unix_server_peak_over_model": round(mu["server_peak_over_model"], 4),
+    "grpc_unix_client_peak_over_model": round(mu["client_peak_over_model"], 4),
 }
 if gs:
     out["bare_grpc_sync_download_gbps"] = gs["download_gbps_median"]
@@ -76,6 +87,10 @@ for d in ("download", "upload"):
     out[f"grpc_tcp_over_grpc_{d}"] = round(out[f"grpc_tcp_{d}_gbps"] / out[f"grpc_{d}_gbps"], 3)
 out["grpc_over_tcp_xxh3_fold_upload"] = round(out["grpc_upload_gbps"] / out["tcp_xxh3_fold_upload_gbps"], 3)
 out["grpc_tcp_over_tcp_xxh3_fold_upload"] = round(out["grpc_tcp_upload_gbps"] / out["tcp_xxh3_fold_upload_gbps"], 3)
+out["grpc_unix_over_unix_xxh3_download"] = round(out["grpc_unix_download_gbps"] / out["unix_xxh3_download_gbps"], 3)
+out["grpc_unix_over_unix_xxh3_fold_upload"] = round(out["grpc_unix_upload_gbps"] / out["unix_xxh3_fold_upload_gbps"], 3)
+for d in ("download", "upload"):
+    out[f"grpc_unix_over_grpc_{d}"] = round(out[f"grpc_unix_{d}_gbps"] / out[f"grpc_{d}_gbps"], 3)
 if gs:
     for d in ("download", "upload"):
         out[f"grpc_over_bare_grpc_sync_{d}"] = round(out[f"grpc_{d}_gbps"] / out[f"bare_grpc_sync_{d}_gbps"], 3)

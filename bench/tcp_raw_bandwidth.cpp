@@ -25,6 +25,7 @@
 #include <netinet/tcp.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
+#include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
 #define XXH_INLINE_ALL  // the AVX2 build, as memfl's comm/xxh3_avx2.cpp
@@ -36,7 +37,9 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstddef>
 #include <cstring>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -111,6 +114,14 @@ void receive_chunk(int fd, char* into, size_t len, bool hash) {
   }
 }
 
+// Unix-domain stream sockets default to ~200 KiB of buffer, which makes the
+// two processes take turns; memfl's data channel asks for 4 MiB each way.
+void widen_unix_buffers(int fd) {
+  const int bytes = 4 << 20;
+  ::setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &bytes, sizeof bytes);
+  ::setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &bytes, sizeof bytes);
+}
+
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   const size_t n = v.size();
@@ -120,8 +131,8 @@ double median(std::vector<double> v) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc != 6 && argc != 7) {
-    std::fprintf(stderr, "usage: %s MODEL_MB CLIENTS CHUNK_KB HASH REPS [FOLD]\n", argv[0]);
+  if (argc < 6 || argc > 8) {
+    std::fprintf(stderr, "usage: %s MODEL_MB CLIENTS CHUNK_KB HASH REPS [FOLD] [tcp|unix]\n", argv[0]);
     return 2;
   }
   const size_t bytes = static_cast<size_t>(std::atof(argv[1]) * (1 << 20));
@@ -129,26 +140,42 @@ int main(int argc, char** argv) {
   const size_t chunk = static_cast<size_t>(std::atol(argv[3])) << 10;
   const bool hash = std::atoi(argv[4]) != 0;
   const int reps = std::atoi(argv[5]);
-  const bool with_fold = argc == 7 && std::atoi(argv[6]) != 0;
+  const bool with_fold = argc >= 7 && std::atoi(argv[6]) != 0;
+  // unix: the same over a Unix-domain stream socket with 4 MiB buffers (what
+  // memfl's data channel uses between processes of one host).
+  const bool unix_socket = argc == 8 && std::string(argv[7]) == "unix";
   if (bytes == 0 || clients < 1 || chunk == 0 || reps < 1 || (with_fold && (chunk % 32 != 0 || bytes % chunk != 0))) {
     std::fprintf(stderr, "MODEL_MB, CLIENTS, CHUNK_KB and REPS must be positive (FOLD: whole 32-byte chunks)\n");
     return 2;
   }
-  const int ls = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  const int family = unix_socket ? AF_UNIX : AF_INET;
+  const int ls = ::socket(family, SOCK_STREAM, 0);
+  sockaddr_storage addr{};
   socklen_t alen = sizeof addr;
-  if (::bind(ls, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0 || ::listen(ls, clients) != 0 ||
-      ::getsockname(ls, reinterpret_cast<sockaddr*>(&addr), &alen) != 0) {
-    die("listen");
+  if (unix_socket) {
+    auto* u = reinterpret_cast<sockaddr_un*>(&addr);
+    u->sun_family = AF_UNIX;
+    // An abstract name: nothing on disk to clean up.
+    const std::string name = "memfl-raw-" + std::to_string(::getpid());
+    std::memcpy(u->sun_path + 1, name.data(), name.size());
+    alen = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + name.size());
+    if (::bind(ls, reinterpret_cast<sockaddr*>(&addr), alen) != 0 || ::listen(ls, clients) != 0) die("listen");
+  } else {
+    auto* in = reinterpret_cast<sockaddr_in*>(&addr);
+    in->sin_family = AF_INET;
+    in->sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    if (::bind(ls, reinterpret_cast<sockaddr*>(&addr), sizeof(sockaddr_in)) != 0 || ::listen(ls, clients) != 0 ||
+        ::getsockname(ls, reinterpret_cast<sockaddr*>(&addr), &alen) != 0) {
+      die("listen");
+    }
   }
   for (int c = 0; c < clients; ++c) {
     if (::fork() != 0) continue;
     // A client: its model buffer, touched once (memfl's client arena is
     // resident after its first round).
-    const int s = ::socket(AF_INET, SOCK_STREAM, 0);
-    if (::connect(s, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) die("connect");
+    const int s = ::socket(family, SOCK_STREAM, 0);
+    if (::connect(s, reinterpret_cast<sockaddr*>(&addr), alen) != 0) die("connect");
+    if (unix_socket) widen_unix_buffers(s);
     std::vector<char> model(bytes, static_cast<char>(c + 1));
     char go = 0;
     for (int r = 0; r < reps; ++r) {
@@ -166,6 +193,7 @@ int main(int argc, char** argv) {
   std::vector<int> fds;
   for (int c = 0; c < clients; ++c) {
     const int fd = ::accept(ls, nullptr, nullptr);
+    if (unix_socket && fd >= 0) widen_unix_buffers(fd);
     if (fd < 0) die("accept");
     fds.push_back(fd);
   }
@@ -224,10 +252,11 @@ int main(int argc, char** argv) {
   while (::wait(nullptr) > 0) {
   }
   std::printf(
-      "{\"model_bytes\": %zu, \"clients\": %d, \"chunk_bytes\": %zu, \"xxh3\": %s, \"fold\": %s, \"reps\": %d, "
+      "{\"socket\": \"%s\", \"model_bytes\": %zu, \"clients\": %d, \"chunk_bytes\": %zu, \"xxh3\": %s, "
+      "\"fold\": %s, \"reps\": %d, "
       "\"download_gbps_best\": %.3f, \"download_gbps_median\": %.3f, \"upload_gbps_best\": %.3f, "
       "\"upload_gbps_median\": %.3f}\n",
-      bytes, clients, chunk, hash ? "true" : "false", with_fold ? "true" : "false", reps,
+      unix_socket ? "unix" : "tcp", bytes, clients, chunk, hash ? "true" : "false", with_fold ? "true" : "false", reps,
       *std::max_element(down.begin(), down.end()), median(down), *std::max_element(up.begin(), up.end()), median(up));
   return 0;
 }

@@ -161,12 +161,15 @@ INSTANTIATE_TEST_SUITE_P(Injected, GrpcDataChannelFaults,
 // bit, streaming and naive, at chunk sizes that split the model unevenly
 // (7 bytes: ~1 430 chunks a transfer) and one larger than the model; the
 // server says it served the channel and each client that it used it.
-class GrpcDataChannel : public ::testing::TestWithParam<int64_t> {};
+class GrpcDataChannel : public ::testing::TestWithParam<std::tuple<int64_t, bool>> {};
 
 TEST_P(GrpcDataChannel, RunEqualsInProcessAndNaive) {
   testing::TempDir tmp;
-  const std::string cfg = synthetic_config(tmp, 2, 2500, GetParam());
-  const std::string tcp = " --set server_configs.comm_configs.grpc_configs.data_channel=tcp";
+  const auto [chunk, unix_socket] = GetParam();
+  const std::string cfg = synthetic_config(tmp, 2, 2500, chunk);
+  const std::string tcp =
+      std::string(" --set server_configs.comm_configs.grpc_configs.data_channel=tcp") +
+      (unix_socket ? "" : " --set server_configs.comm_configs.grpc_configs.data_channel_unix=false");
   ASSERT_EQ(memfl_cli("run " + cfg + " -q --out " + tmp.file("inproc")).exit_code, 0);
   Result g = memfl_cli("launch " + cfg + " --clients 2 -q" + tcp + " --out " + tmp.file("grpc"));
   ASSERT_EQ(g.exit_code, 0) << g.output;
@@ -176,7 +179,9 @@ TEST_P(GrpcDataChannel, RunEqualsInProcessAndNaive) {
   };
   EXPECT_NE(log("server").find("TCP data channel on port"), std::string::npos) << log("server");
   for (const char* c : {"client_0", "client_1"}) {
-    EXPECT_NE(log(c).find("chunks travel on the TCP data channel"), std::string::npos) << log(c);
+    EXPECT_NE(log(c).find("chunks travel on the data channel (server 127.0.0.1:"), std::string::npos) << log(c);
+    EXPECT_NE(log(c).find(unix_socket ? "(data channel, unix socket)" : "(data channel port "), std::string::npos)
+        << log(c);
   }
   EXPECT_TRUE(
       same_model(tmp.file("inproc/global_model.safetensors"), tmp.file("grpc/server/global_model.safetensors")));
@@ -187,8 +192,11 @@ TEST_P(GrpcDataChannel, RunEqualsInProcessAndNaive) {
       same_model(tmp.file("inproc/global_model.safetensors"), tmp.file("naive/server/global_model.safetensors")));
 }
 
-INSTANTIATE_TEST_SUITE_P(SevenBytesAndLargerThanModel, GrpcDataChannel, ::testing::Values(7, 4096, 1 << 20),
-                         [](const auto& p) { return "chunk_" + std::to_string(p.param); });
+INSTANTIATE_TEST_SUITE_P(SevenBytesAndLargerThanModel, GrpcDataChannel,
+                         ::testing::Combine(::testing::Values(7, 4096, 1 << 20), ::testing::Bool()), [](const auto& p) {
+                           return "chunk_" + std::to_string(std::get<0>(p.param)) +
+                                  (std::get<1>(p.param) ? "_unix_socket" : "_tcp_port");
+                         });
 
 // The LLM path: a bf16 llama whose arenas are files (the server's global
 // model is its checkpoint file, mapped; each round folds a running mean into

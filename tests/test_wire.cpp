@@ -464,7 +464,7 @@ TEST(DataChannel, OnlyTheSessionsTicketIsWelcomedAndOnlyOnce) {
   std::vector<std::unique_ptr<DataSocket>> attached;
   DataListener listener;
   ASSERT_TRUE(listener
-                  .start("127.0.0.1:0", 0,
+                  .start("127.0.0.1:0", 0, false,
                          [&](int fd, const DataHello& h, const std::string& peer) {
                            std::lock_guard lock(mu);
                            if (h.client_id != 7 || ticket == 0 || h.ticket != ticket || !send_data_welcome(fd))
@@ -480,9 +480,9 @@ TEST(DataChannel, OnlyTheSessionsTicketIsWelcomedAndOnlyOnce) {
     std::lock_guard lock(mu);
     t = ticket;
   }
-  EXPECT_FALSE(dial_data_channel("127.0.0.1:1", listener.port(), 7, t ^ 1, 5).ok()) << "a wrong ticket";
-  EXPECT_FALSE(dial_data_channel("127.0.0.1:1", listener.port(), 6, t, 5).ok()) << "another client's id";
-  EXPECT_FALSE(dial_data_channel("127.0.0.1:1", listener.port(), 7, 0, 5).ok()) << "no ticket";
+  EXPECT_FALSE(dial_data_channel("127.0.0.1:1", listener.port(), "", 7, t ^ 1, 5).ok()) << "a wrong ticket";
+  EXPECT_FALSE(dial_data_channel("127.0.0.1:1", listener.port(), "", 6, t, 5).ok()) << "another client's id";
+  EXPECT_FALSE(dial_data_channel("127.0.0.1:1", listener.port(), "", 7, 0, 5).ok()) << "no ticket";
   {
     // A stranger: connects and says something that is not a hello; it is
     // closed without a welcome.
@@ -499,9 +499,9 @@ TEST(DataChannel, OnlyTheSessionsTicketIsWelcomedAndOnlyOnce) {
     EXPECT_LE(::read(fd, &c, 1), 0) << "closed, nothing said";
     ::close(fd);
   }
-  auto ok = dial_data_channel("127.0.0.1:1", listener.port(), 7, t, 5);
+  auto ok = dial_data_channel("127.0.0.1:1", listener.port(), "", 7, t, 5);
   ASSERT_TRUE(ok.ok()) << ok.status().message();
-  auto again = dial_data_channel("127.0.0.1:1", listener.port(), 7, t, 5);
+  auto again = dial_data_channel("127.0.0.1:1", listener.port(), "", 7, t, 5);
   ASSERT_FALSE(again.ok()) << "a ticket is good once";
   EXPECT_NE(again.status().message().find("refused the data channel's ticket"), std::string::npos)
       << again.status().message();
@@ -524,7 +524,7 @@ TEST(DataChannel, ASilentStrangerHoldsTheListenerUpForTwoSecondsAtMost) {
   const uint64_t ticket = draw_data_ticket();
   DataListener listener;
   ASSERT_TRUE(listener
-                  .start("127.0.0.1:0", 0,
+                  .start("127.0.0.1:0", 0, false,
                          [&](int fd, const DataHello& h, const std::string&) {
                            if (h.ticket != ticket || !send_data_welcome(fd)) return false;
                            ::close(fd);  // the test keeps only the client's end
@@ -539,12 +539,58 @@ TEST(DataChannel, ASilentStrangerHoldsTheListenerUpForTwoSecondsAtMost) {
   ASSERT_EQ(::connect(silent, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
   std::this_thread::sleep_for(std::chrono::milliseconds(50));  // accepted first
   const auto t0 = std::chrono::steady_clock::now();
-  auto ok = dial_data_channel("127.0.0.1:1", listener.port(), 1, ticket, 10);
+  auto ok = dial_data_channel("127.0.0.1:1", listener.port(), "", 1, ticket, 10);
   const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   ASSERT_TRUE(ok.ok()) << ok.status().message();
   EXPECT_GT(waited, 1.5) << "the listener was reading the stranger's hello";
   EXPECT_LT(waited, 8.0) << "and gave up on it after 2 s (the dial itself would wait 10)";
   ::close(silent);
+}
+
+// On one host the client reaches the server's Unix socket and uses it; a
+// name it cannot reach (another host) sends it to the TCP port; the ticket
+// is checked the same on both.
+TEST(DataChannel, OnOneHostTheUnixSocketElseTheTcpPort) {
+  std::mutex mu;
+  std::vector<uint64_t> tickets = {draw_data_ticket(), draw_data_ticket()};
+  std::vector<std::string> server_peers;
+  std::vector<std::unique_ptr<DataSocket>> attached;
+  DataListener listener;
+  ASSERT_TRUE(listener
+                  .start("127.0.0.1:0", 0, true,
+                         [&](int fd, const DataHello& h, const std::string& peer) {
+                           std::lock_guard lock(mu);
+                           auto it = std::find(tickets.begin(), tickets.end(), h.ticket);
+                           if (it == tickets.end() || !send_data_welcome(fd)) return false;
+                           tickets.erase(it);
+                           server_peers.push_back(peer);
+                           attached.push_back(std::make_unique<DataSocket>(fd, peer));
+                           return true;
+                         })
+                  .ok());
+  ASSERT_FALSE(listener.unix_name().empty());
+  const uint64_t t0 = tickets[0], t1 = tickets[1];
+  EXPECT_FALSE(dial_data_channel("127.0.0.1:1", listener.port(), listener.unix_name(), 1, t0 ^ 1, 5).ok())
+      << "a wrong ticket on the Unix socket";
+  auto local = dial_data_channel("127.0.0.1:1", listener.port(), listener.unix_name(), 1, t0, 5);
+  ASSERT_TRUE(local.ok()) << local.status().message();
+  EXPECT_NE((*local)->peer().find("unix socket"), std::string::npos) << (*local)->peer();
+  auto remote = dial_data_channel("127.0.0.1:1", listener.port(), "memfl-data-nobody-here", 1, t1, 5);
+  ASSERT_TRUE(remote.ok()) << remote.status().message();
+  EXPECT_NE((*remote)->peer().find("data channel port " + std::to_string(listener.port())), std::string::npos)
+      << (*remote)->peer();
+  // Bytes go through both, whole.
+  const auto bytes = pattern(4099, 8);
+  ASSERT_TRUE((*local)->write_chunk(ChunkHeader{1, 0, 4099, chunk_checksum(bytes)}, bytes).ok());
+  std::lock_guard lock(mu);
+  ASSERT_EQ(server_peers.size(), 2u);
+  EXPECT_EQ(server_peers[0], "unix socket");
+  EXPECT_NE(server_peers[1].find("127.0.0.1:"), std::string::npos) << server_peers[1];
+  ChunkHeader h;
+  ASSERT_TRUE(attached[0]->read_header(&h, 1 << 20).ok());
+  std::vector<std::byte> got(h.length);
+  ASSERT_TRUE(attached[0]->read_exact(got).ok());
+  EXPECT_EQ(got, bytes);
 }
 
 TEST(DataChannel, HostAndPortOfAGrpcTarget) {

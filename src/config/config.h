@@ -134,7 +134,8 @@ struct ServerConfig {
   // Where a model's chunks travel over gRPC: "grpc" (inside the stream) or
   // "tcp" (a TCP connection beside it, comm/grpc/data_channel.h).
   std::string data_channel = "grpc";
-  int data_channel_port = 0;  // 0: any free port (told to clients at Register)
+  int data_channel_port = 0;      // 0: any free port (told to clients at Register)
+  bool data_channel_unix = true;  // clients on the server's host: a Unix-domain socket
   int clients_per_rank = 1;
   bool mpi_shared_memory = true;  // MPI on one node: chunks through a shared-memory ring
   int parallel_clients = 1;       // in-process worker replicas (K); -1 = as many as memory_budget allows

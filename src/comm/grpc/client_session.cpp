@@ -124,9 +124,10 @@ StatusOr<std::unique_ptr<GrpcClientSession>> GrpcClientSession::connect(const Se
   }
   if (const uint32_t port = msg.register_reply().data_port(); port != 0) {
     // The server accepted the id, so it is a number.
-    MEMFL_ASSIGN_OR_RETURN(s->data_, dial_data_channel(o.server_uri, static_cast<int>(port),
-                                                       static_cast<uint32_t>(std::stoul(o.client_id)),
-                                                       msg.register_reply().data_ticket(), o.connect_timeout_s));
+    MEMFL_ASSIGN_OR_RETURN(
+        s->data_, dial_data_channel(o.server_uri, static_cast<int>(port), msg.register_reply().data_unix_socket(),
+                                    static_cast<uint32_t>(std::stoul(o.client_id)), msg.register_reply().data_ticket(),
+                                    o.connect_timeout_s));
   }
   out.Clear();
   out.mutable_get_configuration();

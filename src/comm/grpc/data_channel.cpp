@@ -8,10 +8,13 @@
 #include <poll.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
+#include <sys/un.h>
 #include <unistd.h>
 
 #include <bit>
+#include <algorithm>
 #include <cerrno>
+#include <cstddef>
 #include <cstring>
 #include <random>
 
@@ -66,6 +69,7 @@ int read_all(int fd, void* dst, size_t n) {
 }
 
 std::string address_text(const sockaddr* sa) {
+  if (sa->sa_family == AF_UNIX) return "unix socket";
   char host[INET6_ADDRSTRLEN] = {0};
   int port = 0;
   if (sa->sa_family == AF_INET) {
@@ -87,6 +91,24 @@ void set_nodelay(int fd) {
   ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
 }
 
+// Unix-domain stream sockets default to ~200 KiB of buffer, which makes
+// the two processes take turns; 4 MiB each way (capped by the kernel's
+// net.core.wmem_max / rmem_max) keeps both busy. Kernel memory, not RSS.
+void widen_unix_buffers(int fd) {
+  const int bytes = 4 << 20;
+  ::setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &bytes, sizeof bytes);
+  ::setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &bytes, sizeof bytes);
+}
+
+// An abstract Unix-domain address (no file; scoped to the network namespace).
+socklen_t unix_address(const std::string& name, sockaddr_un* a) {
+  *a = sockaddr_un{};
+  a->sun_family = AF_UNIX;
+  const size_t n = std::min(name.size(), sizeof(a->sun_path) - 1);
+  std::memcpy(a->sun_path + 1, name.data(), n);
+  return static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + n);
+}
+
 void set_timeouts(int fd, int seconds) {
   timeval tv{};
   tv.tv_sec = seconds;
@@ -95,6 +117,10 @@ void set_timeouts(int fd, int seconds) {
 }
 
 }  // namespace
+
+// The hello on a connected socket, and the wait for the welcome.
+static StatusOr<std::unique_ptr<DataSocket>> say_hello(int fd, const std::string& peer, uint32_t client_id,
+                                                       uint64_t ticket, int timeout_s);
 
 DataSocket::~DataSocket() {
   if (fd_ >= 0) ::close(fd_);
@@ -168,7 +194,7 @@ uint64_t draw_data_ticket() {
   return t;
 }
 
-Status DataListener::start(const std::string& server_uri, int port, Attach attach) {
+Status DataListener::start(const std::string& server_uri, int port, bool unix_socket, Attach attach) {
   std::string host, unused;
   MEMFL_RETURN_IF_ERROR(split_host_port(server_uri, &host, &unused));
   addrinfo hints{};
@@ -203,6 +229,19 @@ Status DataListener::start(const std::string& server_uri, int port, Attach attac
   ::getsockname(listen_fd_, reinterpret_cast<sockaddr*>(&ss), &len);
   port_ = ss.ss_family == AF_INET ? ntohs(reinterpret_cast<sockaddr_in*>(&ss)->sin_port)
                                   : ntohs(reinterpret_cast<sockaddr_in6*>(&ss)->sin6_port);
+  if (unix_socket) {
+    unix_name_ = fmt::format("memfl-data-{}-{:016x}", ::getpid(), draw_data_ticket());
+    sockaddr_un a;
+    const socklen_t alen = unix_address(unix_name_, &a);
+    unix_fd_ = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (unix_fd_ < 0 || ::bind(unix_fd_, reinterpret_cast<sockaddr*>(&a), alen) != 0 || ::listen(unix_fd_, 64) != 0) {
+      // Not fatal: clients dial TCP.
+      spdlog::warn("data channel: no Unix socket ({}); clients on this host use TCP", std::strerror(errno));
+      if (unix_fd_ >= 0) ::close(unix_fd_);
+      unix_fd_ = -1;
+      unix_name_.clear();
+    }
+  }
   if (::pipe2(wake_, O_CLOEXEC) != 0) return internal_error("data channel: pipe: {}", std::strerror(errno));
   attach_ = std::move(attach);
   thread_ = std::thread([this] { serve(); });
@@ -211,16 +250,18 @@ Status DataListener::start(const std::string& server_uri, int port, Attach attac
 
 void DataListener::serve() {
   while (true) {
-    pollfd p[2] = {{listen_fd_, POLLIN, 0}, {wake_[0], POLLIN, 0}};
-    if (::poll(p, 2, -1) < 0) {
+    pollfd p[3] = {{wake_[0], POLLIN, 0}, {listen_fd_, POLLIN, 0}, {unix_fd_, POLLIN, 0}};
+    if (::poll(p, unix_fd_ >= 0 ? 3 : 2, -1) < 0) {
       if (errno == EINTR) continue;
       return;
     }
-    if (p[1].revents != 0) return;
+    if (p[0].revents != 0) return;
+    const bool from_unix = unix_fd_ >= 0 && p[2].revents != 0;
     sockaddr_storage ss{};
     socklen_t len = sizeof ss;
-    const int fd = ::accept4(listen_fd_, reinterpret_cast<sockaddr*>(&ss), &len, SOCK_CLOEXEC);
+    const int fd = ::accept4(from_unix ? unix_fd_ : listen_fd_, reinterpret_cast<sockaddr*>(&ss), &len, SOCK_CLOEXEC);
     if (fd < 0) continue;
+    if (from_unix) widen_unix_buffers(fd);
     const std::string peer = address_text(reinterpret_cast<sockaddr*>(&ss));
     // A peer that connects and says nothing holds the listener up for 2 s at
     // most; a known client says its hello at once.
@@ -235,7 +276,7 @@ void DataListener::serve() {
       ::close(fd);
       continue;
     }
-    set_nodelay(fd);
+    if (!from_unix) set_nodelay(fd);
     set_timeouts(fd, 0);  // the session's deadlines govern from here (shutdown)
     // attach_ says the welcome (send_data_welcome) before it publishes the
     // connection to its session: the client's chunks may then follow.
@@ -257,16 +298,29 @@ void DataListener::stop() {
     (void)!::write(wake_[1], &c, 1);
     thread_.join();
   }
-  for (int* fd : {&listen_fd_, &wake_[0], &wake_[1]}) {
+  for (int* fd : {&listen_fd_, &unix_fd_, &wake_[0], &wake_[1]}) {
     if (*fd >= 0) ::close(*fd);
     *fd = -1;
   }
 }
 
-StatusOr<std::unique_ptr<DataSocket>> dial_data_channel(const std::string& server_uri, int port, uint32_t client_id,
+StatusOr<std::unique_ptr<DataSocket>> dial_data_channel(const std::string& server_uri, int port,
+                                                        const std::string& unix_name, uint32_t client_id,
                                                         uint64_t ticket, int timeout_s) {
   std::string host, unused;
   MEMFL_RETURN_IF_ERROR(split_host_port(server_uri, &host, &unused));
+  // The same host first: the server's Unix socket, if this process can reach it.
+  if (!unix_name.empty()) {
+    sockaddr_un a;
+    const socklen_t alen = unix_address(unix_name, &a);
+    const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd >= 0 && ::connect(fd, reinterpret_cast<sockaddr*>(&a), alen) == 0) {
+      widen_unix_buffers(fd);
+      return say_hello(fd, fmt::format("server {} (data channel, unix socket)", server_uri), client_id, ticket,
+                       timeout_s);
+    }
+    if (fd >= 0) ::close(fd);
+  }
   const std::string peer = fmt::format("server {} (data channel port {})", server_uri, port);
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
@@ -290,8 +344,14 @@ StatusOr<std::unique_ptr<DataSocket>> dial_data_channel(const std::string& serve
   }
   ::freeaddrinfo(res);
   if (fd < 0) return Status(StatusCode::kUnavailable, fmt::format("{}: cannot connect: {}", peer, why));
-  auto sock = std::make_unique<DataSocket>(fd, peer);
   set_nodelay(fd);
+  return say_hello(fd, peer, client_id, ticket, timeout_s);
+}
+
+static StatusOr<std::unique_ptr<DataSocket>> say_hello(int fd, const std::string& peer, uint32_t client_id,
+                                                       uint64_t ticket, int timeout_s) {
+  auto sock = std::make_unique<DataSocket>(fd, peer);
+  set_timeouts(fd, timeout_s);
   std::byte hello[24] = {};
   std::memcpy(hello, kDataHelloMagic, 8);
   std::memcpy(hello + 8, &client_id, 4);

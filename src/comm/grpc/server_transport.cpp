@@ -246,10 +246,11 @@ class ServerAgent final : public ServerTransport {
 
 Status ServerAgent::start_data_channel() {
   MEMFL_RETURN_IF_ERROR(data_listener_.start(
-      cfg_.server.server_uri, cfg_.server.data_channel_port,
+      cfg_.server.server_uri, cfg_.server.data_channel_port, cfg_.server.data_channel_unix,
       [this](int fd, const DataHello& hello, const std::string& addr) { return attach_data(fd, hello, addr); }));
   data_port_ = data_listener_.port();
-  spdlog::info("server: TCP data channel on port {}", data_port_);
+  spdlog::info("server: TCP data channel on port {}{}", data_port_,
+               data_listener_.unix_name().empty() ? "" : ", and a Unix socket for clients on this host");
   return Status::Ok();
 }
 
@@ -502,6 +503,7 @@ grpc::Status ServerAgent::session(grpc::ServerContext* ctx, grpc::ServerReaderWr
   if (data_ticket != 0) {
     reply.mutable_register_reply()->set_data_port(static_cast<uint32_t>(data_port_));
     reply.mutable_register_reply()->set_data_ticket(data_ticket);
+    reply.mutable_register_reply()->set_data_unix_socket(data_listener_.unix_name());
   }
   stream->Write(encode_message(reply));
   if (!refusal.empty()) {
