@@ -8,8 +8,9 @@
 //
 // On one host the connection is a Unix-domain socket instead (an abstract
 // name, offered with the port; grpc_configs.data_channel_unix): with 4 MiB
-// socket buffers it moves a 1 GiB download at 2.7–3.1 GB/s here against
-// 1.8–2.4 over loopback TCP (bench/tcp_raw_bandwidth … unix). A client on
+// socket buffers, raw and checked, one client's 1 GiB download moves at
+// 2.8–3.0 GB/s here against 2.2–2.7 over loopback TCP, whose receive path
+// costs the sender nearly half its core (docs/BENCHMARKS.md). A client on
 // another host (or network namespace) cannot reach the name and dials TCP.
 //
 // The connection is tied to one gRPC session: RegisterReply hands the client
