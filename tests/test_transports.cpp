@@ -78,7 +78,9 @@ std::vector<double> expected_model(const std::vector<std::vector<int>>& in) {
 std::string with_fixed_port(const std::string& cfg, const std::string& out, int salt, int rounds = 0) {
   std::ifstream in(cfg);
   std::string text((std::istreambuf_iterator<char>(in)), {});
-  const int port = 20000 + static_cast<int>((getpid() + salt) % 20000);
+  // Below the kernel's ephemeral range (32768–60999 here), where a port may
+  // be in use by any connection's source side.
+  const int port = 20000 + static_cast<int>((getpid() + salt) % 12000);
   text.replace(text.find("127.0.0.1:0"), 11, "127.0.0.1:" + std::to_string(port));
   if (rounds > 0) {
     const std::string key = "num_global_epochs: " + std::to_string(kRounds);
