@@ -455,6 +455,21 @@ TEST(DataChannel, ShutdownWakesABlockedReader) {
   EXPECT_EQ(st.code(), StatusCode::kUnavailable);
 }
 
+// A plain TCP connection to 127.0.0.1:port, as a stranger would open (-1
+// if it cannot connect).
+int connect_to_loopback(int port) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  a.sin_port = htons(static_cast<uint16_t>(port));
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0) {
+    ::close(fd);
+    return -1;
+  }
+  return fd;
+}
+
 // The listener hands a connection to its session only with that session's
 // ticket, once; a stranger that sends garbage is closed and the listener
 // goes on serving.
@@ -486,12 +501,8 @@ TEST(DataChannel, OnlyTheSessionsTicketIsWelcomedAndOnlyOnce) {
   {
     // A stranger: connects and says something that is not a hello; it is
     // closed without a welcome.
-    const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-    sockaddr_in a{};
-    a.sin_family = AF_INET;
-    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    a.sin_port = htons(static_cast<uint16_t>(listener.port()));
-    ASSERT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
+    const int fd = connect_to_loopback(listener.port());
+    ASSERT_GE(fd, 0);
     const char junk[] = "GET / HTTP/1.1\r\nHost: memfl\r\n\r\n";
     ASSERT_EQ(::write(fd, junk, sizeof junk), static_cast<ssize_t>(sizeof junk));
     char c;
@@ -531,12 +542,8 @@ TEST(DataChannel, ASilentStrangerHoldsTheListenerUpForTwoSecondsAtMost) {
                            return true;
                          })
                   .ok());
-  const int silent = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  a.sin_port = htons(static_cast<uint16_t>(listener.port()));
-  ASSERT_EQ(::connect(silent, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
+  const int silent = connect_to_loopback(listener.port());
+  ASSERT_GE(silent, 0);
   std::this_thread::sleep_for(std::chrono::milliseconds(50));  // accepted first
   const auto t0 = std::chrono::steady_clock::now();
   auto ok = dial_data_channel("127.0.0.1:1", listener.port(), "", 1, ticket, 10);

@@ -205,19 +205,17 @@ Status GrpcClientSession::receive(std::span<const TensorBuffer> tensors) {
     next += h.length;
   };
   if (data_) {
-    // The header is checked before the payload is read, the checksum before
-    // a byte reaches the caller's tensors.
+    // Each chunk into one buffer (its length bounded first), then checked
+    // before a byte reaches the caller's tensors.
     std::vector<std::byte> buffer(chunk_);
-    while (next < layout_.total_bytes()) {
-      ChunkHeader h;
-      MEMFL_RETURN_IF_ERROR(data_->read_header(&h, buffer.size()));
-      MEMFL_RETURN_IF_ERROR(verify_chunk_header(h, h.length, layout_, next, peer_));
-      const auto bytes = std::span(buffer).first(h.length);
-      MEMFL_RETURN_IF_ERROR(data_->read_exact(bytes));
-      const std::span<const std::byte> checked(bytes);
-      MEMFL_RETURN_IF_ERROR(verify_chunk(h, Payload(&checked, 1), layout_, next, peer_));
-      scatter(h, Payload(&checked, 1));
-    }
+    uint64_t received = 0;
+    const Status read = read_data_chunks(
+        *data_, layout_.total_bytes(), buffer, &received, [&](const ChunkHeader& h, std::span<const std::byte> bytes) {
+          MEMFL_RETURN_IF_ERROR(verify_chunk(h, Payload(&bytes, 1), layout_, next, peer_));
+          scatter(h, Payload(&bytes, 1));
+          return Status::Ok();
+        });
+    MEMFL_RETURN_IF_ERROR(read);
     MEMFL_RETURN_IF_ERROR(read_server_message(*stream_, peer_, &d, &msg));
     if (d.is_chunk || !msg.has_model_end()) {
       return data_loss("server {}: unexpected message at the end of the model download", peer_);

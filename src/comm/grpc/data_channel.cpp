@@ -118,10 +118,6 @@ void set_timeouts(int fd, int seconds) {
 
 }  // namespace
 
-// The hello on a connected socket, and the wait for the welcome.
-static StatusOr<std::unique_ptr<DataSocket>> say_hello(int fd, const std::string& peer, uint32_t client_id,
-                                                       uint64_t ticket, int timeout_s);
-
 DataSocket::~DataSocket() {
   if (fd_ >= 0) ::close(fd_);
 }
@@ -236,7 +232,8 @@ Status DataListener::start(const std::string& server_uri, int port, bool unix_so
     unix_fd_ = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
     if (unix_fd_ < 0 || ::bind(unix_fd_, reinterpret_cast<sockaddr*>(&a), alen) != 0 || ::listen(unix_fd_, 64) != 0) {
       // Not fatal: clients dial TCP.
-      spdlog::warn("data channel: no Unix socket ({}); clients on this host use TCP", std::strerror(errno));
+      spdlog::warn("grpc_configs.data_channel_unix: no Unix socket ({}); clients on this host use TCP",
+                   std::strerror(errno));
       if (unix_fd_ >= 0) ::close(unix_fd_);
       unix_fd_ = -1;
       unix_name_.clear();
@@ -304,6 +301,25 @@ void DataListener::stop() {
   }
 }
 
+// The hello on a connected socket, and the wait for the welcome.
+static StatusOr<std::unique_ptr<DataSocket>> say_hello(int fd, const std::string& peer, uint32_t client_id,
+                                                       uint64_t ticket, int timeout_s) {
+  auto sock = std::make_unique<DataSocket>(fd, peer);
+  set_timeouts(fd, timeout_s);
+  std::byte hello[24] = {};
+  std::memcpy(hello, kDataHelloMagic, 8);
+  std::memcpy(hello + 8, &client_id, 4);
+  std::memcpy(hello + 16, &ticket, 8);
+  iovec iov{hello, sizeof hello};
+  std::byte welcome[8];
+  if (!write_all(fd, &iov, 1) || read_all(fd, welcome, sizeof welcome) != 0 ||
+      std::memcmp(welcome, kDataWelcomeMagic, 8) != 0) {
+    return Status(StatusCode::kUnavailable, fmt::format("{} refused the data channel's ticket", peer));
+  }
+  set_timeouts(fd, 0);  // the rounds may idle for as long as training takes
+  return sock;
+}
+
 StatusOr<std::unique_ptr<DataSocket>> dial_data_channel(const std::string& server_uri, int port,
                                                         const std::string& unix_name, uint32_t client_id,
                                                         uint64_t ticket, int timeout_s) {
@@ -346,24 +362,6 @@ StatusOr<std::unique_ptr<DataSocket>> dial_data_channel(const std::string& serve
   if (fd < 0) return Status(StatusCode::kUnavailable, fmt::format("{}: cannot connect: {}", peer, why));
   set_nodelay(fd);
   return say_hello(fd, peer, client_id, ticket, timeout_s);
-}
-
-static StatusOr<std::unique_ptr<DataSocket>> say_hello(int fd, const std::string& peer, uint32_t client_id,
-                                                       uint64_t ticket, int timeout_s) {
-  auto sock = std::make_unique<DataSocket>(fd, peer);
-  set_timeouts(fd, timeout_s);
-  std::byte hello[24] = {};
-  std::memcpy(hello, kDataHelloMagic, 8);
-  std::memcpy(hello + 8, &client_id, 4);
-  std::memcpy(hello + 16, &ticket, 8);
-  iovec iov{hello, sizeof hello};
-  std::byte welcome[8];
-  if (!write_all(fd, &iov, 1) || read_all(fd, welcome, sizeof welcome) != 0 ||
-      std::memcmp(welcome, kDataWelcomeMagic, 8) != 0) {
-    return Status(StatusCode::kUnavailable, fmt::format("{} refused the data channel's ticket", peer));
-  }
-  set_timeouts(fd, 0);  // the rounds may idle for as long as training takes
-  return sock;
 }
 
 }  // namespace memfl

@@ -118,6 +118,13 @@ struct ClientSlot {
   // opened with it.
   uint64_t data_ticket = 0;
   std::shared_ptr<DataSocket> data;
+  // Ends the data connection and its ticket (the session holding a copy
+  // sees its reads and writes fail at once).
+  void close_data() {
+    if (data) data->shutdown();
+    data.reset();
+    data_ticket = 0;
+  }
 };
 
 // The gRPC transport of the server core: sessions (a thread each, gRPC's
@@ -491,8 +498,7 @@ grpc::Status ServerAgent::session(grpc::ServerContext* ctx, grpc::ServerReaderWr
       s.ctx = ctx;
       my_session = ++s.session;
       // An earlier session's data connection is not this one's.
-      if (s.data) s.data->shutdown();
-      s.data.reset();
+      s.close_data();
       s.data_ticket = data_ticket = data_port_ != 0 && reg.data_channel() ? draw_data_ticket() : 0;
       cv_.notify_all();
     }
@@ -529,10 +535,7 @@ grpc::Status ServerAgent::session(grpc::ServerContext* ctx, grpc::ServerReaderWr
     ~CloseData() {
       std::lock_guard lock(a->mu_);
       auto& slot = a->slots_[static_cast<size_t>(id)];
-      if (slot.session != session) return;
-      if (slot.data) slot.data->shutdown();
-      slot.data.reset();
-      slot.data_ticket = 0;
+      if (slot.session == session) slot.close_data();
     }
   } close_data{this, id, my_session};
   std::shared_ptr<DataSocket> data;
