@@ -132,7 +132,8 @@ double median(std::vector<double> v) {
 
 int main(int argc, char** argv) {
   if (argc < 6 || argc > 8) {
-    std::fprintf(stderr, "usage: %s MODEL_MB CLIENTS CHUNK_KB HASH REPS [FOLD] [tcp|unix]\n", argv[0]);
+    std::fprintf(stderr, "usage: %s MODEL_MB CLIENTS CHUNK_KB HASH REPS [FOLD] [tcp|unix|unix_default_buffers]\n",
+                 argv[0]);
     return 2;
   }
   const size_t bytes = static_cast<size_t>(std::atof(argv[1]) * (1 << 20));
@@ -143,7 +144,11 @@ int main(int argc, char** argv) {
   const bool with_fold = argc >= 7 && std::atoi(argv[6]) != 0;
   // unix: the same over a Unix-domain stream socket with 4 MiB buffers (what
   // memfl's data channel uses between processes of one host).
-  const bool unix_socket = argc == 8 && std::string(argv[7]) == "unix";
+  // unix_default_buffers: the same with the kernel's default buffers, to
+  // show what widening them is for.
+  const std::string socket_kind = argc == 8 ? argv[7] : "tcp";
+  const bool unix_socket = socket_kind == "unix" || socket_kind == "unix_default_buffers";
+  const bool widen = socket_kind == "unix";
   if (bytes == 0 || clients < 1 || chunk == 0 || reps < 1 || (with_fold && (chunk % 32 != 0 || bytes % chunk != 0))) {
     std::fprintf(stderr, "MODEL_MB, CLIENTS, CHUNK_KB and REPS must be positive (FOLD: whole 32-byte chunks)\n");
     return 2;
@@ -175,7 +180,7 @@ int main(int argc, char** argv) {
     // resident after its first round).
     const int s = ::socket(family, SOCK_STREAM, 0);
     if (::connect(s, reinterpret_cast<sockaddr*>(&addr), alen) != 0) die("connect");
-    if (unix_socket) widen_unix_buffers(s);
+    if (widen) widen_unix_buffers(s);
     std::vector<char> model(bytes, static_cast<char>(c + 1));
     char go = 0;
     for (int r = 0; r < reps; ++r) {
@@ -193,7 +198,7 @@ int main(int argc, char** argv) {
   std::vector<int> fds;
   for (int c = 0; c < clients; ++c) {
     const int fd = ::accept(ls, nullptr, nullptr);
-    if (unix_socket && fd >= 0) widen_unix_buffers(fd);
+    if (widen && fd >= 0) widen_unix_buffers(fd);
     if (fd < 0) die("accept");
     fds.push_back(fd);
   }
@@ -256,7 +261,7 @@ int main(int argc, char** argv) {
       "\"fold\": %s, \"reps\": %d, "
       "\"download_gbps_best\": %.3f, \"download_gbps_median\": %.3f, \"upload_gbps_best\": %.3f, "
       "\"upload_gbps_median\": %.3f}\n",
-      unix_socket ? "unix" : "tcp", bytes, clients, chunk, hash ? "true" : "false", with_fold ? "true" : "false", reps,
+      socket_kind.c_str(), bytes, clients, chunk, hash ? "true" : "false", with_fold ? "true" : "false", reps,
       *std::max_element(down.begin(), down.end()), median(down), *std::max_element(up.begin(), up.end()), median(up));
   return 0;
 }
