@@ -8,7 +8,10 @@
 # cell's ceiling: the work memfl's ring does per chunk (copy with xxh3 into a
 # slot, the xxh3 check, the FedAvg fold) by two threads of one process with
 # no MPI in between (bench/transfer_ceiling.cpp: 4 MiB chunks, 2 slots, as
-# memfl's ring). Summarise with bench/spread.py.
+# memfl's ring), and the bound the work itself sets on this machine's cores
+# (bench/transfer_work.cpp: each stage's cost on one core alone; the cores
+# divided by the core-seconds per GB, and for one client the slower stage of
+# the pipeline). Summarise with bench/spread.py.
 # Usage: [CELLS="1024:1 …"] [REPS=5] bench/mpi_spread.sh [BUILD_DIR] > out.jsonl
 set -euo pipefail
 BUILD=${1:-build}
@@ -18,6 +21,8 @@ RAW=$BUILD/mpi_raw_bandwidth
 mpicxx -O2 -std=c++20 "$(dirname "$0")/mpi_raw_bandwidth.cpp" -o "$RAW" -lxxhash
 CEILING=$BUILD/transfer_ceiling
 c++ -O2 -std=c++20 -march=x86-64-v3 "$(dirname "$0")/transfer_ceiling.cpp" -o "$CEILING" -pthread
+WORK=$BUILD/transfer_work
+c++ -O2 -std=c++20 -march=x86-64-v3 "$(dirname "$0")/transfer_work.cpp" -o "$WORK" -pthread
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 for rep in $(seq 1 "$REPS"); do
   raw=$(mpirun -np 2 --bind-to none "$RAW" 1024 4 0 | tr -d '\n')
@@ -27,10 +32,11 @@ for rep in $(seq 1 "$REPS"); do
     memfl=$("$BUILD/memfl" bench transfer --transport mpi --model-mb "$mb" --clients "$n" --memory-mode streaming \
       2>/dev/null)
     ceiling=$("$CEILING" "$mb" "$n" 4096 2 2)
-    python3 - "$rep" "$raw" "$raw_hash" "$memfl" "$ceiling" <<'PY'
+    work=$("$WORK" "$mb" 2)
+    python3 - "$rep" "$raw" "$raw_hash" "$memfl" "$ceiling" "$work" <<'PY'
 import json, sys
 rep = int(sys.argv[1])
-raw, rh, m, c = (json.loads(a) for a in sys.argv[2:6])
+raw, rh, m, c, w = (json.loads(a) for a in sys.argv[2:7])
 last = m["rounds"][-1]
 out = {
     "rep": rep, "model_bytes": m["model_bytes"], "clients": m["clients"], "chunk_path": m.get("chunk_path"),
@@ -47,6 +53,14 @@ for d in ("download", "upload"):
     out[f"memfl_over_raw_{d}"] = round(out[f"mpi_{d}_gbps"] / out["raw_mpi_gbps"], 3)
     out[f"memfl_over_raw_xxh3_{d}"] = round(out[f"mpi_{d}_gbps"] / out["raw_mpi_xxh3_gbps"], 3)
     out[f"memfl_over_ceiling_{d}"] = round(out[f"mpi_{d}_gbps"] / out[f"ceiling_{d}_gbps"], 3)
+n = m["clients"]
+if n in (1, 2, 4):
+    for d, k in (("download", "down"), ("upload", "up")):
+        b = w["bound_gbps"][f"ring_{k}_{n}"]
+        if n == 1:  # one client and the server: a pipeline of two threads
+            b = min(b, w["pipeline_bound_gbps"][f"ring_{k}_1"])
+        out[f"work_bound_{d}_gbps"] = round(b, 3)
+        out[f"memfl_over_work_bound_{d}"] = round(out[f"mpi_{d}_gbps"] / b, 3)
 print(json.dumps(out))
 PY
   done
