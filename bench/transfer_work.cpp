@@ -49,6 +49,7 @@
 #include <thread>
 #include <vector>
 
+#include "ceiling_copy.h"
 #include "ceiling_fold.h"
 
 namespace {
@@ -56,20 +57,6 @@ namespace {
 using Clock = std::chrono::steady_clock;
 constexpr size_t kChunk = size_t{4} << 20;
 constexpr size_t kSlots = 2;
-
-// Copies and hashes in one pass, 32 KiB at a time, as comm/chunk's
-// copy_with_checksum (the block is still in L1 when it is hashed).
-uint64_t copy_with_xxh3(char* dst, const char* src, size_t n) {
-  XXH3_state_t st;
-  XXH3_64bits_reset(&st);
-  constexpr size_t kBlock = 32 << 10;
-  for (size_t o = 0; o < n; o += kBlock) {
-    const size_t len = std::min(kBlock, n - o);
-    std::memcpy(dst + o, src + o, len);
-    XXH3_64bits_update(&st, dst + o, len);
-  }
-  return XXH3_64bits_digest(&st);
-}
 
 [[noreturn]] void fail(const char* what) {
   std::fprintf(stderr, "transfer_work: %s\n", what);
