@@ -73,7 +73,7 @@ bench: build
 	python3 bench/spread.py $(BUILD)/bench_mpi_spread.jsonl model_bytes,clients > $(BUILD)/bench_mpi_spread_summary.jsonl
 	c++ -O2 -std=c++20 -march=x86-64-v3 bench/membw.cpp -o $(BUILD)/membw -pthread && ./$(BUILD)/membw > $(BUILD)/bench_membw.json
 	c++ -O2 -std=c++20 -march=x86-64-v3 bench/transfer_work.cpp -o $(BUILD)/transfer_work -pthread && \
-	  ./$(BUILD)/transfer_work 1024 3 > $(BUILD)/bench_transfer_work.jsonl && ./$(BUILD)/transfer_work 4096 2 >> $(BUILD)/bench_transfer_work.jsonl
+	  ./$(BUILD)/transfer_work 1024 3 1024 > $(BUILD)/bench_transfer_work.jsonl && ./$(BUILD)/transfer_work 4096 2 1024 >> $(BUILD)/bench_transfer_work.jsonl
 	./$(BUILD)/memfl bench dp --model llama-dp-tiny --seq 64,128 --batch 2 --optimizer adam --gpus 1 --sharded \
 	  --json $(BUILD)/bench_dp_sharded_1rank.json
 	./$(BUILD)/memfl bench dp --model llama-dp-tiny --seq 64,128 --batch 2 --optimizer adam --gpus 2 \

@@ -7,9 +7,10 @@
 # 3, CMA single copy, without and with xxh3 on both sides), and the same
 # cell's ceiling: the work memfl's ring does per chunk (copy with xxh3 into a
 # slot, the xxh3 check, the FedAvg fold) by two threads of one process with
-# no MPI in between (bench/transfer_ceiling.cpp: 4 MiB chunks, 2 slots, as
-# memfl's ring), and the bound the work itself sets on this machine's cores
-# (bench/transfer_work.cpp: each stage's cost on one core alone; the cores
+# no MPI in between (bench/transfer_ceiling.cpp: 1 MiB chunks, 8 slots, as
+# memfl's ring gives `memfl bench transfer`'s 1 MiB chunks), and the bound
+# the work itself sets on this machine's cores (bench/transfer_work.cpp, the
+# same chunks: each stage's cost on one core alone; the cores
 # divided by the core-seconds per GB, and for one client the slower stage of
 # the pipeline). Summarise with bench/spread.py.
 # Usage: [CELLS="1024:1 …"] [REPS=5] bench/mpi_spread.sh [BUILD_DIR] > out.jsonl
@@ -31,8 +32,8 @@ for rep in $(seq 1 "$REPS"); do
     IFS=: read -r mb n <<<"$cell"
     memfl=$("$BUILD/memfl" bench transfer --transport mpi --model-mb "$mb" --clients "$n" --memory-mode streaming \
       2>/dev/null)
-    ceiling=$("$CEILING" "$mb" "$n" 4096 2 2)
-    work=$("$WORK" "$mb" 2)
+    ceiling=$("$CEILING" "$mb" "$n" 1024 8 2)
+    work=$("$WORK" "$mb" 2 1024)
     python3 - "$rep" "$raw" "$raw_hash" "$memfl" "$ceiling" "$work" <<'PY'
 import json, sys
 rep = int(sys.argv[1])

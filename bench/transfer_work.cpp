@@ -4,7 +4,7 @@
 // that needs W core-seconds per GB delivered cannot move more than C / W GB/s.
 //
 // Every stage is timed on one thread with nothing else running, over a model of
-// MODEL_MB (1 GiB: beyond the L2, mostly beyond the L3) in 4 MiB chunks through 2 slots,
+// MODEL_MB (1 GiB: beyond the L2, mostly beyond the L3) in chunks of CHUNK_KB,
 // best of REPS: the most favourable conditions it gets (a slot the same
 // thread has just written is in its own cache; in a real transfer it comes
 // from the other core). So the bound is an upper one: contention only adds.
@@ -30,7 +30,9 @@
 // One client and the server, one thread each, form a pipeline that moves no
 // faster than its slower stage (pipeline_bound_gbps).
 //
-// Usage: transfer_work [MODEL_MB [REPS]] (default 1024 3). Prints one JSON object: seconds per GiB of
+// Usage: transfer_work [MODEL_MB [REPS [CHUNK_KB]]] (default 1024 3 1024: the
+// chunk of `memfl bench transfer`, and as many slots as memfl's ring gives
+// it, 8 MiB worth, 2 to 8). Prints one JSON object: seconds per GiB of
 // each stage, and the bound each design gives for 1, 2 and 4 clients on
 // this machine's cores.
 #define XXH_INLINE_ALL
@@ -55,8 +57,6 @@
 namespace {
 
 using Clock = std::chrono::steady_clock;
-constexpr size_t kChunk = size_t{4} << 20;
-constexpr size_t kSlots = 2;
 
 [[noreturn]] void fail(const char* what) {
   std::fprintf(stderr, "transfer_work: %s\n", what);
@@ -99,13 +99,18 @@ struct Stage {
 int main(int argc, char** argv) {
   const size_t kModel = (argc > 1 ? std::strtoull(argv[1], nullptr, 10) : 1024) << 20;
   const int reps = argc > 2 ? std::atoi(argv[2]) : 3;
-  if (kModel == 0 || kModel % kChunk != 0 || reps < 1) fail("MODEL_MB: a positive multiple of 4; REPS: positive");
+  const size_t kChunk = (argc > 3 ? std::strtoull(argv[3], nullptr, 10) : 1024) << 10;
+  // As memfl's ring: 8 MiB of slots, 2 to 8 of them.
+  const size_t kSlots = std::clamp<size_t>((size_t{8} << 20) / std::max<size_t>(kChunk, 1), 2, 8);
+  if (kModel == 0 || kChunk == 0 || kChunk % 32 != 0 || kModel % kChunk != 0 || reps < 1)
+    fail("MODEL_MB: positive, a whole number of chunks; REPS: positive; CHUNK_KB: positive");
   const size_t kChunks = kModel / kChunk;
   char* model = private_buffer(kModel);   // a client's update / its model
   char* sum = private_buffer(kModel);     // the server's running sum
   char* global = private_buffer(kModel);  // the server's global model
   char* shared = shared_buffer(kModel);   // zero copy: the other side's memory
-  char* slots[kSlots] = {private_buffer(kChunk), private_buffer(kChunk)};
+  std::vector<char*> slots;
+  for (size_t k = 0; k < kSlots; ++k) slots.push_back(private_buffer(kChunk));
   std::vector<uint64_t> sums(kChunks);
   const float w = 0.25f;
 
@@ -197,8 +202,8 @@ int main(int argc, char** argv) {
   };
   auto down = [&](const char* server, const char* client, int n) { return (cost(server) + n * cost(client)) / n; };
   std::string out = "{\"model_bytes\": " + std::to_string(kModel) + ", \"chunk_bytes\": " + std::to_string(kChunk) +
-                    ", \"reps\": " + std::to_string(reps) + ", \"cores\": " + std::to_string(static_cast<int>(cores)) +
-                    ", \"seconds_per_gb\": {";
+                    ", \"slots\": " + std::to_string(kSlots) + ", \"reps\": " + std::to_string(reps) +
+                    ", \"cores\": " + std::to_string(static_cast<int>(cores)) + ", \"seconds_per_gb\": {";
   for (size_t k = 0; k < stages.size(); ++k)
     out += (k ? ", \"" : "\"") + stages[k].name + "\": " + std::to_string(cost(stages[k].name.c_str()));
   out += "}, \"bound_gbps\": {";
