@@ -72,48 +72,13 @@ double median(std::vector<double> v) {
   std::exit(1);
 }
 
-// One upload: items in `order` (client, chunk); `slots` slots between one
-// producer and one consumer; with `direct` the consumer reads the client's
-// model itself. Returns seconds.
+// One upload: items in `order` (client, chunk); `slots` slots between
+// `producers` producer threads (item n is producer n mod producers's, so
+// with 2 one client's copy is split over two threads) and one consumer,
+// which checks and folds the items in order; with `direct` the consumer
+// reads the client's model itself. Returns seconds.
 double upload(const std::vector<std::unique_ptr<Buffer>>& models, Buffer& sum, size_t chunk, size_t slots,
-              const std::vector<std::pair<int, size_t>>& order, bool direct) {
-  const size_t model = sum.bytes;
-  std::vector<std::unique_ptr<Buffer>> ring;
-  for (size_t s = 0; s < slots; ++s) ring.push_back(std::make_unique<Buffer>(chunk));
-  std::vector<uint64_t> sums(order.size());
-  std::atomic<uint64_t> filled{0}, taken{0};
-  const float w = 1.0f / static_cast<float>(models.size());
-  const auto t0 = Clock::now();
-  std::thread producer([&] {
-    for (size_t n = 0; n < order.size(); ++n) {
-      for (uint64_t t = taken.load(); n >= t + slots; t = taken.load()) taken.wait(t);
-      const auto [k, i] = order[n];
-      const size_t len = std::min(chunk, model - i * chunk);
-      const char* src = models[static_cast<size_t>(k)]->p + i * chunk;
-      sums[n] = direct ? XXH3_64bits(src, len) : copy_with_xxh3(ring[n % slots]->p, src, len);
-      filled.store(n + 1);
-      filled.notify_one();
-    }
-  });
-  for (size_t n = 0; n < order.size(); ++n) {
-    for (uint64_t f = filled.load(); f <= n; f = filled.load()) filled.wait(f);
-    const auto [k, i] = order[n];
-    const size_t len = std::min(chunk, model - i * chunk);
-    const char* got = direct ? models[static_cast<size_t>(k)]->p + i * chunk : ring[n % slots]->p;
-    if (XXH3_64bits(got, len) != sums[n]) fail("checksum mismatch");
-    ceiling_fold(reinterpret_cast<float*>(sum.p + i * chunk), reinterpret_cast<const float*>(got), len / 4, w, k == 0);
-    taken.store(n + 1);
-    taken.notify_one();
-  }
-  producer.join();
-  return std::chrono::duration<double>(Clock::now() - t0).count();
-}
-
-// One upload with each client's copy split over two producer threads (items
-// alternate between them), as a client rank with two copy threads would do
-// it; one consumer checks and folds in order. Returns seconds.
-double upload_split(const std::vector<std::unique_ptr<Buffer>>& models, Buffer& sum, size_t chunk, size_t slots,
-                    const std::vector<std::pair<int, size_t>>& order) {
+              const std::vector<std::pair<int, size_t>>& order, bool direct, size_t producers = 1) {
   const size_t model = sum.bytes;
   std::vector<std::unique_ptr<Buffer>> ring;
   for (size_t s = 0; s < slots; ++s) ring.push_back(std::make_unique<Buffer>(chunk));
@@ -123,28 +88,29 @@ double upload_split(const std::vector<std::unique_ptr<Buffer>>& models, Buffer& 
   const float w = 1.0f / static_cast<float>(models.size());
   const auto t0 = Clock::now();
   auto produce = [&](size_t first) {
-    for (size_t n = first; n < order.size(); n += 2) {
+    for (size_t n = first; n < order.size(); n += producers) {
       for (uint64_t t = taken.load(); n >= t + slots; t = taken.load()) taken.wait(t);
       const auto [k, i] = order[n];
       const size_t len = std::min(chunk, model - i * chunk);
-      sums[n] = copy_with_xxh3(ring[n % slots]->p, models[static_cast<size_t>(k)]->p + i * chunk, len);
+      const char* src = models[static_cast<size_t>(k)]->p + i * chunk;
+      sums[n] = direct ? XXH3_64bits(src, len) : copy_with_xxh3(ring[n % slots]->p, src, len);
       ready[n].store(1);
       ready[n].notify_one();
     }
   };
-  std::thread a(produce, 0), b(produce, 1);
+  std::vector<std::thread> threads;
+  for (size_t p = 0; p < producers; ++p) threads.emplace_back(produce, p);
   for (size_t n = 0; n < order.size(); ++n) {
     while (ready[n].load() == 0) ready[n].wait(0);
     const auto [k, i] = order[n];
     const size_t len = std::min(chunk, model - i * chunk);
-    const char* got = ring[n % slots]->p;
+    const char* got = direct ? models[static_cast<size_t>(k)]->p + i * chunk : ring[n % slots]->p;
     if (XXH3_64bits(got, len) != sums[n]) fail("checksum mismatch");
     ceiling_fold(reinterpret_cast<float*>(sum.p + i * chunk), reinterpret_cast<const float*>(got), len / 4, w, k == 0);
     taken.store(n + 1);
     taken.notify_all();
   }
-  a.join();
-  b.join();
+  for (auto& t : threads) t.join();
   return std::chrono::duration<double>(Clock::now() - t0).count();
 }
 
@@ -215,7 +181,7 @@ int main(int argc, char** argv) {
     up_seq.push_back(total / upload(models, sum, chunk, slots, sequential, false));
     up_inter.push_back(total / upload(models, sum, chunk, slots, interleaved, false));
     up_direct.push_back(total / upload(models, sum, chunk, slots, interleaved, true));
-    up_split.push_back(total / upload_split(models, sum, chunk, slots, sequential));
+    up_split.push_back(total / upload(models, sum, chunk, slots, sequential, false, 2));
   }
   auto both = [](const char* name, const std::vector<double>& v) {
     return std::string("\"") + name + "_gbps_best\": " + std::to_string(*std::max_element(v.begin(), v.end())) +

@@ -71,17 +71,14 @@ int read_all(int fd, void* dst, size_t n) {
 std::string address_text(const sockaddr* sa) {
   if (sa->sa_family == AF_UNIX) return "unix socket";
   char host[INET6_ADDRSTRLEN] = {0};
-  int port = 0;
   if (sa->sa_family == AF_INET) {
     const auto* a = reinterpret_cast<const sockaddr_in*>(sa);
     ::inet_ntop(AF_INET, &a->sin_addr, host, sizeof host);
-    port = ntohs(a->sin_port);
-    return fmt::format("{}:{}", host, port);
+    return fmt::format("{}:{}", host, ntohs(a->sin_port));
   }
   const auto* a = reinterpret_cast<const sockaddr_in6*>(sa);
   ::inet_ntop(AF_INET6, &a->sin6_addr, host, sizeof host);
-  port = ntohs(a->sin6_port);
-  return fmt::format("[{}]:{}", host, port);
+  return fmt::format("[{}]:{}", host, ntohs(a->sin6_port));
 }
 
 void set_nodelay(int fd) {
@@ -264,15 +261,14 @@ void DataListener::serve() {
     // most; a known client says its hello at once.
     set_timeouts(fd, 2);
     std::byte hello[24];
-    const int e = read_all(fd, hello, sizeof hello);
-    DataHello h;
-    std::memcpy(&h.client_id, hello + 8, 4);
-    std::memcpy(&h.ticket, hello + 16, 8);
-    if (e != 0 || std::memcmp(hello, kDataHelloMagic, 8) != 0) {
+    if (read_all(fd, hello, sizeof hello) != 0 || std::memcmp(hello, kDataHelloMagic, 8) != 0) {
       spdlog::warn("data channel: {} did not say a memfl hello; closed", peer);
       ::close(fd);
       continue;
     }
+    DataHello h;
+    std::memcpy(&h.client_id, hello + 8, 4);
+    std::memcpy(&h.ticket, hello + 16, 8);
     if (!from_unix) set_nodelay(fd);
     set_timeouts(fd, 0);  // the session's deadlines govern from here (shutdown)
     // attach_ says the welcome (send_data_welcome) before it publishes the
