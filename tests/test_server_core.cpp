@@ -364,6 +364,42 @@ TEST(FoldOrder, UpdatesStreamingTogetherTrailEachOtherWithoutTheSpool) {
   EXPECT_EQ(std::memcmp(got.data(), expected.data(), 4 * got.size()), 0);
 }
 
+// One thread feeding the round's updates chunk by chunk in turn, in fold
+// order (MPI's ring takes its ranks' chunks so): each chunk folds behind the
+// same chunk of the update before it, nothing goes to the spool, and the
+// bytes are the fold-order sum. Chunks of 13 bytes cut f32 elements: each
+// update folds an element once the chunk that completes it comes.
+TEST(FoldOrder, OneThreadFeedingUpdatesInTurnFoldsThemWithoutTheSpool) {
+  Clients cl;
+  testing::TempDir tmp;
+  const auto expected = cl.expected();
+  FedAvgAggregator agg(cl.layout, ClientWeightsMode::kSampleSize);
+  agg.set_spool_dir(tmp.path.string());
+  ASSERT_TRUE(agg.begin_round(1, cl.order()).ok());
+  // Opened out of fold order (as announcements may come): the feed is in it.
+  std::vector<std::unique_ptr<UpdateStream>> open(4);
+  for (int c : {2, 0, 3, 1}) {
+    auto u = agg.open_update("client_" + std::to_string(c), cl.samples[static_cast<size_t>(c)]);
+    ASSERT_TRUE(u.ok()) << u.status().to_string();
+    open[static_cast<size_t>(c)] = std::move(*u);
+  }
+  const size_t total = cl.layout.total_bytes(), chunk = 13;
+  for (size_t off = 0; off < total; off += chunk) {
+    const size_t len = std::min(chunk, total - off);
+    for (size_t c = 0; c < 4; ++c) {
+      auto bytes = cl.models[c].bytes(off, len);
+      Status s = open[c]->accept({cl.layout.hash(), off, len, chunk_checksum(bytes)}, bytes);
+      ASSERT_TRUE(s.ok()) << s.to_string();
+    }
+    EXPECT_EQ(agg.parked_bytes(), 0u) << "chunk at " << off << " went to the spool";
+  }
+  for (auto& u : open) ASSERT_TRUE(u->commit().ok());
+  Arena g(total, MemoryCategory::kModel);
+  ASSERT_TRUE(agg.finalize(g).ok());
+  const auto got = cl.values(g);
+  EXPECT_EQ(std::memcmp(got.data(), expected.data(), 4 * got.size()), 0);
+}
+
 // A trailing update whose predecessor pauses parks the rest of its bytes
 // (it does not wait on a stalled client), and they fold from the spool,
 // after the part it folded live, once the predecessor is done.

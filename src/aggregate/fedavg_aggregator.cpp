@@ -117,6 +117,10 @@ class FedAvgAggregator::Stream final : public UpdateStream {
       return s;
     }
     const uint64_t end = h.offset + h.length;
+    // This chunk folds the elements that end by `whole_to`; an element it
+    // cuts waits in the carry for the next chunk. So the updates ahead must
+    // have folded that far, not to `end`.
+    const uint64_t whole_to = agg_.element_floor(end);
     std::unique_lock lock(agg_.mu_);
     // Taken under the lock (open_update may be adding slots); the deque
     // keeps the reference valid for the fold outside it.
@@ -128,10 +132,12 @@ class FedAvgAggregator::Stream final : public UpdateStream {
       // by chunk. Otherwise hold this chunk while the update whose turn it
       // is streams (the transport's flow control holds the sender: parking
       // would only add a write and a read), then park — a slow or stalled
-      // client never holds us up longer than kLiveIdle.
-      while (!agg_.may_trail_locked(slot_) && agg_.live_streaming_locked())
-        agg_.turn_cv_.wait_for(lock, agg_.live_idle_);
-      if (agg_.may_trail_locked(slot_)) {
+      // client never holds us up longer than kLiveIdle. Updates ahead that
+      // have already folded this chunk's range (fed by this very thread, in
+      // turn with ours: MPI's ring) let it fold now.
+      auto may_fold = [&] { return agg_.may_trail_locked(slot_) || agg_.folded_ahead_locked(slot_, whole_to); };
+      while (!may_fold() && agg_.live_streaming_locked()) agg_.turn_cv_.wait_for(lock, agg_.live_idle_);
+      if (may_fold()) {
         agg_.begin_folding_locked(slot_);
         mode_ = Mode::kLive;
       } else {
@@ -154,7 +160,7 @@ class FedAvgAggregator::Stream final : public UpdateStream {
     if (mode_ == Mode::kLive) {
       // Trailing: the updates before ours fold this range first. One that
       // pauses (kLiveIdle) is not waited for: the rest of ours parks.
-      while (!agg_.folded_ahead_locked(slot_, end)) {
+      while (!agg_.folded_ahead_locked(slot_, whole_to)) {
         if (!agg_.streaming_ahead_locked(slot_)) {
           mode_ = Mode::kParked;
           break;

@@ -42,7 +42,10 @@
 // turn comes or as soon as the updates before it stream again and have
 // folded past what it parked (it then trails them). A stream fed by the
 // thread that would wait for it never counts as streaming, so a caller that
-// feeds several streams in turn from one thread never blocks on itself.
+// feeds several streams in turn from one thread never blocks on itself; an
+// update whose chunk's range every update ahead of it has folded folds it at
+// once, so such a caller that feeds them chunk by chunk in fold order parks
+// nothing (MPI's ring: ServerStreams::receive_updates).
 // So the result is bit-identical whatever the arrival order and the
 // transport. Cost: a parked update is written and read once more (disk
 // space ≤ (clients − 1) × model in the worst case, given back slot by slot

@@ -43,14 +43,20 @@ std::vector<int> ServerStreams::broadcast(const std::vector<int>& ranks, const A
 
 Status ServerStreams::receive_update(int r, const std::string& peer, const std::shared_ptr<UpdateStream>& update,
                                      std::chrono::seconds stall) {
-  if (shm_.enabled()) {
-    MEMFL_RETURN_IF_ERROR(receive_through_ring(r, peer, *update, stall));
-    if (Status s = update->commit(); !s.ok()) abort_job(s.message());
-  } else {
-    MEMFL_RETURN_IF_ERROR(receive_point_to_point(r, peer, update, stall));
-    worker_.push([update] { return update->commit(); });
+  return receive_updates({{r, peer, update}}, stall).front();
+}
+
+size_t ServerStreams::max_together() const { return shm_.enabled() ? std::max<size_t>(shm_.slots / 2, 1) : 1; }
+
+std::vector<Status> ServerStreams::receive_updates(const std::vector<Incoming>& batch, std::chrono::seconds stall) {
+  if (shm_.enabled() && batch.size() <= max_together()) return receive_through_ring(batch, stall);
+  std::vector<Status> result;
+  for (const Incoming& in : batch) {
+    Status s = receive_point_to_point(in.rank, in.peer, in.update, stall);
+    if (s.ok()) worker_.push([update = in.update] { return update->commit(); });
+    result.push_back(std::move(s));
   }
-  return Status::Ok();
+  return result;
 }
 
 namespace {
@@ -191,8 +197,9 @@ std::vector<int> ServerStreams::broadcast_point_to_point(const std::vector<int>&
   return dropped;
 }
 
-// The server lends the client the slots, the client fills them in the
-// order lent and names each in a header; this thread checks the chunk in
+// The server lends each client of the batch its share of the slots (the
+// batch's j-th client slots [j·share, (j + 1)·share)), the client fills them
+// in the order lent and names each in a header; this thread checks the chunk in
 // the slot (offset, length, slot here; layout and xxh3 in accept) and
 // folds it from there, then lends the slot again: a client gets a slot
 // back only once its fold is done. (A client that wrote into a slot it no
@@ -203,38 +210,52 @@ std::vector<int> ServerStreams::broadcast_point_to_point(const std::vector<int>&
 // thread folds, one busy thread per process; a third shared a core with
 // one of them on this 2-core machine (measured: half the rounds at half
 // the speed).
-Status ServerStreams::receive_through_ring(int r, const std::string& peer, UpdateStream& update,
-                                           std::chrono::seconds stall) {
-  std::deque<int32_t> lent;
-  auto lend = [&](int32_t sl) {
-    MPI_Send(&sl, 1, MPI_INT32_T, r, kTagSlotGrant, MPI_COMM_WORLD);
-    lent.push_back(sl);
+std::vector<Status> ServerStreams::receive_through_ring(const std::vector<Incoming>& batch,
+                                                        std::chrono::seconds stall) {
+  const size_t n = batch.size(), share = shm_.slots / n;
+  std::vector<Status> result(n, Status::Ok());
+  std::vector<std::deque<int32_t>> lent(n);  // each rank's slots, in the order it fills them
+  auto lend = [&](size_t j, int32_t sl) {
+    MPI_Send(&sl, 1, MPI_INT32_T, batch[j].rank, kTagSlotGrant, MPI_COMM_WORLD);
+    lent[j].push_back(sl);
   };
-  for (size_t sl = 0; sl < std::min(shm_.slots, nchunks_); ++sl) lend(static_cast<int32_t>(sl));
-  for (size_t i = 0; i < nchunks_; ++i) {
-    WireSlotHeader h{};
-    MPI_Request rq;
-    MPI_Irecv(&h, sizeof h, MPI_BYTE, r, kTagSlotHeader, MPI_COMM_WORLD, &rq);
-    if (!mpi_detail::quiet_waitall_until(1, &rq, MPI_STATUS_IGNORE, kReceiver, Clock::now() + stall)) {
-      mpi_detail::cancel_receive(&rq);
-      return Status(StatusCode::kUnavailable,
-                    fmt::format("{}: its update stalled after {} of {} chunks (no chunk for {} s, "
-                                "server_configs.upload_timeout_s)",
-                                peer, i, nchunks_, stall.count()));
-    }
-    const size_t off = i * chunk_, len = length(i);
-    if (h.slot != lent.front() || h.offset != off || h.length != len) {
-      abort_job(fmt::format("chunk from {}: slot {} [{}, +{}); expected slot {} [{}, +{})", peer, h.slot, h.offset,
-                            h.length, lent.front(), off, len));
-    }
-    lent.pop_front();
-    shm_.sync();
-    Status folded = update.accept({h.layout_hash, h.offset, h.length, h.checksum},
-                                  std::span<const std::byte>(shm_.slot(static_cast<size_t>(h.slot)), h.length));
-    if (!folded.ok()) abort_job(folded.message());
-    if (i + shm_.slots < nchunks_) lend(h.slot);
+  for (size_t j = 0; j < n; ++j) {
+    for (size_t k = 0; k < std::min(share, nchunks_); ++k) lend(j, static_cast<int32_t>(j * share + k));
   }
-  return Status::Ok();
+  for (size_t i = 0; i < nchunks_; ++i) {
+    for (size_t j = 0; j < n; ++j) {
+      if (!result[j].ok()) continue;  // out of the stream: the others go on
+      const std::string& peer = batch[j].peer;
+      WireSlotHeader h{};
+      MPI_Request rq;
+      MPI_Irecv(&h, sizeof h, MPI_BYTE, batch[j].rank, kTagSlotHeader, MPI_COMM_WORLD, &rq);
+      if (!mpi_detail::quiet_waitall_until(1, &rq, MPI_STATUS_IGNORE, kReceiver, Clock::now() + stall)) {
+        mpi_detail::cancel_receive(&rq);
+        result[j] = Status(StatusCode::kUnavailable,
+                           fmt::format("{}: its update stalled after {} of {} chunks (no chunk for {} s, "
+                                       "server_configs.upload_timeout_s)",
+                                       peer, i, nchunks_, stall.count()));
+        continue;
+      }
+      const size_t off = i * chunk_, len = length(i);
+      if (h.slot != lent[j].front() || h.offset != off || h.length != len) {
+        abort_job(fmt::format("chunk from {}: slot {} [{}, +{}); expected slot {} [{}, +{})", peer, h.slot, h.offset,
+                              h.length, lent[j].front(), off, len));
+      }
+      lent[j].pop_front();
+      shm_.sync();
+      Status folded =
+          batch[j].update->accept({h.layout_hash, h.offset, h.length, h.checksum},
+                                  std::span<const std::byte>(shm_.slot(static_cast<size_t>(h.slot)), h.length));
+      if (!folded.ok()) abort_job(folded.message());
+      if (i + share < nchunks_) lend(j, h.slot);
+    }
+  }
+  for (size_t j = 0; j < n; ++j) {
+    if (!result[j].ok()) continue;
+    if (Status s = batch[j].update->commit(); !s.ok()) abort_job(s.message());
+  }
+  return result;
 }
 
 // Receives into the ring of buffers, up to `depth` chunks ahead; each

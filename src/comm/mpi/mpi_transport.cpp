@@ -197,9 +197,8 @@ Status MpiServerTransport::collect(int round, const std::vector<int>& selected, 
   const int k = cfg_.server.clients_per_rank;
   // The upload's own deadline, from its start (a broadcast stall has not
   // used it up): a rank that has not announced its update by then is out.
-  // Updates come one after another here, so one that has begun is cut off
-  // only when it stalls — no chunk for upload_timeout_s — not because a
-  // stalled one before it used up the time.
+  // An update that has begun is cut off only when it stalls — no chunk for
+  // upload_timeout_s — not because a stalled one before it used up the time.
   const int timeout = cfg_.server.upload_deadline_s();
   const auto deadline = Clock::now() + std::chrono::seconds(timeout);
   // Upload time runs from the first update's first message to the last
@@ -232,36 +231,56 @@ Status MpiServerTransport::collect(int round, const std::vector<int>& selected, 
       }
       break;
     }
-    WireUpdateMeta md{};
-    quiet_recv(&md, sizeof md, r, kTagUpdateMeta);
-    if (!t_up) t_up = Clock::now();
-    const bool expected = md.round == round && md.client >= 0 && md.client < cfg_.server.num_clients &&
-                          rank_of_client(md.client, k) == r &&
-                          std::find(selected.begin(), selected.end(), md.client) != selected.end() &&
-                          !done[static_cast<size_t>(md.client)];
-    if (!expected) {
-      abort_job(fmt::format("rank {} sent an update of client {} round {}, which round {} did not ask of it", r,
-                            md.client, md.round, round));
+    // The ranks next in fold order after it whose updates are announced
+    // too come with it (up to what the ring shares out): their chunks then
+    // arrive in turn and fold together (ServerStreams::receive_updates).
+    // Only those next to it: one behind a gap (an update not yet
+    // announced) could not fold and would be parked.
+    std::vector<int> together{r};
+    for (auto w = std::find(waiting.begin(), waiting.end(), r) + 1;
+         w != waiting.end() && together.size() < streams_.max_together(); ++w) {
+      int announced = 0;
+      MPI_Iprobe(*w, kTagUpdateMeta, MPI_COMM_WORLD, &announced, MPI_STATUS_IGNORE);
+      if (!announced) break;
+      together.push_back(*w);
     }
-    done[static_cast<size_t>(md.client)] = true;
-    const std::string peer = fmt::format("client_{} (rank {})", md.client, r);
-    auto opened = agg.open_update(client_id(md.client), md.sample_count);
-    if (!opened.ok()) abort_job(opened.status().message());
-    std::shared_ptr<UpdateStream> update = std::move(*opened);
-    Status received = streams_.receive_update(r, peer, update, std::chrono::seconds(timeout));
-    if (!received.ok()) {
-      exclude(r, round, received.message());
-      continue;  // `update` closes uncommitted: the aggregator withdraws it
+    std::vector<ServerStreams::Incoming> batch;
+    std::vector<WireUpdateMeta> metas;
+    for (int w : together) {
+      WireUpdateMeta md{};
+      quiet_recv(&md, sizeof md, w, kTagUpdateMeta);
+      if (!t_up) t_up = Clock::now();
+      const bool expected = md.round == round && md.client >= 0 && md.client < cfg_.server.num_clients &&
+                            rank_of_client(md.client, k) == w &&
+                            std::find(selected.begin(), selected.end(), md.client) != selected.end() &&
+                            !done[static_cast<size_t>(md.client)];
+      if (!expected) {
+        abort_job(fmt::format("rank {} sent an update of client {} round {}, which round {} did not ask of it", w,
+                              md.client, md.round, round));
+      }
+      done[static_cast<size_t>(md.client)] = true;
+      auto opened = agg.open_update(client_id(md.client), md.sample_count);
+      if (!opened.ok()) abort_job(opened.status().message());
+      batch.push_back({w, fmt::format("client_{} (rank {})", md.client, w), std::move(*opened)});
+      metas.push_back(md);
     }
-    out->bytes_up += layout_.total_bytes();
-    ClientUpdateInfo info;
-    info.client = md.client;
-    info.sample_count = md.sample_count;
-    info.train_loss = md.train_loss;
-    info.has_validation = true;
-    info.val_weight = md.sample_count;
-    info.val_accuracy = md.val_accuracy;
-    out->committed.push_back(info);
+    const std::vector<Status> received = streams_.receive_updates(batch, std::chrono::seconds(timeout));
+    for (size_t j = 0; j < batch.size(); ++j) {
+      if (!received[j].ok()) {
+        exclude(batch[j].rank, round, received[j].message());
+        continue;  // its update closes uncommitted: the aggregator withdraws it
+      }
+      const WireUpdateMeta& md = metas[j];
+      out->bytes_up += layout_.total_bytes();
+      ClientUpdateInfo info;
+      info.client = md.client;
+      info.sample_count = md.sample_count;
+      info.train_loss = md.train_loss;
+      info.has_validation = true;
+      info.val_weight = md.sample_count;
+      info.val_accuracy = md.val_accuracy;
+      out->committed.push_back(info);
+    }
   }
   streams_.drain();
   for (int c : selected) {

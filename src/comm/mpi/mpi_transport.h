@@ -138,6 +138,27 @@ class ServerStreams {
   Status receive_update(int r, const std::string& peer, const std::shared_ptr<UpdateStream>& update,
                         std::chrono::seconds stall);
 
+  // One rank's update in a batch received together.
+  struct Incoming {
+    int rank;
+    std::string peer;
+    std::shared_ptr<UpdateStream> update;
+  };
+  // How many updates receive_updates takes at once: through the ring, as
+  // many as leave each rank two slots (its fill overlaps the server's fold);
+  // point to point, one (the fold worker takes one update at a time).
+  size_t max_together() const;
+  // Receives the updates of `batch` (one per rank, in fold order) together:
+  // chunk i of each in turn, in that order, each rank filling its own share
+  // of the ring's slots. So the ranks copy at once, and each update's fold
+  // of chunk i finds the running sum's chunk i in cache from the update
+  // before it, which folded it a moment ago (the aggregator lets an update
+  // fold behind one fed by the same thread once that one has folded the
+  // range). Commits each update that arrives whole; returns one status per
+  // entry, kUnavailable for a rank that left the stream without a chunk for
+  // `stall` (the others go on).
+  std::vector<Status> receive_updates(const std::vector<Incoming>& batch, std::chrono::seconds stall);
+
   // Returns once every update received is folded and committed.
   void drain();
 
@@ -147,7 +168,7 @@ class ServerStreams {
                                           std::chrono::seconds stall);
   std::vector<int> broadcast_point_to_point(const std::vector<int>& ranks, const Arena& global,
                                             std::chrono::seconds stall);
-  Status receive_through_ring(int r, const std::string& peer, UpdateStream& update, std::chrono::seconds stall);
+  std::vector<Status> receive_through_ring(const std::vector<Incoming>& batch, std::chrono::seconds stall);
   Status receive_point_to_point(int r, const std::string& peer, const std::shared_ptr<UpdateStream>& update,
                                 std::chrono::seconds stall);
 
