@@ -48,5 +48,37 @@ INSTANTIATE_TEST_SUITE_P(Sizes, MpiChunks,
                                   std::to_string(std::get<2>(p.param)) + "_per_rank";
                          });
 
+// Four clients whose updates are all announced when the server looks (it
+// holds its upload back for that, MEMFL_HOLD_COLLECT_MS) are received
+// together through the ring, chunk by chunk in turn, each rank in its own
+// share of the slots: the model is the in-process run's, bit for bit. Chunks
+// of 7 bytes cut the f32 elements, and the ranks fold behind each other
+// element by element; chunks of 1 MiB hold the whole model.
+class MpiTogether : public ::testing::TestWithParam<int64_t> {};
+
+TEST_P(MpiTogether, FourUpdatesReceivedTogetherEqualTheInProcessRun) {
+  testing::TempDir tmp;
+  const std::string cfg = tmp.file("synthetic.yaml");
+  std::ofstream(cfg) << "client_configs:\n  train_configs:\n    trainer: DummyTrainer\n  model_configs:\n"
+                        "    model_name: synthetic\n    model_kwargs:\n      num_params: 2500\n"
+                        "server_configs:\n  num_global_epochs: 2\n"
+                        "  comm_configs:\n    grpc_configs:\n      model_chunk_size: "
+                     << GetParam() << "\n";
+  setenv("MEMFL_HOLD_COLLECT_MS", "1000", 1);
+  Result m = mpirun(5, cfg + " -q --out " + tmp.file("mpi"));
+  unsetenv("MEMFL_HOLD_COLLECT_MS");
+  ASSERT_EQ(m.exit_code, 0) << m.output;
+  std::ifstream summary(tmp.file("mpi/rank_0/summary.json"));
+  const std::string text((std::istreambuf_iterator<char>(summary)), {});
+  EXPECT_NE(text.find("\"shared_ring\""), std::string::npos) << text;
+  EXPECT_NE(text.find("\"updates_received_together\": 4"), std::string::npos) << text;
+  Result r = memfl_cli("run " + cfg + " -q --set server_configs.num_clients=4 --out " + tmp.file("inproc"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_TRUE(same_model(tmp.file("inproc/global_model.safetensors"), tmp.file("mpi/rank_0/global_model.safetensors")));
+}
+
+INSTANTIATE_TEST_SUITE_P(Ring, MpiTogether, ::testing::Values(7, 1 << 20),
+                         [](const auto& p) { return "chunk_" + std::to_string(p.param); });
+
 }  // namespace
 }  // namespace memfl

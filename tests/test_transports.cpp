@@ -499,9 +499,14 @@ TEST(GrpcRejoin, AClientThatDiedComesBackAndTakesPartAgain) {
 // point to point; the others finish every round, and the model is the
 // FedAvg (computed here) of the clients of the other ranks. MPI cannot
 // take a rank back, so the server ends the job once all is written.
+// Through the ring the server holds its upload back (MEMFL_HOLD_COLLECT_MS)
+// until every rank has announced its update, so that the updates are
+// received together and the stalled rank is one of them: the others go on
+// once it is out (`together`: the most received at once, from summary.json).
 struct MpiStallCase {
   const char* fault;
   bool shared_ring;
+  int together;
 };
 class MpiStragglers : public ::testing::TestWithParam<MpiStallCase> {};
 
@@ -511,12 +516,14 @@ TEST_P(MpiStragglers, AStoppedRankIsExcludedAndTheOthersFinishEveryRound) {
   const std::string cfg = write_config(tmp, "c", "", 1000);
   setenv("MEMFL_FAULT", mc.fault, 1);
   setenv("MEMFL_FAULT_RANK", "2", 1);  // client 1
+  if (mc.shared_ring) setenv("MEMFL_HOLD_COLLECT_MS", "500", 1);
   Result r = mpirun(kClients + 1, cfg +
                                       " -q --set server_configs.broadcast_timeout_s=2 --set "
                                       "server_configs.upload_timeout_s=3 --set server_configs.mpi_shared_memory=" +
                                       (mc.shared_ring ? "true" : "false") + " --out " + tmp.file("run"));
   unsetenv("MEMFL_FAULT");
   unsetenv("MEMFL_FAULT_RANK");
+  unsetenv("MEMFL_HOLD_COLLECT_MS");
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("rank 2"), std::string::npos) << r.output;
   const auto rows = read_csv(tmp.file("run/rank_0/metrics.csv"));
@@ -527,12 +534,14 @@ TEST_P(MpiStragglers, AStoppedRankIsExcludedAndTheOthersFinishEveryRound) {
   std::ifstream summary(tmp.file("run/rank_0/summary.json"));
   const std::string text((std::istreambuf_iterator<char>(summary)), {});
   EXPECT_NE(text.find("\"excluded_ranks\": [\n    2\n  ]"), std::string::npos) << text;
+  EXPECT_NE(text.find("\"updates_received_together\": " + std::to_string(mc.together)), std::string::npos) << text;
 }
 
 INSTANTIATE_TEST_SUITE_P(
     Faults, MpiStragglers,
-    ::testing::Values(MpiStallCase{"stop_in_broadcast", true}, MpiStallCase{"stop_in_broadcast", false},
-                      MpiStallCase{"stop_mid_upload", true}, MpiStallCase{"stop_mid_upload", false}),
+    // Four clients; one stalled in the broadcast is out before the upload: three come together.
+    ::testing::Values(MpiStallCase{"stop_in_broadcast", true, 3}, MpiStallCase{"stop_in_broadcast", false, 1},
+                      MpiStallCase{"stop_mid_upload", true, 4}, MpiStallCase{"stop_mid_upload", false, 1}),
     [](const auto& p) { return std::string(p.param.fault) + (p.param.shared_ring ? "_ring" : "_p2p"); });
 
 TEST(MpiAgreement, RanksThatRunAnotherExperimentAreRefusedAtStartNamingTheKey) {

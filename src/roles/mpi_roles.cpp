@@ -118,6 +118,8 @@ Status run_server(const ExperimentConfig& cfg, int world, const std::string& dir
   }
   ServerStreams streams(layout, chunk, shm);
   MpiServerTransport transport(cfg, layout, streams, world);
+  if (const char* hold = std::getenv("MEMFL_HOLD_COLLECT_MS"))
+    transport.set_collect_hold(std::chrono::milliseconds(std::atoi(hold)));
   if (cfg.server.is_async()) {
     Status result = run_async_server(
         cfg, dir, progress, *global, st.sampler, baseline,
@@ -163,6 +165,7 @@ Status run_server(const ExperimentConfig& cfg, int world, const std::string& dir
   summary["maps_libtorch"] = maps_library("libtorch");
   summary["chunk_path"] = shm.enabled() ? "shared_ring" : "point_to_point";
   summary["excluded_ranks"] = excluded;
+  summary["updates_received_together"] = transport.most_received_together();
   MEMFL_RETURN_IF_ERROR(write_text_file(dir + "/summary.json", summary.dump(2) + "\n"));
   if (!excluded.empty()) {
     // Every round is committed and every rank still in has written its

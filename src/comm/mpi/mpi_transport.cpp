@@ -204,6 +204,7 @@ Status MpiServerTransport::collect(int round, const std::vector<int>& selected, 
   // Upload time runs from the first update's first message to the last
   // byte folded, as for gRPC (the clients' training is not in it).
   std::optional<Clock::time_point> t_up;
+  if (collect_hold_.count() > 0) std::this_thread::sleep_for(collect_hold_);
   std::vector<bool> done(static_cast<size_t>(cfg_.server.num_clients), false);
   // A rank's clients send in client order, so its next update is the first
   // of its clients not yet received.
@@ -264,6 +265,7 @@ Status MpiServerTransport::collect(int round, const std::vector<int>& selected, 
       batch.push_back({w, fmt::format("client_{} (rank {})", md.client, w), std::move(*opened)});
       metas.push_back(md);
     }
+    most_together_ = std::max(most_together_, batch.size());
     const std::vector<Status> received = streams_.receive_updates(batch, std::chrono::seconds(timeout));
     for (size_t j = 0; j < batch.size(); ++j) {
       if (!received[j].ok()) {

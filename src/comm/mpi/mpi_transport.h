@@ -27,6 +27,7 @@
 
 #include <mpi.h>
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -237,6 +238,12 @@ class MpiServerTransport final : public ServerTransport {
   // Ranks that missed a deadline: out of the run (MPI cannot take a rank
   // back, and one that stalls would hang MPI_Finalize).
   std::vector<int> excluded_ranks() const;
+  // The most updates received together in one batch so far (summary.json:
+  // updates_received_together).
+  size_t most_received_together() const { return most_together_; }
+  // For the tests: the upload waits this long before it looks for updates,
+  // so that every rank has announced its own (MEMFL_HOLD_COLLECT_MS).
+  void set_collect_hold(std::chrono::milliseconds hold) { collect_hold_ = hold; }
   // Asynchronous FL (one client per rank): a rank gets the model as it is
   // when its previous update was applied (FedCompass: when its group was),
   // with its local steps; its update, checked chunk by chunk into a spool
@@ -253,6 +260,8 @@ class MpiServerTransport final : public ServerTransport {
   ServerStreams& streams_;
   int world_;
   std::vector<bool> excluded_;  // by rank
+  size_t most_together_ = 0;
+  std::chrono::milliseconds collect_hold_{0};
 };
 
 }  // namespace memfl
