@@ -1,5 +1,9 @@
 #include <gtest/gtest.h>
 
+#include <cstdio>
+#include <fstream>
+#include <string>
+
 #include "tensor/arena.h"
 #include "tensor/layout.h"
 
@@ -83,6 +87,62 @@ TEST(Arena, IsAlignedZeroedAndCountedInTheLedger) {
     EXPECT_EQ(moved.size(), 3u << 20);
   }
   EXPECT_EQ(ledger.current(MemoryCategory::kAggregation), before);
+}
+
+// The /proc/self/smaps block of the mapping that holds `p`: its VmFlags
+// line and its Rss and AnonHugePages, in bytes.
+struct MappingInfo {
+  std::string flags;
+  uint64_t rss = 0, anon_huge = 0;
+  bool found = false;
+};
+MappingInfo mapping_of(const void* p) {
+  std::ifstream smaps("/proc/self/smaps");
+  const auto at = reinterpret_cast<uintptr_t>(p);
+  MappingInfo info;
+  bool inside = false;
+  for (std::string line; std::getline(smaps, line);) {
+    uintptr_t lo = 0, hi = 0;
+    if (std::sscanf(line.c_str(), "%lx-%lx ", &lo, &hi) == 2 && line.find(':') > line.find(' ')) {
+      if (inside) break;  // the next mapping's header
+      inside = lo <= at && at < hi;
+      info.found = info.found || inside;
+      continue;
+    }
+    if (!inside) continue;
+    unsigned long kb = 0;
+    if (std::sscanf(line.c_str(), "Rss: %lu kB", &kb) == 1) info.rss = kb << 10;
+    if (std::sscanf(line.c_str(), "AnonHugePages: %lu kB", &kb) == 1) info.anon_huge = kb << 10;
+    if (line.rfind("VmFlags:", 0) == 0) info.flags = line;
+  }
+  return info;
+}
+
+// Model-sized arenas ask for transparent huge pages (VmFlags "hg", from
+// MADV_HUGEPAGE), and one asked to be populated is resident before its first
+// write — in huge pages wherever the kernel's THP setting is not `never`.
+TEST(Arena, AModelSizedArenaAsksForHugePagesAndIsResidentWhenPopulated) {
+  constexpr size_t kSize = 16u << 20;
+  {
+    Arena populated(kSize, MemoryCategory::kModel, /*populate=*/true);
+    const MappingInfo m = mapping_of(populated.data());
+    ASSERT_TRUE(m.found);
+    EXPECT_NE(m.flags.find(" hg"), std::string::npos) << m.flags;
+    EXPECT_GE(m.rss, kSize) << "populated: every page resident before a write";
+    std::ifstream thp("/sys/kernel/mm/transparent_hugepage/enabled");
+    std::string setting;
+    std::getline(thp, setting);
+    // At least all but the two partial 2 MiB ends of the mapping are huge.
+    if (!setting.empty() && setting.find("[never]") == std::string::npos) {
+      EXPECT_GE(m.anon_huge, kSize - (4u << 20)) << setting;
+    }
+    EXPECT_EQ(populated.data()[kSize - 1], std::byte{0});
+  }
+  Arena lazy(kSize, MemoryCategory::kModel);
+  const MappingInfo m = mapping_of(lazy.data());
+  ASSERT_TRUE(m.found);
+  EXPECT_NE(m.flags.find(" hg"), std::string::npos) << m.flags;
+  EXPECT_LT(m.rss, kSize / 2) << "not populated: pages come as they are written";
 }
 
 TEST(DType, HalfConversionsRoundTrip) {

@@ -531,8 +531,13 @@ TEST(ShardedDp, AFederatedClientShardedOverRanksTrainsAsAnUnshardedOne) {
   ASSERT_EQ(r.exit_code, 0) << r.output;
   r = memfl_cli("run " + noisy + " --set client_configs.train_configs.num_gpus=3 --out " + tmp.file("n3"));
   ASSERT_EQ(r.exit_code, 0) << r.output;
+  // Float rounding of the shards' partial sums differs with their number,
+  // and the noisy steps carry it further than the quiet ones: 9.4e-6 on an
+  // AMD EPYC (below 1e-6 on the Xeon this was first run on). Another draw of
+  // the noise moves the model by 0.1 (1 rank against 2) to 0.39 (another
+  // seed): 1e-4 tells the two apart with room on both sides.
   EXPECT_LE(max_model_difference(tmp.file("n2/global_model.safetensors"), tmp.file("n3/global_model.safetensors")),
-            1e-6);
+            1e-4);
   // …and the noise is there: the noisy model is not the quiet one.
   EXPECT_GT(max_model_difference(tmp.file("n2/global_model.safetensors"), tmp.file("two/global_model.safetensors")),
             1e-4);
