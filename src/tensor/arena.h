@@ -2,7 +2,9 @@
 //
 // Move-only and RAII. Large arenas are anonymous mmaps, so their pages are
 // zero, touched only when written, and returned to the kernel on free (malloc
-// would keep them in its heap); small ones come from aligned_alloc. The bytes
+// would keep them in its heap), advised to use transparent huge pages (a
+// fault and a TLB entry per 2 MiB, not per 4 KiB); small ones come from
+// aligned_alloc. The bytes
 // are counted in the ledger under the category given at construction.
 //
 //   Arena global(layout.total_bytes(), MemoryCategory::kModel);
