@@ -43,12 +43,13 @@ std::vector<int> ServerStreams::broadcast(const std::vector<int>& ranks, const A
 
 Status ServerStreams::receive_update(int r, const std::string& peer, const std::shared_ptr<UpdateStream>& update,
                                      std::chrono::seconds stall) {
-  return receive_updates({{r, peer, update}}, stall).front();
+  std::vector<Incoming> one{{r, peer, update}};
+  return receive_updates(one, stall).front();
 }
 
 size_t ServerStreams::max_together() const { return shm_.enabled() ? std::max<size_t>(shm_.slots / 2, 1) : 1; }
 
-std::vector<Status> ServerStreams::receive_updates(const std::vector<Incoming>& batch, std::chrono::seconds stall) {
+std::vector<Status> ServerStreams::receive_updates(std::vector<Incoming>& batch, std::chrono::seconds stall) {
   if (shm_.enabled() && batch.size() <= max_together()) return receive_through_ring(batch, stall);
   std::vector<Status> result;
   for (const Incoming& in : batch) {
@@ -210,8 +211,7 @@ std::vector<int> ServerStreams::broadcast_point_to_point(const std::vector<int>&
 // thread folds, one busy thread per process; a third shared a core with
 // one of them on this 2-core machine (measured: half the rounds at half
 // the speed).
-std::vector<Status> ServerStreams::receive_through_ring(const std::vector<Incoming>& batch,
-                                                        std::chrono::seconds stall) {
+std::vector<Status> ServerStreams::receive_through_ring(std::vector<Incoming>& batch, std::chrono::seconds stall) {
   const size_t n = batch.size(), share = shm_.slots / n;
   std::vector<Status> result(n, Status::Ok());
   std::vector<std::deque<int32_t>> lent(n);  // each rank's slots, in the order it fills them
@@ -235,6 +235,9 @@ std::vector<Status> ServerStreams::receive_through_ring(const std::vector<Incomi
                            fmt::format("{}: its update stalled after {} of {} chunks (no chunk for {} s, "
                                        "server_configs.upload_timeout_s)",
                                        peer, i, nchunks_, stall.count()));
+        // Closed uncommitted now, the aggregator withdraws it at once, so
+        // the updates after it in fold order fold on rather than park.
+        batch[j].update.reset();
         continue;
       }
       const size_t off = i * chunk_, len = length(i);

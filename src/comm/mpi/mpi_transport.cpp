@@ -270,7 +270,7 @@ Status MpiServerTransport::collect(int round, const std::vector<int>& selected, 
     for (size_t j = 0; j < batch.size(); ++j) {
       if (!received[j].ok()) {
         exclude(batch[j].rank, round, received[j].message());
-        continue;  // its update closes uncommitted: the aggregator withdraws it
+        continue;  // its update was closed uncommitted: the aggregator withdrew it
       }
       const WireUpdateMeta& md = metas[j];
       out->bytes_up += layout_.total_bytes();

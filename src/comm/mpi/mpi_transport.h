@@ -157,8 +157,9 @@ class ServerStreams {
   // fold behind one fed by the same thread once that one has folded the
   // range). Commits each update that arrives whole; returns one status per
   // entry, kUnavailable for a rank that left the stream without a chunk for
-  // `stall` (the others go on).
-  std::vector<Status> receive_updates(const std::vector<Incoming>& batch, std::chrono::seconds stall);
+  // `stall`: its update is closed uncommitted there and then (the
+  // aggregator withdraws it, and the others go on).
+  std::vector<Status> receive_updates(std::vector<Incoming>& batch, std::chrono::seconds stall);
 
   // Returns once every update received is folded and committed.
   void drain();
@@ -169,7 +170,7 @@ class ServerStreams {
                                           std::chrono::seconds stall);
   std::vector<int> broadcast_point_to_point(const std::vector<int>& ranks, const Arena& global,
                                             std::chrono::seconds stall);
-  std::vector<Status> receive_through_ring(const std::vector<Incoming>& batch, std::chrono::seconds stall);
+  std::vector<Status> receive_through_ring(std::vector<Incoming>& batch, std::chrono::seconds stall);
   Status receive_point_to_point(int r, const std::string& peer, const std::shared_ptr<UpdateStream>& update,
                                 std::chrono::seconds stall);
 
