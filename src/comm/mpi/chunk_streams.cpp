@@ -4,6 +4,7 @@
 #include <mpi.h>
 
 #include <algorithm>
+#include <cassert>
 #include <cstring>
 #include <deque>
 #include <memory>
@@ -50,7 +51,11 @@ Status ServerStreams::receive_update(int r, const std::string& peer, const std::
 size_t ServerStreams::max_together() const { return shm_.enabled() ? std::max<size_t>(shm_.slots / 2, 1) : 1; }
 
 std::vector<Status> ServerStreams::receive_updates(std::vector<Incoming>& batch, std::chrono::seconds stall) {
-  if (shm_.enabled() && batch.size() <= max_together()) return receive_through_ring(batch, stall);
+  if (shm_.enabled()) {
+    // Its ranks fill the ring: point to point would wait on chunks that never come.
+    assert(batch.size() <= max_together());
+    return receive_through_ring(batch, stall);
+  }
   std::vector<Status> result;
   for (const Incoming& in : batch) {
     Status s = receive_point_to_point(in.rank, in.peer, in.update, stall);
