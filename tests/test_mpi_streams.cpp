@@ -64,7 +64,7 @@ TEST_P(MpiTogether, FourUpdatesReceivedTogetherEqualTheInProcessRun) {
                         "server_configs:\n  num_global_epochs: 2\n"
                         "  comm_configs:\n    grpc_configs:\n      model_chunk_size: "
                      << GetParam() << "\n";
-  setenv("MEMFL_HOLD_COLLECT_MS", "1000", 1);
+  setenv("MEMFL_HOLD_COLLECT_MS", "3000", 1);  // a rank was once seen to announce after 1 s
   Result m = mpirun(5, cfg + " -q --out " + tmp.file("mpi"));
   unsetenv("MEMFL_HOLD_COLLECT_MS");
   ASSERT_EQ(m.exit_code, 0) << m.output;

@@ -200,11 +200,11 @@ Status MpiServerTransport::collect(int round, const std::vector<int>& selected, 
   // An update that has begun is cut off only when it stalls — no chunk for
   // upload_timeout_s — not because a stalled one before it used up the time.
   const int timeout = cfg_.server.upload_deadline_s();
+  if (collect_hold_.count() > 0) std::this_thread::sleep_for(collect_hold_);  // before the deadline starts
   const auto deadline = Clock::now() + std::chrono::seconds(timeout);
   // Upload time runs from the first update's first message to the last
   // byte folded, as for gRPC (the clients' training is not in it).
   std::optional<Clock::time_point> t_up;
-  if (collect_hold_.count() > 0) std::this_thread::sleep_for(collect_hold_);
   std::vector<bool> done(static_cast<size_t>(cfg_.server.num_clients), false);
   // A rank's clients send in client order, so its next update is the first
   // of its clients not yet received.
