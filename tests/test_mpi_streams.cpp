@@ -49,7 +49,7 @@ INSTANTIATE_TEST_SUITE_P(Sizes, MpiChunks,
                          });
 
 // Four clients whose updates are all announced when the server looks (it
-// holds its upload back for that, MEMFL_HOLD_COLLECT_MS) are received
+// holds its upload back until they are, MEMFL_HOLD_COLLECT_MS) are received
 // together through the ring, chunk by chunk in turn, each rank in its own
 // share of the slots: the model is the in-process run's, bit for bit. Chunks
 // of 7 bytes cut the f32 elements, and the ranks fold behind each other
@@ -64,7 +64,9 @@ TEST_P(MpiTogether, FourUpdatesReceivedTogetherEqualTheInProcessRun) {
                         "server_configs:\n  num_global_epochs: 2\n"
                         "  comm_configs:\n    grpc_configs:\n      model_chunk_size: "
                      << GetParam() << "\n";
-  setenv("MEMFL_HOLD_COLLECT_MS", "3000", 1);  // a rank was once seen to announce after 1 s
+  // Until all four have announced (at most a minute): a fixed 3 s was once
+  // too short under ASan beside other tests.
+  setenv("MEMFL_HOLD_COLLECT_MS", "60000", 1);
   Result m = mpirun(5, cfg + " -q --out " + tmp.file("mpi"));
   unsetenv("MEMFL_HOLD_COLLECT_MS");
   ASSERT_EQ(m.exit_code, 0) << m.output;

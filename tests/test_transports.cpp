@@ -517,8 +517,8 @@ TEST_P(MpiStragglers, AStoppedRankIsExcludedAndTheOthersFinishEveryRound) {
   const MpiStallCase mc = GetParam();
   const std::string cfg = write_config(tmp, "c", "", 1000);
   setenv("MEMFL_FAULT", mc.fault, 1);
-  setenv("MEMFL_FAULT_RANK", "2", 1);  // client 1
-  if (mc.shared_ring) setenv("MEMFL_HOLD_COLLECT_MS", "2000", 1);
+  setenv("MEMFL_FAULT_RANK", "2", 1);                               // client 1
+  if (mc.shared_ring) setenv("MEMFL_HOLD_COLLECT_MS", "60000", 1);  // until all have announced
   Result r = mpirun(kClients + 1, cfg +
                                       " -q --set server_configs.broadcast_timeout_s=2 --set "
                                       "server_configs.upload_timeout_s=3 --set server_configs.mpi_shared_memory=" +

@@ -200,7 +200,7 @@ Status MpiServerTransport::collect(int round, const std::vector<int>& selected, 
   // An update that has begun is cut off only when it stalls — no chunk for
   // upload_timeout_s — not because a stalled one before it used up the time.
   const int timeout = cfg_.server.upload_deadline_s();
-  if (collect_hold_.count() > 0) std::this_thread::sleep_for(collect_hold_);  // before the deadline starts
+  if (collect_hold_.count() > 0) hold_until_announced(selected);  // before the deadline starts
   const auto deadline = Clock::now() + std::chrono::seconds(timeout);
   // Upload time runs from the first update's first message to the last
   // byte folded, as for gRPC (the clients' training is not in it).
@@ -291,6 +291,31 @@ Status MpiServerTransport::collect(int round, const std::vector<int>& selected, 
   }
   out->upload_seconds = t_up ? since(*t_up) : 0.0;
   return Status::Ok();
+}
+
+// The tests' hold: until every rank still in this round has announced its
+// next update, or collect_hold_ has passed (a rank that stalled before
+// announcing never will). Waiting for the announcements, not a fixed time,
+// is what makes the batch the tests assert certain: under ASan beside other
+// tests a rank was seen to announce more than 3 s after the broadcast.
+void MpiServerTransport::hold_until_announced(const std::vector<int>& selected) {
+  const int k = cfg_.server.clients_per_rank;
+  const auto until = Clock::now() + collect_hold_;
+  while (Clock::now() < until) {
+    bool all = true;
+    for (int c : selected) {
+      const int r = rank_of_client(c, k);
+      if (excluded_[static_cast<size_t>(r)]) continue;
+      int announced = 0;
+      MPI_Iprobe(r, kTagUpdateMeta, MPI_COMM_WORLD, &announced, MPI_STATUS_IGNORE);
+      if (!announced) {
+        all = false;
+        break;
+      }
+    }
+    if (all) return;
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
 }
 
 bool MpiServerTransport::send_model_to(int r, int round, int local_steps, const Arena& global) {

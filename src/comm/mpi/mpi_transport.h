@@ -242,8 +242,9 @@ class MpiServerTransport final : public ServerTransport {
   // The most updates received together in one batch so far (summary.json:
   // updates_received_together).
   size_t most_received_together() const { return most_together_; }
-  // For the tests: the upload waits this long before it looks for updates,
-  // so that every rank has announced its own (MEMFL_HOLD_COLLECT_MS).
+  // For the tests: before it looks for updates, the upload waits until
+  // every rank still in the round has announced its own, for `hold` at
+  // most (MEMFL_HOLD_COLLECT_MS), so that the updates are received together.
   void set_collect_hold(std::chrono::milliseconds hold) { collect_hold_ = hold; }
   // Asynchronous FL (one client per rank): a rank gets the model as it is
   // when its previous update was applied (FedCompass: when its group was),
@@ -255,6 +256,7 @@ class MpiServerTransport final : public ServerTransport {
 
  private:
   void exclude(int rank, int round, const std::string& why);
+  void hold_until_announced(const std::vector<int>& selected);
   bool send_model_to(int rank, int round, int local_steps, const Arena& global);
   const ExperimentConfig& cfg_;
   const Layout& layout_;
