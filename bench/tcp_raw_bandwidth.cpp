@@ -44,6 +44,7 @@
 #include <vector>
 
 #include "ceiling_fold.h"
+#include "huge_buffer.h"
 
 namespace {
 
@@ -181,7 +182,7 @@ int main(int argc, char** argv) {
     const int s = ::socket(family, SOCK_STREAM, 0);
     if (::connect(s, reinterpret_cast<sockaddr*>(&addr), alen) != 0) die("connect");
     if (widen) widen_unix_buffers(s);
-    std::vector<char> model(bytes, static_cast<char>(c + 1));
+    HugeBuffer model(bytes, c + 1);
     char go = 0;
     for (int r = 0; r < reps; ++r) {
       for (size_t off = 0; off < bytes; off += chunk) {
@@ -202,10 +203,10 @@ int main(int argc, char** argv) {
     if (fd < 0) die("accept");
     fds.push_back(fd);
   }
-  std::vector<char> global(bytes, 7);
+  HugeBuffer global(bytes, 7);
   // The sum, resident and 32-byte aligned for the streaming stores.
-  auto* sum = static_cast<float*>(std::aligned_alloc(64, with_fold ? bytes : 64));
-  if (with_fold) std::memset(sum, 0, bytes);
+  HugeBuffer sum_buffer(with_fold ? bytes : 64, 0);
+  auto* sum = reinterpret_cast<float*>(sum_buffer.data());
   std::vector<double> down, up;
   for (int r = 0; r < reps; ++r) {
     auto t0 = Clock::now();
@@ -252,7 +253,6 @@ int main(int argc, char** argv) {
     down.push_back(static_cast<double>(bytes) * clients / ds / 1e9);
     up.push_back(static_cast<double>(bytes) * clients / us / 1e9);
   }
-  std::free(sum);
   for (int fd : fds) ::close(fd);
   while (::wait(nullptr) > 0) {
   }
