@@ -78,6 +78,7 @@ bench: build
 	  --json $(BUILD)/bench_dp_sharded_1rank.json
 	./$(BUILD)/memfl bench dp --model llama-dp-tiny --seq 64,128 --batch 2 --optimizer adam --gpus 2 \
 	  --json $(BUILD)/bench_dp_sharded_2ranks.json
+	bash bench/sharded_dp_noise.sh $(BUILD) > $(BUILD)/bench_sharded_dp_noise.json
 	@echo "wrote $(BUILD)/bench.json (aggregation micro-benchmarks), $(BUILD)/bench_memory.json (in-process peak RSS vs model size and clients), $(BUILD)/bench_transfer.json (gRPC sweep)"
 
 # What memfl saves, in one command: ResNet18 on synthetic CIFAR-10, server +

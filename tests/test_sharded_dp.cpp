@@ -535,7 +535,8 @@ TEST(ShardedDp, AFederatedClientShardedOverRanksTrainsAsAnUnshardedOne) {
   // and the noisy steps carry it further than the quiet ones: 9.4e-6 on an
   // AMD EPYC (below 1e-6 on the Xeon this was first run on). Another draw of
   // the noise moves the model by 0.1 (1 rank against 2) to 0.39 (another
-  // seed): 1e-4 tells the two apart with room on both sides.
+  // seed): 1e-4 tells the two apart with room on both sides
+  // (bench/sharded_dp_noise.sh measures all four).
   EXPECT_LE(max_model_difference(tmp.file("n2/global_model.safetensors"), tmp.file("n3/global_model.safetensors")),
             1e-4);
   // …and the noise is there: the noisy model is not the quiet one.
