@@ -44,20 +44,20 @@
 
 #include "ceiling_copy.h"
 #include "ceiling_fold.h"
+#include "huge_buffer.h"
 
 namespace {
 
 using Clock = std::chrono::steady_clock;
 
 struct Buffer {
-  explicit Buffer(size_t n) : bytes(n), p(static_cast<char*>(std::aligned_alloc(64, n))) {
-    // Resident, as a model arena is after its first round; 0x3f bytes are
-    // the float 0.747 (bytes of 1 would be denormals, which fold at a
-    // fraction of the speed and would measure the FPU, not the memory).
-    std::memset(p, 0x3f, n);
-  }
-  ~Buffer() { std::free(p); }
+  // Resident and huge-page advised, as a model arena is after its first
+  // round (bench/huge_buffer.h); 0x3f bytes are the float 0.747 (bytes of 1
+  // would be denormals, which fold at a fraction of the speed and would
+  // measure the FPU, not the memory).
+  explicit Buffer(size_t n) : bytes(n), mem(n, 0x3f), p(mem.data()) {}
   size_t bytes;
+  HugeBuffer mem;
   char* p;
 };
 

@@ -63,12 +63,16 @@ using Clock = std::chrono::steady_clock;
   std::exit(1);
 }
 
-// A resident buffer of 0.747f (bytes of 1 would be denormals).
+// A resident buffer of 0.747f (bytes of 1 would be denormals), advised to
+// use huge pages as memfl's arenas are (bench/huge_buffer.h).
 char* private_buffer(size_t n) {
-  auto* p = static_cast<char*>(std::aligned_alloc(64, n));
-  if (p == nullptr) fail("out of memory");
+  void* p = mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED) fail("out of memory");
+#ifdef MADV_HUGEPAGE
+  (void)madvise(p, n, MADV_HUGEPAGE);
+#endif
   std::memset(p, 0x3f, n);
-  return p;
+  return static_cast<char*>(p);
 }
 
 // A resident shared-memory file of n bytes and a mapping of it.
