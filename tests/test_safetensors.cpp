@@ -1,4 +1,9 @@
 #include <gtest/gtest.h>
+#include <fcntl.h>
+#include <linux/magic.h>
+#include <sys/mman.h>
+#include <sys/vfs.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstdlib>
@@ -71,6 +76,38 @@ TEST(Safetensors, RoundTripsEveryDtypeAndMetadata) {
   const std::string raw = read_all(tmp.file("m.safetensors"));
   EXPECT_EQ((8 + header_of(raw).size()) % 8, 0u);
   EXPECT_NE(header_of(raw).find("\"dtype\":\"BF16\""), std::string::npos);
+}
+
+// A written model file leaves the page cache once it is synced: a server
+// writes one the size of the model every round, and a cached one would fill
+// memory until the kernel reclaimed it during the next round. Counted with
+// mincore() over a mapping of the file (what the kernel holds in memory),
+// not by the writer.
+TEST(Safetensors, AWrittenModelFileIsNotLeftInThePageCache) {
+  TempDir tmp;
+  struct statfs fs {};
+  ASSERT_EQ(::statfs(tmp.path.c_str(), &fs), 0);
+  if (fs.f_type == TMPFS_MAGIC) GTEST_SKIP() << "tmpfs: its pages are the file, they cannot leave memory";
+  LayoutBuilder b;
+  b.add("w", DType::kF32, {16 << 20});  // 64 MiB
+  const Layout l = std::move(b).build().value();
+  Arena a(l.total_bytes(), MemoryCategory::kModel);
+  testing::fill_random(l, a, 3);
+  const std::string path = tmp.file("m.safetensors");
+  ASSERT_TRUE(write_safetensors(path, l, a).ok());
+  const int fd = ::open(path.c_str(), O_RDONLY);
+  ASSERT_GE(fd, 0);
+  const size_t size = std::filesystem::file_size(path);
+  void* map = ::mmap(nullptr, size, PROT_READ, MAP_SHARED, fd, 0);
+  ::close(fd);
+  ASSERT_NE(map, MAP_FAILED);
+  const size_t page = static_cast<size_t>(::sysconf(_SC_PAGESIZE));
+  std::vector<unsigned char> resident((size + page - 1) / page);
+  ASSERT_EQ(::mincore(map, size, resident.data()), 0);
+  ::munmap(map, size);
+  const auto cached = std::count_if(resident.begin(), resident.end(), [](unsigned char r) { return (r & 1) != 0; });
+  // Written and synced but kept, all 16 384 pages would be cached.
+  EXPECT_LT(cached, static_cast<long>(resident.size() / 10)) << cached << " of " << resident.size() << " pages cached";
 }
 
 TEST(Safetensors, RejectsTruncatedFile) {
