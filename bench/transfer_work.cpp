@@ -53,6 +53,7 @@
 
 #include "ceiling_copy.h"
 #include "ceiling_fold.h"
+#include "huge_buffer.h"
 
 namespace {
 
@@ -64,16 +65,8 @@ using Clock = std::chrono::steady_clock;
 }
 
 // A resident buffer of 0.747f (bytes of 1 would be denormals), advised to
-// use huge pages as memfl's arenas are (bench/huge_buffer.h).
-char* private_buffer(size_t n) {
-  void* p = mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  if (p == MAP_FAILED) fail("out of memory");
-#ifdef MADV_HUGEPAGE
-  (void)madvise(p, n, MADV_HUGEPAGE);
-#endif
-  std::memset(p, 0x3f, n);
-  return static_cast<char*>(p);
-}
+// use huge pages as memfl's arenas are; it lives until the process ends.
+char* private_buffer(size_t n) { return (new HugeBuffer(n, 0x3f))->data(); }
 
 // A resident shared-memory file of n bytes and a mapping of it.
 char* shared_buffer(size_t n) {

@@ -200,11 +200,6 @@ Status MpiServerTransport::collect(int round, const std::vector<int>& selected, 
   // An update that has begun is cut off only when it stalls — no chunk for
   // upload_timeout_s — not because a stalled one before it used up the time.
   const int timeout = cfg_.server.upload_deadline_s();
-  if (collect_hold_.count() > 0) hold_until_announced(selected);  // before the deadline starts
-  const auto deadline = Clock::now() + std::chrono::seconds(timeout);
-  // Upload time runs from the first update's first message to the last
-  // byte folded, as for gRPC (the clients' training is not in it).
-  std::optional<Clock::time_point> t_up;
   std::vector<bool> done(static_cast<size_t>(cfg_.server.num_clients), false);
   // A rank's clients send in client order, so its next update is the first
   // of its clients not yet received.
@@ -218,6 +213,11 @@ Status MpiServerTransport::collect(int round, const std::vector<int>& selected, 
     }
     return ranks;
   };
+  if (collect_hold_.count() > 0) hold_until_announced(waiting_ranks());  // before the deadline starts
+  const auto deadline = Clock::now() + std::chrono::seconds(timeout);
+  // Upload time runs from the first update's first message to the last
+  // byte folded, as for gRPC (the clients' training is not in it).
+  std::optional<Clock::time_point> t_up;
   while (true) {
     const std::vector<int> waiting = waiting_ranks();
     if (waiting.empty()) break;
@@ -293,27 +293,19 @@ Status MpiServerTransport::collect(int round, const std::vector<int>& selected, 
   return Status::Ok();
 }
 
-// The tests' hold: until every rank still in this round has announced its
-// next update, or collect_hold_ has passed (a rank that stalled before
+// The tests' hold: until every rank of `ranks` (those still in this round)
+// has announced its next update, or collect_hold_ has passed (a rank that stalled before
 // announcing never will). Waiting for the announcements, not a fixed time,
 // is what makes the batch the tests assert certain: under ASan beside other
 // tests a rank was seen to announce more than 3 s after the broadcast.
-void MpiServerTransport::hold_until_announced(const std::vector<int>& selected) {
-  const int k = cfg_.server.clients_per_rank;
+void MpiServerTransport::hold_until_announced(const std::vector<int>& ranks) {
+  auto announced = [](int r) {
+    int flag = 0;
+    MPI_Iprobe(r, kTagUpdateMeta, MPI_COMM_WORLD, &flag, MPI_STATUS_IGNORE);
+    return flag != 0;
+  };
   const auto until = Clock::now() + collect_hold_;
-  while (Clock::now() < until) {
-    bool all = true;
-    for (int c : selected) {
-      const int r = rank_of_client(c, k);
-      if (excluded_[static_cast<size_t>(r)]) continue;
-      int announced = 0;
-      MPI_Iprobe(r, kTagUpdateMeta, MPI_COMM_WORLD, &announced, MPI_STATUS_IGNORE);
-      if (!announced) {
-        all = false;
-        break;
-      }
-    }
-    if (all) return;
+  while (Clock::now() < until && !std::all_of(ranks.begin(), ranks.end(), announced)) {
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
   }
 }

@@ -256,7 +256,7 @@ class MpiServerTransport final : public ServerTransport {
 
  private:
   void exclude(int rank, int round, const std::string& why);
-  void hold_until_announced(const std::vector<int>& selected);
+  void hold_until_announced(const std::vector<int>& ranks);
   bool send_model_to(int rank, int round, int local_steps, const Arena& global);
   const ExperimentConfig& cfg_;
   const Layout& layout_;
