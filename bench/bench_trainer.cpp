@@ -7,6 +7,13 @@
 //
 //   build/memfl_bench_trainer [REPS] [THREADS]
 //
+// The pairs run in ABBA order (bare first in even pairs, memfl first in odd
+// ones), so a machine that speeds up or slows down during the run favours
+// neither. Each run also counts the process's CPU time (ru_utime + ru_stime,
+// every thread): on a VM whose vCPUs are sometimes not both running, wall
+// time swings with the host while CPU time per image follows the work, so
+// the CPU-time ratio tells the two apart.
+//
 // The bare loop: batches built from the uint8 samples (normalised as memfl
 // does), forward, mean cross-entropy, backward, optimizer step. memfl's:
 // ModelReplica::train on the same indices (step mode) — what a client does
@@ -43,6 +50,13 @@ int64_t minflt() {
   rusage u{};
   getrusage(RUSAGE_SELF, &u);
   return u.ru_minflt;
+}
+
+double cpu_seconds() {
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  auto sec = [](const timeval& t) { return static_cast<double>(t.tv_sec) + static_cast<double>(t.tv_usec) * 1e-6; };
+  return sec(u.ru_utime) + sec(u.ru_stime);
 }
 
 void batch_of(const ImageDataset& d, const std::vector<uint32_t>& idx, size_t b, size_t n, bool tokens,
@@ -124,12 +138,13 @@ int main(int argc, char** argv) {
       return 1;
     }
     (*bare)->train();
-    std::vector<double> bare_ips, memfl_ips;
+    std::vector<double> bare_ips, memfl_ips, bare_cpu, memfl_cpu;
     std::vector<int64_t> bare_flt, memfl_flt;
     const double images = static_cast<double>(steps * bs);
     for (int r = 0; r < reps; ++r) {
-      {  // bare libtorch
+      auto run_bare = [&] {
         const int64_t f0 = minflt();
+        const double c0 = cpu_seconds();
         const auto t0 = std::chrono::steady_clock::now();
         auto opt = optimizer(tc.optim, (*bare)->parameters());
         torch::Tensor x, y;
@@ -143,19 +158,30 @@ int main(int argc, char** argv) {
         }
         const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
         bare_ips.push_back(images / s);
+        bare_cpu.push_back(images / (cpu_seconds() - c0));
         bare_flt.push_back(minflt() - f0);
-      }
-      {  // memfl's trainer
+      };
+      auto run_memfl = [&]() -> bool {
         const int64_t f0 = minflt();
+        const double c0 = cpu_seconds();
         const auto t0 = std::chrono::steady_clock::now();
         auto res = (*replica)->train(data->train, idx, {}, tc, 7 + static_cast<uint64_t>(r));
         const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
         if (!res.ok()) {
           fmt::print(stderr, "{}\n", res.status().to_string());
-          return 1;
+          return false;
         }
         memfl_ips.push_back(images / s);
+        memfl_cpu.push_back(images / (cpu_seconds() - c0));
         memfl_flt.push_back(minflt() - f0);
+        return true;
+      };
+      if (r % 2 == 0) {
+        run_bare();
+        if (!run_memfl()) return 1;
+      } else {
+        if (!run_memfl()) return 1;
+        run_bare();
       }
     }
     auto stats = [](std::vector<double> v) {
@@ -167,16 +193,22 @@ int main(int argc, char** argv) {
       std::sort(v.begin(), v.end());
       return v[v.size() / 2];
     };
-    std::vector<double> ratio;
-    for (int r = 0; r < reps; ++r)
-      ratio.push_back(memfl_ips[static_cast<size_t>(r)] / bare_ips[static_cast<size_t>(r)]);
-    std::sort(ratio.begin(), ratio.end());
+    // Per pair, memfl's rate over the bare loop's; min, median, max of them.
+    auto ratios = [reps](const std::vector<double>& m, const std::vector<double>& b) {
+      std::vector<double> q;
+      for (int r = 0; r < reps; ++r) q.push_back(m[static_cast<size_t>(r)] / b[static_cast<size_t>(r)]);
+      std::sort(q.begin(), q.end());
+      return fmt::format("{{\"min\": {:.3f}, \"median\": {:.3f}, \"max\": {:.3f}}}", q.front(), q[q.size() / 2],
+                         q.back());
+    };
     fmt::print(
-        "{{\"model\": \"{}\", \"batch\": {}, \"steps\": {}, \"threads\": {}, \"reps\": {}, \"optimizer\": \"{}\", "
-        "\"bare_images_per_s\": {}, \"memfl_images_per_s\": {}, \"memfl_over_bare\": {{\"min\": {:.3f}, \"median\": "
-        "{:.3f}, \"max\": {:.3f}}}, \"bare_minflt_median\": {}, \"memfl_minflt_median\": {}}}\n",
-        c.name, bs, steps, threads, reps, tc.optim.optim, stats(bare_ips), stats(memfl_ips), ratio.front(),
-        ratio[ratio.size() / 2], ratio.back(), median_flt(bare_flt), median_flt(memfl_flt));
+        "{{\"model\": \"{}\", \"batch\": {}, \"steps\": {}, \"threads\": {}, \"reps\": {}, \"order\": \"ABBA\", "
+        "\"optimizer\": \"{}\", \"bare_images_per_s\": {}, \"memfl_images_per_s\": {}, \"memfl_over_bare\": {}, "
+        "\"bare_images_per_cpu_s\": {}, \"memfl_images_per_cpu_s\": {}, \"memfl_over_bare_cpu\": {}, "
+        "\"bare_minflt_median\": {}, \"memfl_minflt_median\": {}}}\n",
+        c.name, bs, steps, threads, reps, tc.optim.optim, stats(bare_ips), stats(memfl_ips),
+        ratios(memfl_ips, bare_ips), stats(bare_cpu), stats(memfl_cpu), ratios(memfl_cpu, bare_cpu),
+        median_flt(bare_flt), median_flt(memfl_flt));
     std::fflush(stdout);
   }
   return 0;

@@ -5,7 +5,9 @@
 # test images evaluated every round) trained and evaluated by bare libtorch
 # loops on WORKERS threads × THREADS intra-op threads. Then `memfl run` of the
 # same experiment with parallel_clients=WORKERS and num_threads=THREADS. One
-# JSON line per run; memfl's carries its ratio to the floor run just before.
+# JSON line per run; memfl's carries its ratio to its repetition's floor.
+# Repetitions alternate the order (floor first in odd ones, memfl first in
+# even ones), so a machine that drifts during the hour favours neither.
 # Usage: bench/sim_floor.sh [BUILD_DIR] [ROUNDS] [WORKERS] [THREADS] [REPS]
 set -euo pipefail
 BUILD=${1:-build}
@@ -15,14 +17,25 @@ THREADS=${4:-1}
 REPS=${5:-2}
 OUT=$(mktemp -d /tmp/memfl_simfloor_XXXXXX)
 trap 'rm -rf "$OUT"' EXIT
-for rep in $(seq 1 "$REPS"); do
+run_floor() {
   floor=$("$BUILD/memfl_bench_sim_floor" "$ROUNDS" 10 "$WORKERS" "$THREADS" 100)
   echo "$floor"
   floor_s=$(echo "$floor" | grep -o '"wall_seconds": [0-9.]*' | grep -o '[0-9.]*$')
+}
+run_memfl() {
   rm -rf "$OUT/run"
   "$BUILD/memfl" run -q --out "$OUT/run" --set server_configs.num_clients=100 --set server_configs.clients_per_round=10 \
     --set server_configs.num_global_epochs="$ROUNDS" --set server_configs.parallel_clients="$WORKERS" \
     --set client_configs.train_configs.num_threads="$THREADS" >/dev/null
+}
+for rep in $(seq 1 "$REPS"); do
+  if [ $((rep % 2)) = 1 ]; then
+    run_floor
+    run_memfl
+  else
+    run_memfl
+    run_floor
+  fi
   # memfl's wall from its summary (data loading included; the floor's excludes it).
   wall=$(grep -o '"wall_seconds": [0-9.]*' "$OUT/run/summary.json" | grep -o '[0-9.]*$')
   rounds_s=$(awk -F, 'NR>1 {s+=$10} END {printf "%.3f", s}' "$OUT/run/metrics.csv")

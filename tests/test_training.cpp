@@ -1,6 +1,7 @@
 // End-to-end: the CLI, the dlopen'd libtorch plugin, real Fashion-MNIST.
 #include <gtest/gtest.h>
 
+#include <dlfcn.h>
 #include <sys/wait.h>
 
 #include <algorithm>
@@ -126,6 +127,34 @@ TEST_F(Plugin, KnowsTheModelsTheConfigAccepts) {
   auto r = backend->create_replica(m, {}, "cpu", 1);
   ASSERT_FALSE(r.ok());
   EXPECT_NE(r.status().message().find("known models: CNN, MLP, ResNet18"), std::string::npos);
+}
+
+// Debian's libtorch calls OpenBLAS (scripts/install-deps.sh installs
+// libopenblas0-pthread), whose own pool of one thread per core contends with
+// libtorch's intra-op threads; memfl runs each BLAS call on one thread unless
+// the user set OPENBLAS_NUM_THREADS. The counts come from OpenBLAS itself.
+TEST_F(Plugin, OpenBlasRunsOneThreadPerCallUnlessTheUserSetsIt) {
+  void* blas = dlopen("libblas.so.3", RTLD_LAZY | RTLD_NOLOAD);
+  ASSERT_NE(blas, nullptr) << "libtorch's BLAS is not loaded";
+  using Get = int (*)();
+  using Set = void (*)(int);
+  auto get = reinterpret_cast<Get>(dlsym(blas, "openblas_get_num_threads"));
+  auto set = reinterpret_cast<Set>(dlsym(blas, "openblas_set_num_threads"));
+  ASSERT_TRUE(get != nullptr && set != nullptr)
+      << "libblas.so.3 is not OpenBLAS: scripts/install-deps.sh installs libopenblas0-pthread";
+  set(2);  // as OpenBLAS starts on a 2-core machine
+  ASSERT_EQ(get(), 2);
+  backend->set_num_threads(2);
+  EXPECT_EQ(get(), 1);
+  // The user's choice stands.
+  set(2);
+  ASSERT_EQ(setenv("OPENBLAS_NUM_THREADS", "2", 1), 0);
+  backend->set_num_threads(2);
+  EXPECT_EQ(get(), 2);
+  ASSERT_EQ(unsetenv("OPENBLAS_NUM_THREADS"), 0);
+  backend->set_num_threads(1);
+  EXPECT_EQ(get(), 1);
+  dlclose(blas);
 }
 
 TEST_F(Plugin, ParametersAreViewsIntoTheArena) {

@@ -16,6 +16,7 @@
 #include <c10/cuda/CUDAStream.h>
 #define MEMFL_HAVE_CUDA_STATS 1
 #endif
+#include <dlfcn.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -632,6 +633,29 @@ torch::Device rank_device(const std::string& device, int local_rank) {
                           : torch::Device(torch::kCPU);
 }
 
+// libtorch's intra-op threads, with each BLAS call single-threaded inside
+// them. Debian's libtorch calls the system BLAS; OpenBLAS's pthread build
+// starts a pool of its own, one thread per core, so with libtorch's pool
+// (whose OpenMP threads spin between regions) or several simulator workers
+// four threads contend for two cores. Measured with memfl_bench_trainer on
+// a 2-core VM (docs/BENCHMARKS.md, "OpenBLAS's threads"): the CNN at 2
+// intra-op threads trained ≈ 1.4× faster with OpenBLAS at 1 thread, and
+// llama-tiny ≈ 1.7×. OPENBLAS_NUM_THREADS, when the user sets it, wins. With
+// another BLAS (the reference one; MKL inside PyTorch's bundled libtorch,
+// which follows torch's setting) there is no such symbol and nothing to do.
+void set_intra_op_threads(int threads) {
+  torch::set_num_threads(threads);
+  if (std::getenv("OPENBLAS_NUM_THREADS") != nullptr) return;
+  // libblas.so.3 came in with libtorch_cpu (Debian's OpenBLAS one depends
+  // on libopenblas.so.0, which dlsym searches too); RTLD_NOLOAD only finds
+  // what is loaded already.
+  void* blas = dlopen("libblas.so.3", RTLD_LAZY | RTLD_NOLOAD);
+  if (blas == nullptr) return;
+  using SetThreads = void (*)(int);
+  if (auto set = reinterpret_cast<SetThreads>(dlsym(blas, "openblas_set_num_threads")); set != nullptr) set(1);
+  dlclose(blas);
+}
+
 int threads_per_rank(const ExperimentConfig& cfg) {
   if (cfg.train.num_threads > 0) return cfg.train.num_threads;
   const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
@@ -668,7 +692,7 @@ class ShardedReplica final : public ModelReplica, public ShardedModelIo {
       r->workers_.push_back(pid);
       r->logs_.push_back(o.log_path);
     }
-    torch::set_num_threads(threads_per_rank(cfg));
+    set_intra_op_threads(threads_per_rank(cfg));
     auto group = sharded::ShardGroup::create(where, r->dev_);
     if (!group.ok()) {
       return Status(group.status().code(),
@@ -837,7 +861,7 @@ Status shard_rank_main() {
   MEMFL_ASSIGN_OR_RETURN(std::string yaml, group->store_get("memfl/config", wait));
   MEMFL_ASSIGN_OR_RETURN(std::string seed_text, group->store_get("memfl/seed", wait));
   MEMFL_ASSIGN_OR_RETURN(ExperimentConfig cfg, load_config_text(yaml, "rank 0's resolved config"));
-  torch::set_num_threads(threads_per_rank(cfg));
+  set_intra_op_threads(threads_per_rank(cfg));
   MEMFL_ASSIGN_OR_RETURN(DatasetSplits data, load_data(cfg));
   MEMFL_ASSIGN_OR_RETURN(InputSpec input, input_spec(cfg, data.train));
   const uint64_t seed = std::stoull(seed_text);
@@ -945,7 +969,7 @@ class TorchBackend final : public TrainerBackend {
     }
   }
 
-  void set_num_threads(int threads) override { torch::set_num_threads(threads); }
+  void set_num_threads(int threads) override { set_intra_op_threads(threads); }
 
   bool gpu_memory(int64_t* allocated, int64_t* reserved, int64_t* peak_allocated) override {
 #ifdef MEMFL_HAVE_CUDA_STATS
