@@ -146,11 +146,13 @@ TEST_F(Plugin, OpenBlasRunsOneThreadPerCallUnlessTheUserSetsIt) {
   ASSERT_EQ(get(), 2);
   backend->set_num_threads(2);
   EXPECT_EQ(get(), 1);
+  EXPECT_EQ(backend->blas_threads_per_call(), 1);
   // The user's choice stands.
   set(2);
   ASSERT_EQ(setenv("OPENBLAS_NUM_THREADS", "2", 1), 0);
   backend->set_num_threads(2);
   EXPECT_EQ(get(), 2);
+  EXPECT_EQ(backend->blas_threads_per_call(), 2);
   ASSERT_EQ(unsetenv("OPENBLAS_NUM_THREADS"), 0);
   backend->set_num_threads(1);
   EXPECT_EQ(get(), 1);
@@ -509,6 +511,7 @@ TEST(Simulation, TwoWorkersGiveTheSameModelAsOne) {
   EXPECT_EQ(summary.value("parallel_clients", 0), 2);
   EXPECT_EQ(summary.value("intra_op_threads", 0), 1);
   EXPECT_GE(summary.value("cores", 0), 1);
+  EXPECT_EQ(summary.value("blas_threads_per_call", 0), 1);  // OpenBLAS, one thread under each worker
 }
 
 }  // namespace

@@ -447,6 +447,11 @@ StatusOr<SimulationResult> run_simulation(const ExperimentConfig& cfg, const Sim
   summary["parallel_clients"] = k_workers;
   summary["intra_op_threads"] = intra_op_threads;  // per worker: workers × threads is what the cores run
   summary["cores"] = cores;
+  if (!synthetic) {
+    // 1 unless the user set OPENBLAS_NUM_THREADS; 0: not OpenBLAS.
+    MEMFL_ASSIGN_OR_RETURN(TrainerBackend * backend, load_trainer_backend());
+    summary["blas_threads_per_call"] = backend->blas_threads_per_call();
+  }
   // The stated bound (docs/ARCHITECTURE.md): global + FedAvg sum + one worker
   // replica + its gradients + optimizer state, in model sizes M, whatever the
   // number of clients. Activations come on top and scale with the batch.

@@ -643,17 +643,27 @@ torch::Device rank_device(const std::string& device, int local_rank) {
 // llama-tiny ≈ 1.7×. OPENBLAS_NUM_THREADS, when the user sets it, wins. With
 // another BLAS (the reference one; MKL inside PyTorch's bundled libtorch,
 // which follows torch's setting) there is no such symbol and nothing to do.
+// OpenBLAS's entry point `name`, or nullptr. libblas.so.3 came in with
+// libtorch_cpu (Debian's OpenBLAS one depends on libopenblas.so.0, which
+// dlsym searches too); RTLD_NOLOAD only finds what is loaded already, and the
+// handle's reference is dropped at once since libtorch keeps it loaded.
+void* openblas_symbol(const char* name) {
+  void* blas = dlopen("libblas.so.3", RTLD_LAZY | RTLD_NOLOAD);
+  if (blas == nullptr) return nullptr;
+  void* sym = dlsym(blas, name);
+  dlclose(blas);
+  return sym;
+}
+
 void set_intra_op_threads(int threads) {
   torch::set_num_threads(threads);
   if (std::getenv("OPENBLAS_NUM_THREADS") != nullptr) return;
-  // libblas.so.3 came in with libtorch_cpu (Debian's OpenBLAS one depends
-  // on libopenblas.so.0, which dlsym searches too); RTLD_NOLOAD only finds
-  // what is loaded already.
-  void* blas = dlopen("libblas.so.3", RTLD_LAZY | RTLD_NOLOAD);
-  if (blas == nullptr) return;
-  using SetThreads = void (*)(int);
-  if (auto set = reinterpret_cast<SetThreads>(dlsym(blas, "openblas_set_num_threads")); set != nullptr) set(1);
-  dlclose(blas);
+  if (auto set = reinterpret_cast<void (*)(int)>(openblas_symbol("openblas_set_num_threads")); set != nullptr) set(1);
+}
+
+int openblas_threads() {
+  auto get = reinterpret_cast<int (*)()>(openblas_symbol("openblas_get_num_threads"));
+  return get != nullptr ? get() : 0;
 }
 
 int threads_per_rank(const ExperimentConfig& cfg) {
@@ -970,6 +980,7 @@ class TorchBackend final : public TrainerBackend {
   }
 
   void set_num_threads(int threads) override { set_intra_op_threads(threads); }
+  int blas_threads_per_call() const override { return openblas_threads(); }
 
   bool gpu_memory(int64_t* allocated, int64_t* reserved, int64_t* peak_allocated) override {
 #ifdef MEMFL_HAVE_CUDA_STATS

@@ -100,7 +100,12 @@ class TrainerBackend {
   // Builds the model (seeded init) with its tensors moved into an arena.
   virtual StatusOr<std::unique_ptr<ModelReplica>> create_replica(const ModelConfig& model, const InputSpec& input,
                                                                  const std::string& device, uint64_t seed) = 0;
+  // libtorch's intra-op threads; each BLAS call then runs on one thread
+  // unless OPENBLAS_NUM_THREADS says otherwise (torch_trainer.cpp).
   virtual void set_num_threads(int threads) = 0;
+  // The threads OpenBLAS gives each call now; 0 when the BLAS is not
+  // OpenBLAS (it then has no pool of its own to report).
+  virtual int blas_threads_per_call() const = 0;
   virtual std::string version() const = 0;
   // The CUDA caching allocator's bytes on device 0 (allocated now, reserved
   // now, peak allocated); false on a CPU build or without a GPU.
