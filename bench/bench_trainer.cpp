@@ -5,7 +5,10 @@
 // images/s (min, median, max over the runs) and the page faults
 // (ru_minflt) each took, so a malloc regression shows.
 //
-//   build/memfl_bench_trainer [REPS] [THREADS]
+//   build/memfl_bench_trainer [REPS] [THREADS] [MODELS]
+//
+// MODELS: a comma-separated subset of CNN, ResNet18, llama-tiny (all three
+// unless given), for many short pairs of one model.
 //
 // The pairs run in ABBA order (bare first in even pairs, memfl first in odd
 // ones), so a machine that speeds up or slows down during the run favours
@@ -110,7 +113,9 @@ int main(int argc, char** argv) {
     return 1;
   }
   (*backend)->set_num_threads(threads);
+  const std::string only = argc > 3 ? "," + std::string(argv[3]) + "," : "";
   for (const auto& c : cases) {
+    if (!only.empty() && only.find("," + c.name + ",") == std::string::npos) continue;
     std::vector<std::string> sets = c.sets;
     sets.push_back("client_configs.train_configs.mode=step");
     sets.push_back("client_configs.train_configs.do_validation=false");
