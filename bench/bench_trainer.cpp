@@ -13,9 +13,9 @@
 // The pairs run in ABBA order (bare first in even pairs, memfl first in odd
 // ones), so a machine that speeds up or slows down during the run favours
 // neither. Each run also counts the process's CPU time (ru_utime + ru_stime,
-// every thread): on a VM whose vCPUs are sometimes not both running, wall
-// time swings with the host while CPU time per image follows the work, so
-// the CPU-time ratio tells the two apart.
+// every thread), so a run whose threads sat idle would show beside one that
+// was slow on busy cores (on the 2-core VM it stayed at 2 × wall: libtorch's
+// OpenMP threads spin).
 //
 // The bare loop: batches built from the uint8 samples (normalised as memfl
 // does), forward, mean cross-entropy, backward, optimizer step. memfl's:
@@ -114,8 +114,13 @@ int main(int argc, char** argv) {
   }
   (*backend)->set_num_threads(threads);
   const std::string only = argc > 3 ? "," + std::string(argv[3]) + "," : "";
+  auto picked = [&only](const Case& c) { return only.empty() || only.find("," + c.name + ",") != std::string::npos; };
+  if (std::none_of(cases.begin(), cases.end(), picked)) {
+    fmt::print(stderr, "MODELS '{}' names none of CNN, ResNet18, llama-tiny\n", argv[3]);
+    return 2;
+  }
   for (const auto& c : cases) {
-    if (!only.empty() && only.find("," + c.name + ",") == std::string::npos) continue;
+    if (!picked(c)) continue;
     std::vector<std::string> sets = c.sets;
     sets.push_back("client_configs.train_configs.mode=step");
     sets.push_back("client_configs.train_configs.do_validation=false");
@@ -189,22 +194,21 @@ int main(int argc, char** argv) {
         run_bare();
       }
     }
-    auto stats = [](std::vector<double> v) {
+    auto spread = [](std::vector<double> v, int digits) {
       std::sort(v.begin(), v.end());
-      return fmt::format("{{\"min\": {:.1f}, \"median\": {:.1f}, \"max\": {:.1f}}}", v.front(), v[v.size() / 2],
-                         v.back());
+      return fmt::format("{{\"min\": {:.{}f}, \"median\": {:.{}f}, \"max\": {:.{}f}}}", v.front(), digits,
+                         v[v.size() / 2], digits, v.back(), digits);
     };
+    auto stats = [&spread](const std::vector<double>& v) { return spread(v, 1); };
     auto median_flt = [](std::vector<int64_t> v) {
       std::sort(v.begin(), v.end());
       return v[v.size() / 2];
     };
     // Per pair, memfl's rate over the bare loop's; min, median, max of them.
-    auto ratios = [reps](const std::vector<double>& m, const std::vector<double>& b) {
+    auto ratios = [reps, &spread](const std::vector<double>& m, const std::vector<double>& b) {
       std::vector<double> q;
       for (int r = 0; r < reps; ++r) q.push_back(m[static_cast<size_t>(r)] / b[static_cast<size_t>(r)]);
-      std::sort(q.begin(), q.end());
-      return fmt::format("{{\"min\": {:.3f}, \"median\": {:.3f}, \"max\": {:.3f}}}", q.front(), q[q.size() / 2],
-                         q.back());
+      return spread(std::move(q), 3);
     };
     fmt::print(
         "{{\"model\": \"{}\", \"batch\": {}, \"steps\": {}, \"threads\": {}, \"reps\": {}, \"order\": \"ABBA\", "

@@ -633,16 +633,6 @@ torch::Device rank_device(const std::string& device, int local_rank) {
                           : torch::Device(torch::kCPU);
 }
 
-// libtorch's intra-op threads, with each BLAS call single-threaded inside
-// them. Debian's libtorch calls the system BLAS; OpenBLAS's pthread build
-// starts a pool of its own, one thread per core, so with libtorch's pool
-// (whose OpenMP threads spin between regions) or several simulator workers
-// four threads contend for two cores. Measured with memfl_bench_trainer on
-// a 2-core VM (docs/BENCHMARKS.md, "OpenBLAS's threads"): the CNN at 2
-// intra-op threads trained ≈ 1.4× faster with OpenBLAS at 1 thread, and
-// llama-tiny ≈ 1.7×. OPENBLAS_NUM_THREADS, when the user sets it, wins. With
-// another BLAS (the reference one; MKL inside PyTorch's bundled libtorch,
-// which follows torch's setting) there is no such symbol and nothing to do.
 // OpenBLAS's entry point `name`, or nullptr. libblas.so.3 came in with
 // libtorch_cpu (Debian's OpenBLAS one depends on libopenblas.so.0, which
 // dlsym searches too); RTLD_NOLOAD only finds what is loaded already, and the
@@ -655,6 +645,17 @@ void* openblas_symbol(const char* name) {
   return sym;
 }
 
+// libtorch's intra-op threads, with each BLAS call single-threaded inside
+// them. Debian's libtorch calls the system BLAS; OpenBLAS's pthread build
+// starts a pool of its own, one thread per core, so with libtorch's pool
+// (whose OpenMP threads spin between regions) or several simulator workers
+// four threads contend for two cores. Measured on a 2-core VM
+// (bench/blas_threads_ab.sh; docs/BENCHMARKS.md, "OpenBLAS's threads"): at 2
+// intra-op threads the CNN trained 1.9–2.1× faster with one BLAS thread per
+// call, and llama-tiny 2.9–3.3×. OPENBLAS_NUM_THREADS, when the user sets it,
+// wins. With another BLAS (the reference one; MKL inside PyTorch's bundled
+// libtorch, which follows torch's setting) there is no such symbol and
+// nothing to do.
 void set_intra_op_threads(int threads) {
   torch::set_num_threads(threads);
   if (std::getenv("OPENBLAS_NUM_THREADS") != nullptr) return;
