@@ -17,6 +17,11 @@
 // was slow on busy cores (on the 2-core VM it stayed at 2 × wall: libtorch's
 // OpenMP threads spin).
 //
+// Both loops run under the malloc policy of memfl's training roles
+// (memory/malloc_policy.h: the heap is kept between batches);
+// MEMFL_MALLOC_POLICY=glibc runs them under glibc's defaults instead, for
+// the A/B. The JSON says which ("malloc_policy").
+//
 // The bare loop: batches built from the uint8 samples (normalised as memfl
 // does), forward, mean cross-entropy, backward, optimizer step. memfl's:
 // ModelReplica::train on the same indices (step mode) — what a client does
@@ -35,6 +40,7 @@
 
 #include "client/client_work.h"
 #include "config/config.h"
+#include "memory/malloc_policy.h"
 #include "model/llama.h"
 #include "train/torch_models.h"
 #include "train/trainer_backend.h"
@@ -100,6 +106,7 @@ int main(int argc, char** argv) {
   const int reps = argc > 1 ? std::atoi(argv[1]) : 5;
   const int threads = argc > 2 ? std::atoi(argv[2]) : 2;
   const std::string src = MEMFL_SOURCE_DIR;
+  memfl::tune_malloc_for_training();
   const std::vector<Case> cases = {
       {"CNN", src + "/configs/fedavg_fmnist_cnn.yaml", {"client_configs.train_configs.num_local_steps=100"}},
       {"ResNet18",
@@ -152,14 +159,24 @@ int main(int argc, char** argv) {
     std::vector<int64_t> bare_flt, memfl_flt;
     const double images = static_cast<double>(steps * bs);
     for (int r = 0; r < reps; ++r) {
+      const uint64_t seed = 7 + static_cast<uint64_t>(r);
       auto run_bare = [&] {
         const int64_t f0 = minflt();
         const double c0 = cpu_seconds();
         const auto t0 = std::chrono::steady_clock::now();
         auto opt = optimizer(tc.optim, (*bare)->parameters());
+        // The samples in a shuffled order when the config shuffles, as a
+        // user's loop over a shuffling data loader would: a gather from
+        // random rows costs more than reading them in order (≈ 1–2 % of the
+        // CNN's step here), and the two loops must pay the same.
+        std::vector<uint32_t> order = idx;
+        if (tc.train_data_shuffle) {
+          std::mt19937_64 rng(seed);
+          std::shuffle(order.begin(), order.end(), rng);
+        }
         torch::Tensor x, y;
-        for (size_t b = 0; b + bs <= idx.size(); b += bs) {
-          batch_of(data->train, idx, b, bs, tokens, x, y);
+        for (size_t b = 0; b + bs <= order.size(); b += bs) {
+          batch_of(data->train, order, b, bs, tokens, x, y);
           opt->zero_grad();
           auto logits = (*bare)->forward(x);
           auto loss = torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}), y.reshape({-1}));
@@ -175,7 +192,7 @@ int main(int argc, char** argv) {
         const int64_t f0 = minflt();
         const double c0 = cpu_seconds();
         const auto t0 = std::chrono::steady_clock::now();
-        auto res = (*replica)->train(data->train, idx, {}, tc, 7 + static_cast<uint64_t>(r));
+        auto res = (*replica)->train(data->train, idx, {}, tc, seed);
         const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
         if (!res.ok()) {
           fmt::print(stderr, "{}\n", res.status().to_string());
@@ -214,10 +231,10 @@ int main(int argc, char** argv) {
         "{{\"model\": \"{}\", \"batch\": {}, \"steps\": {}, \"threads\": {}, \"reps\": {}, \"order\": \"ABBA\", "
         "\"optimizer\": \"{}\", \"bare_images_per_s\": {}, \"memfl_images_per_s\": {}, \"memfl_over_bare\": {}, "
         "\"bare_images_per_cpu_s\": {}, \"memfl_images_per_cpu_s\": {}, \"memfl_over_bare_cpu\": {}, "
-        "\"bare_minflt_median\": {}, \"memfl_minflt_median\": {}}}\n",
+        "\"bare_minflt_median\": {}, \"memfl_minflt_median\": {}, \"malloc_policy\": \"{}\"}}\n",
         c.name, bs, steps, threads, reps, tc.optim.optim, stats(bare_ips), stats(memfl_ips),
         ratios(memfl_ips, bare_ips), stats(bare_cpu), stats(memfl_cpu), ratios(memfl_cpu, bare_cpu),
-        median_flt(bare_flt), median_flt(memfl_flt));
+        median_flt(bare_flt), median_flt(memfl_flt), memfl::malloc_policy());
     std::fflush(stdout);
   }
   return 0;

@@ -512,6 +512,8 @@ TEST(Simulation, TwoWorkersGiveTheSameModelAsOne) {
   EXPECT_EQ(summary.value("intra_op_threads", 0), 1);
   EXPECT_GE(summary.value("cores", 0), 1);
   EXPECT_EQ(summary.value("blas_threads_per_call", 0), 1);  // OpenBLAS, one thread under each worker
+  // The workers train: the heap is kept between batches (memory/malloc_policy.h).
+  EXPECT_EQ(summary.value("malloc_policy", ""), "training");
 }
 
 }  // namespace

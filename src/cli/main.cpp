@@ -20,6 +20,7 @@
 #include "roles/simulation.h"
 #include "server/model_worker.h"
 #include "memory/alloc_tracker.h"
+#include "memory/malloc_policy.h"
 #include "report/report.h"
 #include "experiments/compare_methods.h"
 #include "schedule/client_selection.h"
@@ -523,6 +524,7 @@ int main(int argc, char** argv) {
   }
 #endif
   if (shard_rank->parsed()) {
+    memfl::tune_malloc_for_training();  // a shard rank trains its cut of the model
     auto backend = memfl::load_trainer_backend();
     if (!backend.ok()) return fail(backend.status());
     memfl::Status st = (*backend)->run_shard_rank();

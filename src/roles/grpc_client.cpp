@@ -17,6 +17,7 @@
 #include "comm/grpc/client_session.h"
 #include "comm/grpc/data_channel.h"
 #include "comm/grpc/wire.h"
+#include "memory/malloc_policy.h"
 #include "memory/sampler.h"
 #include "client/client_work.h"
 #include "roles/grpc_roles.h"
@@ -25,7 +26,6 @@
 namespace memfl {
 
 namespace fs = std::filesystem;
-void tune_malloc_for_streaming();
 
 namespace {
 
@@ -52,7 +52,13 @@ std::string injected_fault(int client_id) {
 
 Status run_grpc_client(const ExperimentConfig& local, int client_id, const RoleOptions& opts) {
   const std::string fault = injected_fault(client_id);
-  tune_malloc_for_streaming();
+  // A client that trains keeps its activation memory between batches; one
+  // that only moves a synthetic model (the transfer benchmarks) streams.
+  if (is_spec_only(local)) {
+    tune_malloc_for_streaming();
+  } else {
+    tune_malloc_for_training();
+  }
   const std::string role = fmt::format("client_{}", client_id);
   MemorySampler sampler(role, local.memory.sample_interval_ms);
   sampler.start();
@@ -365,6 +371,7 @@ Status run_grpc_client(const ExperimentConfig& local, int client_id, const RoleO
   nlohmann::ordered_json summary;
   summary["role"] = role;
   summary["rounds"] = rounds;
+  summary["malloc_policy"] = malloc_policy();
   summary["model_bytes"] = layout.payload_bytes();
   summary["baseline_rss_bytes"] = baseline_rss;
   summary["before_model_rss_bytes"] = before_model_rss;

@@ -2,8 +2,6 @@
 // the gRPC transport (comm/grpc/server_transport.h), the scheduler, the
 // round driver, and a model worker process for what needs the network
 // (server/model_worker.h), so this process never maps libtorch.
-#include <malloc.h>
-
 #include <filesystem>
 #include <numeric>
 #include <optional>
@@ -15,6 +13,7 @@
 #include "comm/chunk.h"
 #include "comm/grpc/server_transport.h"
 #include "io/run_dir.h"
+#include "memory/malloc_policy.h"
 #include "memory/sampler.h"
 #include "roles/grpc_roles.h"
 #include "roles/async_server.h"
@@ -26,21 +25,6 @@ namespace memfl {
 
 namespace fs = std::filesystem;
 using Clock = std::chrono::steady_clock;
-
-void tune_malloc_for_streaming();
-
-void tune_malloc_for_streaming() {
-  // Chunk buffers are allocated and freed at line rate. With glibc's default
-  // dynamic thresholds each multi-MiB buffer was a fresh mmap and page faults
-  // (0.1–0.2 GB/s here); keeping them in the heap and not trimming it reached
-  // 1.1–1.7 GB/s (../shared/DEPENDENCIES.md). Freed chunks are reused, so the
-  // heap stays at a few chunks, not a model.
-  mallopt(M_MMAP_THRESHOLD, 32 << 20);
-  mallopt(M_TRIM_THRESHOLD, 64 << 20);
-  // gRPC's threads would each get a malloc arena holding its own freed
-  // chunks; a few shared arenas keep the retained heap to a few chunks.
-  mallopt(M_ARENA_MAX, 2);
-}
 
 namespace {
 

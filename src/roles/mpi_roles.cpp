@@ -24,6 +24,7 @@
 
 #include "comm/chunk.h"
 #include "comm/mpi/mpi_transport.h"
+#include "memory/malloc_policy.h"
 #include "memory/sampler.h"
 #include "client/client_work.h"
 #include "roles/async_server.h"
@@ -195,6 +196,10 @@ Status run_client_rank(const ExperimentConfig& cfg, int rank, const std::string&
   ExperimentConfig local = cfg;
   if (local.train.num_threads == 0) local.train.num_threads = 1;  // ranks share the machine's cores
   if (!is_spec_only(cfg)) {
+    // A rank that trains keeps its activation memory between batches. One
+    // that moves a synthetic model (part 4's transfer figures) keeps glibc's
+    // defaults, under which those were measured.
+    tune_malloc_for_training();
     MEMFL_ASSIGN_OR_RETURN(data, load_data(cfg));
     MEMFL_ASSIGN_OR_RETURN(input, input_spec(cfg, data->train));
     MEMFL_ASSIGN_OR_RETURN(parts, make_partitions(cfg, data->train));

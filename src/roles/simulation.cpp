@@ -19,6 +19,7 @@
 
 #include "comm/inproc.h"
 #include "memory/budget.h"
+#include "memory/malloc_policy.h"
 #include "aggregate/async_aggregator.h"
 #include "server/async_core.h"
 #include "server/async_driver.h"
@@ -166,6 +167,8 @@ StatusOr<SimulationResult> run_simulation(const ExperimentConfig& cfg, const Sim
   // keeps its own freed chunks. Two shared arenas keep the retained heap to a
   // few chunks (as the gRPC server does).
   mallopt(M_ARENA_MAX, 2);
+  // Its workers train: each batch reuses the last one's activation memory.
+  if (!is_spec_only(cfg)) tune_malloc_for_training();
   MemorySampler sampler("simulation", cfg.memory.sample_interval_ms);
   sampler.start();
   SimulationResult result;
@@ -447,6 +450,7 @@ StatusOr<SimulationResult> run_simulation(const ExperimentConfig& cfg, const Sim
   summary["parallel_clients"] = k_workers;
   summary["intra_op_threads"] = intra_op_threads;  // per worker: workers × threads is what the cores run
   summary["cores"] = cores;
+  summary["malloc_policy"] = malloc_policy();  // "training" unless synthetic or MEMFL_MALLOC_POLICY=glibc
   if (!synthetic) {
     // 1 unless the user set OPENBLAS_NUM_THREADS; 0: not OpenBLAS.
     MEMFL_ASSIGN_OR_RETURN(TrainerBackend * backend, load_trainer_backend());
