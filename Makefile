@@ -67,6 +67,7 @@ bench: build
 	./$(BUILD)/memfl bench dp --model llama-dp-tiny --seq 64,128 --batch 2 --json $(BUILD)/bench_dp.json
 	./$(BUILD)/memfl_bench_trainer 10 2 > $(BUILD)/bench_trainer.jsonl
 	bash bench/blas_threads_ab.sh $(BUILD) 2 5 2 > $(BUILD)/bench_blas_threads_ab.jsonl
+	bash bench/malloc_policy_ab.sh $(BUILD) 2 5 2 > $(BUILD)/bench_malloc_policy_ab.jsonl
 	bash bench/sim_floor.sh $(BUILD) 100 2 1 > $(BUILD)/bench_sim_floor.jsonl
 	bash bench/grpc_vs_tcp.sh $(BUILD) > $(BUILD)/bench_grpc_vs_tcp.jsonl
 	python3 bench/spread.py $(BUILD)/bench_grpc_vs_tcp.jsonl clients,model_chunk_size_mib > $(BUILD)/bench_grpc_vs_tcp_spread.jsonl

@@ -25,7 +25,9 @@
 // The bare loop: batches built from the uint8 samples (normalised as memfl
 // does), forward, mean cross-entropy, backward, optimizer step. memfl's:
 // ModelReplica::train on the same indices (step mode) — what a client does
-// in a round, fresh optimizer included.
+// in a round, fresh optimizer included. Both visit them in the same shuffled
+// order (the bare loop in index order with MEMFL_BENCH_BARE_ORDER=sequential;
+// the JSON's "bare_order" says which).
 #include <sys/resource.h>
 
 #include <algorithm>
@@ -107,6 +109,8 @@ int main(int argc, char** argv) {
   const int threads = argc > 2 ? std::atoi(argv[2]) : 2;
   const std::string src = MEMFL_SOURCE_DIR;
   memfl::tune_malloc_for_training();
+  const char* bare_order = std::getenv("MEMFL_BENCH_BARE_ORDER");
+  const bool bare_in_order = bare_order != nullptr && std::string(bare_order) == "sequential";
   const std::vector<Case> cases = {
       {"CNN", src + "/configs/fedavg_fmnist_cnn.yaml", {"client_configs.train_configs.num_local_steps=100"}},
       {"ResNet18",
@@ -165,12 +169,14 @@ int main(int argc, char** argv) {
         const double c0 = cpu_seconds();
         const auto t0 = std::chrono::steady_clock::now();
         auto opt = optimizer(tc.optim, (*bare)->parameters());
-        // The samples in a shuffled order when the config shuffles, as a
-        // user's loop over a shuffling data loader would: a gather from
-        // random rows costs more than reading them in order (≈ 1–2 % of the
-        // CNN's step here), and the two loops must pay the same.
+        // The samples in a shuffled order when the config shuffles, with
+        // the seed memfl's run gets, as a user's loop over a shuffling data
+        // loader would: both loops then train on the same batches. Read in
+        // order (MEMFL_BENCH_BARE_ORDER=sequential, as this loop did before)
+        // the bare loop was up to ≈ 1 % faster on the CNN: it was measuring
+        // a cheaper loop (docs/BENCHMARKS.md, issue #18 part 1).
         std::vector<uint32_t> order = idx;
-        if (tc.train_data_shuffle) {
+        if (tc.train_data_shuffle && !bare_in_order) {
           std::mt19937_64 rng(seed);
           std::shuffle(order.begin(), order.end(), rng);
         }
@@ -231,10 +237,12 @@ int main(int argc, char** argv) {
         "{{\"model\": \"{}\", \"batch\": {}, \"steps\": {}, \"threads\": {}, \"reps\": {}, \"order\": \"ABBA\", "
         "\"optimizer\": \"{}\", \"bare_images_per_s\": {}, \"memfl_images_per_s\": {}, \"memfl_over_bare\": {}, "
         "\"bare_images_per_cpu_s\": {}, \"memfl_images_per_cpu_s\": {}, \"memfl_over_bare_cpu\": {}, "
-        "\"bare_minflt_median\": {}, \"memfl_minflt_median\": {}, \"malloc_policy\": \"{}\"}}\n",
+        "\"bare_minflt_median\": {}, \"memfl_minflt_median\": {}, \"malloc_policy\": \"{}\", \"bare_order\": "
+        "\"{}\"}}\n",
         c.name, bs, steps, threads, reps, tc.optim.optim, stats(bare_ips), stats(memfl_ips),
         ratios(memfl_ips, bare_ips), stats(bare_cpu), stats(memfl_cpu), ratios(memfl_cpu, bare_cpu),
-        median_flt(bare_flt), median_flt(memfl_flt), memfl::malloc_policy());
+        median_flt(bare_flt), median_flt(memfl_flt), memfl::malloc_policy(),
+        bare_in_order || !tc.train_data_shuffle ? "sequential" : "shuffled");
     std::fflush(stdout);
   }
   return 0;
