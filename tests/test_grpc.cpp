@@ -61,6 +61,10 @@ TEST(Grpc, CnnRunEqualsTheInProcessRunBitForBit) {
   std::ifstream summary(tmp.file("grpc/server/summary.json"));
   const std::string text((std::istreambuf_iterator<char>(summary)), {});
   EXPECT_NE(text.find("\"maps_libtorch\": false"), std::string::npos) << text;
+  // A client that trains keeps its heap between batches (memory/malloc_policy.h).
+  std::ifstream client_summary(tmp.file("grpc/client_0/summary.json"));
+  const std::string client_text((std::istreambuf_iterator<char>(client_summary)), {});
+  EXPECT_NE(client_text.find("\"malloc_policy\": \"training\""), std::string::npos) << client_text;
 }
 
 // DP-SGD over gRPC: each client process writes its own privacy.csv, and the
@@ -182,6 +186,11 @@ TEST_P(GrpcDataChannel, RunEqualsInProcessAndNaive) {
     EXPECT_NE(log(c).find("chunks travel on the data channel (server 127.0.0.1:"), std::string::npos) << log(c);
     EXPECT_NE(log(c).find(unix_socket ? "(data channel, unix socket)" : "(data channel port "), std::string::npos)
         << log(c);
+    // A client that only moves a synthetic model streams: its heap is
+    // trimmed above a few chunks (memory/malloc_policy.h).
+    std::ifstream in(tmp.file(std::string("grpc/") + c + "/summary.json"));
+    const std::string summary((std::istreambuf_iterator<char>(in)), {});
+    EXPECT_NE(summary.find("\"malloc_policy\": \"streaming\""), std::string::npos) << summary;
   }
   EXPECT_TRUE(
       same_model(tmp.file("inproc/global_model.safetensors"), tmp.file("grpc/server/global_model.safetensors")));

@@ -45,6 +45,10 @@ TEST(Mpi, ThreeRanksEqualTheInProcessRunBitForBit) {
   std::ifstream in(tmp.file("mpi/report/peaks.csv"));
   std::string all((std::istreambuf_iterator<char>(in)), {});
   EXPECT_NE(all.find("rank_2"), std::string::npos) << all;
+  // Client ranks train: they keep their heap between batches (memory/malloc_policy.h).
+  std::ifstream rank_summary(tmp.file("mpi/rank_1/summary.json"));
+  const std::string text((std::istreambuf_iterator<char>(rank_summary)), {});
+  EXPECT_NE(text.find("\"malloc_policy\": \"training\""), std::string::npos) << text;
 }
 
 TEST(Mpi, SeveralVirtualClientsPerRank) {

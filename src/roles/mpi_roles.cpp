@@ -342,6 +342,7 @@ Status run_client_rank(const ExperimentConfig& cfg, int rank, const std::string&
   summary["model_bytes"] = layout.payload_bytes();
   summary["baseline_rss_bytes"] = baseline;
   summary["peak_rss_bytes"] = std::max(st.sampler.peak_rss(), read_peak_rss_bytes());
+  summary["malloc_policy"] = malloc_policy();  // "training", or "glibc" for a synthetic model
   MEMFL_RETURN_IF_ERROR(write_text_file(dir + "/summary.json", summary.dump(2) + "\n"));
   int32_t bye = 1;  // outputs written: the server may end the job
   MPI_Send(&bye, 1, MPI_INT32_T, 0, kTagBye, MPI_COMM_WORLD);
