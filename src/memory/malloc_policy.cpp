@@ -39,9 +39,10 @@ void tune_malloc_for_training() {
   tune_malloc_for_streaming();
   // A training step frees its activations and gradients at the end of the
   // step and allocates the same sizes again in the next. Trimmed, the heap
-  // went back to the kernel every step: ResNet18 (batch 16) took ≈ 200 k
-  // page faults per 8 steps and trained at half the speed, with the same
-  // peak RSS (docs/BENCHMARKS.md, issue #18 part 1, "malloc policy").
+  // went back to the kernel every step: ResNet18 (batch 16) took 75–81 k
+  // page faults per 8 steps under glibc's defaults and none with the heap
+  // kept, which trained 1.4× faster (docs/BENCHMARKS.md, issue #18 part 1,
+  // "The training roles' malloc policy").
   mallopt(M_TRIM_THRESHOLD, INT_MAX);
   g_policy = "training";
 }
