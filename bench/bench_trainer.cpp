@@ -108,9 +108,17 @@ int main(int argc, char** argv) {
   const int reps = argc > 1 ? std::atoi(argv[1]) : 5;
   const int threads = argc > 2 ? std::atoi(argv[2]) : 2;
   const std::string src = MEMFL_SOURCE_DIR;
-  memfl::tune_malloc_for_training();
   const char* bare_order = std::getenv("MEMFL_BENCH_BARE_ORDER");
   const bool bare_in_order = bare_order != nullptr && std::string(bare_order) == "sequential";
+  if (bare_order != nullptr && !bare_in_order) {
+    fmt::print(stderr, "MEMFL_BENCH_BARE_ORDER is '{}': the one value it takes is sequential\n", bare_order);
+    return 2;
+  }
+  if (auto st = memfl::check_malloc_policy_env(); !st.ok()) {
+    fmt::print(stderr, "{}\n", st.to_string());
+    return 2;
+  }
+  memfl::tune_malloc_for_training();
   const std::vector<Case> cases = {
       {"CNN", src + "/configs/fedavg_fmnist_cnn.yaml", {"client_configs.train_configs.num_local_steps=100"}},
       {"ResNet18",

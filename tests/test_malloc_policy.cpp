@@ -12,10 +12,27 @@
 
 #include <gtest/gtest.h>
 
+#include "cli_util.h"
 #include "memory/malloc_policy.h"
+#include "test_util.h"
 
 namespace memfl {
 namespace {
+
+// A misspelt value would run the A/B's "glibc" side under memfl's policy
+// without a word: the CLI refuses it before any role starts, naming the
+// variable and the value, and writes no run directory.
+TEST(MallocPolicy, AnUnknownValueIsRefusedNamingTheVariable) {
+  testing::TempDir tmp;
+  const Result r = run_shell("MEMFL_MALLOC_POLICY=glibcc " + std::string(MEMFL_BINARY) + " run -q --out " +
+                             tmp.file("run") + " --set server_configs.num_global_epochs=1");
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("MEMFL_MALLOC_POLICY is 'glibcc'"), std::string::npos) << r.output;
+  EXPECT_FALSE(std::filesystem::exists(tmp.file("run")));
+  // The one value it takes passes the same check.
+  const Result ok = run_shell("MEMFL_MALLOC_POLICY=glibc " + std::string(MEMFL_BINARY) + " list-methods");
+  EXPECT_EQ(ok.exit_code, 0) << ok.output;
+}
 
 // ASan's allocator replaces glibc's: mallopt has nothing to act on there, so
 // this file is compiled out of the sanitizer build rather than run without a

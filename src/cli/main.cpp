@@ -405,6 +405,8 @@ int main(int argc, char** argv) {
     return kExitUsage;
   }
 
+  // Before any role starts, so a misspelt value loses nothing.
+  if (auto st = memfl::check_malloc_policy_env(); !st.ok()) return fail(st);
   if (profile) sets.push_back("memory_configs.profile=true");
   if (app.got_subcommand("report")) {
     auto r = memfl::write_report(report_dir);

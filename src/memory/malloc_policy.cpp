@@ -19,6 +19,15 @@ bool left_to_glibc() {
 
 }  // namespace
 
+Status check_malloc_policy_env() {
+  const char* v = std::getenv("MEMFL_MALLOC_POLICY");
+  if (v == nullptr || std::strcmp(v, "glibc") == 0) return Status::Ok();
+  return invalid_argument(
+      "MEMFL_MALLOC_POLICY is '{}': the one value it takes is glibc (glibc's defaults); unset it for each role's "
+      "policy",
+      v);
+}
+
 void tune_malloc_for_streaming() {
   if (left_to_glibc()) return;
   // Chunk buffers are allocated and freed at line rate. With glibc's default

@@ -16,7 +16,14 @@
 // affected by either policy.
 #pragma once
 
+#include "common/status.h"
+
 namespace memfl {
+
+// MEMFL_MALLOC_POLICY is unset or "glibc"; any other value is refused,
+// naming the variable (a misspelt "glibc" would otherwise run the A/B's B
+// side as its A). The CLI checks it before any role starts.
+Status check_malloc_policy_env();
 
 void tune_malloc_for_streaming();
 void tune_malloc_for_training();
