@@ -31,12 +31,23 @@ python: configure
 	cmake --build $(BUILD) -j $(JOBS) --target memfl_python
 
 # The main job on its embedded default: FedAvg, 10 clients, Fashion-MNIST, CNN.
-demo: build
-	./$(BUILD)/memfl run --out runs/demo-$$(date +%Y%m%d-%H%M%S)
+# Builds only what it runs (memfl and its trainer plugin), then writes the
+# run's HTML report and prints where it is.
+demo: configure
+	cmake --build $(BUILD) -j $(JOBS) --target memfl
+	@dir=runs/demo-$$(date +%Y%m%d-%H%M%S); \
+	./$(BUILD)/memfl run --out $$dir && ./$(BUILD)/memfl report $$dir
 
+# Both suites always run (a failure in the first does not hide the second);
+# the last lines say how each ended, and the exit status is a failure if
+# either failed.
 test: build
-	cd $(BUILD) && ctest --output-on-failure -j 1
-	$(MAKE) test-asan
+	@rc_main=0; rc_asan=0; \
+	(cd $(BUILD) && ctest --output-on-failure -j 1) || rc_main=$$?; \
+	$(MAKE) --no-print-directory test-asan || rc_asan=$$?; \
+	echo "== make test: main suite (ctest in $(BUILD)): $$( [ $$rc_main -eq 0 ] && echo passed || echo FAILED)"; \
+	echo "== make test: ASan/UBSan suite (ctest in $(ASAN_BUILD)): $$( [ $$rc_asan -eq 0 ] && echo passed || echo FAILED)"; \
+	[ $$rc_main -eq 0 ] && [ $$rc_asan -eq 0 ]
 
 # ASan+UBSan build of the torch-free tests (libtorch itself is not built with
 # sanitizers, so the plugin stays out of this build).

@@ -5,8 +5,10 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
+#include <fstream>
 #include <map>
 #include <random>
 #include <vector>
@@ -344,7 +346,7 @@ TEST_P(AsyncSimulation, TheModelIsTheReplayOfTheAsyncLog) {
   // grpc_tcp: the same sessions with the chunks on the TCP data channel.
   const bool over_grpc = transport == "grpc" || transport == "grpc_tcp";
   const std::string channel =
-      transport == "grpc_tcp" ? " --set server_configs.comm_configs.grpc_configs.data_channel=tcp" : "";
+      " --set server_configs.comm_configs.grpc_configs.data_channel=" + std::string(transport == "grpc_tcp" ? "tcp" : "grpc");
   Result r =
       over_grpc
           ? memfl_cli("launch " + tmp.file("run.yaml") + " --clients 6 -q" + channel + " --out " + tmp.file("out"))
@@ -496,6 +498,75 @@ TEST_P(AsyncSimulation, TheModelIsTheReplayOfTheAsyncLog) {
   }
   EXPECT_GT(max_change, 1e-3);  // the updates did move the model
 }
+
+// A run killed with SIGKILL keeps the log of the updates it applied: rows
+// are handed to the kernel as they are written (before, the log was 0 bytes
+// while metrics.csv had rows).
+TEST(AsyncSimulationLog, ARunKilledInTheMiddleKeepsItsAsyncLog) {
+  TempDir tmp;
+  // Slow DummyTrainer steps (50 ms of real time per trip) so the run is
+  // still going when it is killed.
+  std::string cfg = async_config("FedAsyncAggregator", 4, 100000, 0.01);
+  cfg.replace(cfg.find("    mode: step"), 0, "    dummy_delay_s: \"0.05\"\n");
+  std::ofstream(tmp.file("run.yaml")) << cfg << "  async_eval_every: 4\n";
+  const std::string dir = tmp.file("run");
+  Result r =
+      run_shell(std::string(MEMFL_BINARY) + " run " + tmp.file("run.yaml") + " -q --out " + dir +
+                " > /dev/null 2>&1 & pid=$!; for i in $(seq 300); do [ \"$(wc -l < " + dir +
+                "/metrics.csv 2>/dev/null || echo 0)\" -ge 4 ] && break; sleep 0.1; done; kill -9 $pid; wait $pid; "
+                "exit 0");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const auto metrics = read_csv(dir + "/metrics.csv");
+  ASSERT_GE(metrics.size(), 4u) << "the run was evaluated three times before it was killed";
+  const auto log = read_csv(dir + "/async_log.csv");
+  ASSERT_FALSE(log.empty());
+  EXPECT_EQ(log[0][0], "update");
+  // At least the updates behind the evaluations metrics.csv has (4 each).
+  EXPECT_GE(log.size() - 1, 4 * (metrics.size() - 1));
+  for (size_t i = 1; i < log.size(); ++i) EXPECT_EQ(log[i].size(), 11u) << "row " << i << " is whole";
+}
+
+#ifdef MEMFL_HAVE_GRPC
+// A client that asks for the model and stops reading it (SIGSTOP after its
+// first chunk, with a model far larger than gRPC's and the kernel's buffers)
+// holds its send open. Applying an update waits for senders, so before the
+// send had a deadline every other client's update waited with it (75 s
+// seen). Now the stalled send is cancelled at broadcast_timeout_s and the
+// other clients' updates are applied: the run ends with all its updates.
+TEST(AsyncGrpc, AClientThatStopsReadingTheModelDoesNotFreezeTheOthers) {
+  TempDir tmp;
+  const int updates = 8;
+  std::string cfg = async_config("FedAsyncAggregator", 3, updates, 0.01);
+  // 16 M parameters: 64 MiB, many times what the transport buffers.
+  cfg.replace(cfg.find("num_params: 3000"), std::string("num_params: 3000").size(), "num_params: 16000000");
+  std::ofstream(tmp.file("run.yaml")) << cfg
+                                      << "  comm_configs:\n    grpc_configs:\n      server_uri: 127.0.0.1:17391\n";
+  const std::string bin = MEMFL_BINARY, dir = tmp.file("out");
+  std::filesystem::create_directories(dir);
+  std::string clients;
+  for (int c = 0; c < 3; ++c) {
+    clients += std::string(c == 1 ? "MEMFL_FAULT=stop_in_broadcast MEMFL_FAULT_CLIENT=1 " : "") + bin + " client " +
+               tmp.file("run.yaml") + " --client-id " + std::to_string(c) + " -q --out " + dir + "/client_" +
+               std::to_string(c) + " > " + dir + "/client_" + std::to_string(c) + ".log 2>&1 & echo $! >> " + dir +
+               "/pids; ";
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  // `timeout` ends a frozen server instead of the test; the stopped client
+  // never ends by itself.
+  Result r = run_shell(clients + "timeout -s KILL 150 " + bin + " server " + tmp.file("run.yaml") +
+                       " -q --set server_configs.broadcast_timeout_s=3 --out " + dir + "/server > " + dir +
+                       "/server.log 2>&1; rc=$?; kill -9 $(cat " + dir + "/pids) 2>/dev/null; wait; exit $rc");
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  std::ifstream log(dir + "/server.log");
+  const std::string text((std::istreambuf_iterator<char>(log)), {});
+  ASSERT_EQ(r.exit_code, 0) << r.output << text;
+  auto rows = read_csv(dir + "/server/async_log.csv");
+  ASSERT_EQ(rows.size(), static_cast<size_t>(updates + 1)) << text;
+  for (size_t i = 1; i < rows.size(); ++i) EXPECT_NE(rows[i][1], "1") << "the stopped client sent nothing";
+  EXPECT_NE(text.find("did not take the model within 3 s"), std::string::npos) << text;
+  EXPECT_LT(seconds, 140) << "not ended by the timeout";
+}
+#endif
 
 std::vector<std::string> async_transports() {
   std::vector<std::string> t = {"simulator"};

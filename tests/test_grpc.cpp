@@ -98,12 +98,15 @@ TEST_P(GrpcChunks, SyntheticRunEqualsInProcessAndNaive) {
   const int64_t params = 2500;  // 10 000 bytes: 7-byte chunks are ~1 430 messages per transfer
   const std::string cfg = synthetic_config(tmp, 2, params, GetParam());
   ASSERT_EQ(memfl_cli("run " + cfg + " -q --out " + tmp.file("inproc")).exit_code, 0);
-  Result g = memfl_cli("launch " + cfg + " --clients 2 -q --out " + tmp.file("grpc"));
+  // The chunks inside the stream (the default, auto, puts them on the data
+  // channel: GrpcDataChannel below).
+  const std::string stream = " --set server_configs.comm_configs.grpc_configs.data_channel=grpc";
+  Result g = memfl_cli("launch " + cfg + " --clients 2 -q" + stream + " --out " + tmp.file("grpc"));
   ASSERT_EQ(g.exit_code, 0) << g.output;
   EXPECT_TRUE(
       same_model(tmp.file("inproc/global_model.safetensors"), tmp.file("grpc/server/global_model.safetensors")));
-  Result n =
-      memfl_cli("launch " + cfg + " --clients 2 -q --set server_configs.memory_mode=naive --out " + tmp.file("naive"));
+  Result n = memfl_cli("launch " + cfg + " --clients 2 -q --set server_configs.memory_mode=naive" + stream +
+                       " --out " + tmp.file("naive"));
   ASSERT_EQ(n.exit_code, 0) << n.output;
   EXPECT_TRUE(
       same_model(tmp.file("inproc/global_model.safetensors"), tmp.file("naive/server/global_model.safetensors")));
@@ -143,7 +146,8 @@ void expect_faulty_client_never_corrupts_the_model(const std::string& fault, con
 }
 
 TEST_P(GrpcFaults, FaultyClientNeverCorruptsTheGlobalModel) {
-  expect_faulty_client_never_corrupts_the_model(GetParam(), "");
+  expect_faulty_client_never_corrupts_the_model(GetParam(),
+                                                " --set server_configs.comm_configs.grpc_configs.data_channel=grpc");
 }
 
 // The same faults with the chunks on the TCP data channel (its headers are
@@ -290,6 +294,16 @@ TEST(GrpcSecurity, TlsWithASelfSignedPair) {
   EXPECT_EQ(rows(tmp.file("tls/server/metrics.csv")), 2);
   ASSERT_EQ(memfl_cli("run " + cfg + " -q --out " + tmp.file("inproc")).exit_code, 0);
   EXPECT_TRUE(same_model(tmp.file("inproc/global_model.safetensors"), tmp.file("tls/server/global_model.safetensors")));
+  // Under TLS the default (data_channel: auto) takes the chunks off the
+  // encrypted stream only where they never leave the kernel: the Unix
+  // socket of a client on the server's host. Each side's log says so.
+  EXPECT_NE(testing::read_file(tmp.file("tls/server.log")).find("data channel on a Unix socket"), std::string::npos)
+      << testing::read_file(tmp.file("tls/server.log"));
+  for (const char* c : {"client_0", "client_1"}) {
+    const std::string log = testing::read_file(tmp.file(std::string("tls/") + c + ".log"));
+    EXPECT_NE(log.find("chunks travel on the data channel (server"), std::string::npos) << log;
+    EXPECT_NE(log.find("(data channel, unix socket)"), std::string::npos) << log;
+  }
   // A client that trusts another root cannot talk to this server.
   const std::string other = tmp.file("other.pem"), other_key = tmp.file("other.key");
   ASSERT_EQ(std::system(("openssl req -x509 -newkey rsa:2048 -nodes -days 1 -subj /CN=localhost -keyout " + other_key +

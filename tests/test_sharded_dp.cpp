@@ -531,17 +531,23 @@ TEST(ShardedDp, AFederatedClientShardedOverRanksTrainsAsAnUnshardedOne) {
   ASSERT_EQ(r.exit_code, 0) << r.output;
   r = memfl_cli("run " + noisy + " --set client_configs.train_configs.num_gpus=3 --out " + tmp.file("n3"));
   ASSERT_EQ(r.exit_code, 0) << r.output;
-  // Float rounding of the shards' partial sums differs with their number,
-  // and the noisy steps carry it further than the quiet ones: 9.4e-6 on an
-  // AMD EPYC (below 1e-6 on the Xeon this was first run on). Another draw of
-  // the noise moves the model by 0.1 (1 rank against 2) to 0.39 (another
-  // seed): 1e-4 tells the two apart with room on both sides
-  // (bench/sharded_dp_noise.sh measures all four).
+  // What must be equal is equal in NoiseDoesNotDependOnTheNumberOfRanks…
+  // (the draws, coordinate by coordinate) and below (the privacy ledger,
+  // exactly). What is left is float rounding: each rank sums its own
+  // samples' clipped gradients, so 2 and 3 ranks add them in different
+  // groupings, and over the run's noisy steps the difference grows by an
+  // amount that depends on the BLAS kernels the CPU gets (9.4e-6 on one AMD
+  // EPYC, 1.4e-4 on another, < 1e-6 on a Xeon). So the bound is not a
+  // constant but a fraction of what the noise itself does to this run: had
+  // the two runs drawn different noise, they would differ by about as much as
+  // the noisy model differs from the quiet one (√2 × for independent draws);
+  // a tenth of that tells "same noise, other rounding" from "other noise" on
+  // any CPU.
+  const double noise_moved =
+      max_model_difference(tmp.file("n2/global_model.safetensors"), tmp.file("two/global_model.safetensors"));
+  EXPECT_GT(noise_moved, 1e-2) << "the noise is there: the noisy model is not the quiet one";
   EXPECT_LE(max_model_difference(tmp.file("n2/global_model.safetensors"), tmp.file("n3/global_model.safetensors")),
-            1e-4);
-  // …and the noise is there: the noisy model is not the quiet one.
-  EXPECT_GT(max_model_difference(tmp.file("n2/global_model.safetensors"), tmp.file("two/global_model.safetensors")),
-            1e-4);
+            0.1 * noise_moved);
   // The privacy ledger counts the client's whole batch, whatever the ranks.
   EXPECT_EQ(read_csv(tmp.file("n2/privacy.csv")), read_csv(tmp.file("n3/privacy.csv")));
 }

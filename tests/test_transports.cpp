@@ -6,6 +6,7 @@
 // each phase of a round, and --resume.
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -174,6 +175,102 @@ TEST(ServerCore, AModelAboveTheMemoryBudgetIsRefusedBeforeAnyRound) {
   EXPECT_EQ(enough.exit_code, 0) << enough.output;
 }
 
+// Half precision overflows: DummyTrainer's update s·(c+1)·(1 + (i + r) mod 5)
+// with s = 10⁴ stays below f16's 65504 for client 0 (at most 5·10⁴) and
+// becomes +Inf for clients 1 and 2 (8·10⁴ and 9·10⁴ at their first such
+// element). Their updates are refused naming client, tensor and round, the
+// round ends with client 0's alone — the model is that update, bit for bit,
+// computed here — on every transport, and the run ends normally.
+TEST(HostileValues, NonFiniteUpdatesAreRefusedAndTheRoundGoesOnWithTheOthers) {
+  testing::TempDir tmp;
+  const std::string path = tmp.file("f16.yaml");
+  std::ofstream(path) << "client_configs:\n  train_configs:\n    trainer: DummyTrainer\n    dummy_update_scale: 10000\n"
+                         "  model_configs:\n    model_name: synthetic\n    model_kwargs:\n      num_params: 5000\n"
+                         "      dtype: f16\nserver_configs:\n  num_clients: 3\n  num_global_epochs: 1\n"
+                         "  aggregator_kwargs:\n    client_weights_mode: sample_size\n  round_timeout_s: 60\n"
+                         "  comm_configs:\n    grpc_configs:\n      server_uri: 127.0.0.1:0\n";
+  Layout layout = synthetic_layout(5000, DType::kF16).value();
+  Arena want(layout.total_bytes(), MemoryCategory::kModel);
+  fill_synthetic(layout, want, 42);
+  for (const auto& e : layout.entries()) {
+    auto* v = reinterpret_cast<uint16_t*>(want.data() + e.offset);
+    for (size_t i = 0; i < e.numel(); ++i) {
+      v[i] = f32_to_f16(f16_to_f32(v[i]) + static_cast<float>(1e4 * (1 + (i + 1) % 5)));
+    }
+  }
+  std::vector<std::pair<std::string, std::string>> runs;  // (output, model)
+  Result in = memfl_cli("run " + path + " --out " + tmp.file("inproc"));
+  runs.emplace_back(in.output, tmp.file("inproc/global_model.safetensors"));
+  ASSERT_EQ(in.exit_code, 0) << in.output;
+#ifdef MEMFL_TEST_GRPC
+  Result g = memfl_cli("launch " + path + " --clients 3 --out " + tmp.file("grpc"));
+  ASSERT_EQ(g.exit_code, 0) << g.output;
+  std::ifstream log(tmp.file("grpc/server.log"));
+  runs.emplace_back(std::string((std::istreambuf_iterator<char>(log)), {}), tmp.file("grpc/server/global_model.safetensors"));
+#endif
+  for (const auto& [output, model] : runs) {
+    EXPECT_NE(output.find("round 1: the update of client_1 is refused: tensor"), std::string::npos) << output;
+    EXPECT_NE(output.find("round 1: the update of client_2 is refused: tensor"), std::string::npos) << output;
+    EXPECT_NE(output.find("is +Inf"), std::string::npos) << output;
+    auto file = SafetensorsFile::open(model);
+    ASSERT_TRUE(file.ok()) << model;
+    Arena got(layout.total_bytes(), MemoryCategory::kModel);
+    ASSERT_TRUE((*file)->load_into(layout, got).ok());
+    for (const auto& e : layout.entries()) {
+      EXPECT_EQ(std::memcmp(got.data() + e.offset, want.data() + e.offset, e.nbytes()), 0) << model << " " << e.name;
+    }
+  }
+  EXPECT_EQ(read_csv(tmp.file("inproc/metrics.csv"))[1][1], "1") << "one client counted";
+}
+
+// --resume with another experiment is refused before anything is written
+// or listened on, naming each key; the run directory is as it was, so a
+// plain --resume still works. Keys that only say how long the run goes on
+// may change.
+TEST(Resume, AnotherExperimentIsRefusedBeforeAnythingIsWritten) {
+  testing::TempDir tmp;
+  const std::string cfg = write_config(tmp, "c", "", 1000);
+  Result first = memfl_cli("run " + cfg + " -q --set server_configs.num_global_epochs=2 --out " + tmp.file("r"));
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  auto listing = [&] {
+    std::string out;
+    for (const auto& e : fs::recursive_directory_iterator(tmp.file("r"))) {
+      out += e.path().string() + " " + (e.is_regular_file() ? std::to_string(fs::file_size(e.path())) : "") + "\n";
+    }
+    return out;
+  };
+  const std::string before = listing();
+  const std::string config_before = testing::read_file(tmp.file("r/config.yaml"));
+  Result seed = memfl_cli("run -q --resume " + tmp.file("r") + " --set server_configs.seed=7");
+  EXPECT_EQ(seed.exit_code, 2) << seed.output;
+  EXPECT_NE(seed.output.find("server_configs.seed: 42 in the run, 7 now"), std::string::npos) << seed.output;
+  EXPECT_EQ(listing(), before);
+  EXPECT_EQ(testing::read_file(tmp.file("r/config.yaml")), config_before);
+  Result longer = memfl_cli("run -q --resume " + tmp.file("r") + " --set server_configs.num_global_epochs=3");
+  EXPECT_EQ(longer.exit_code, 0) << longer.output;
+  EXPECT_EQ(read_csv(tmp.file("r/metrics.csv")).size(), 4u) << "a third round was played";
+#ifdef MEMFL_TEST_GRPC
+  const std::string bin = MEMFL_BINARY;
+  const std::string one =
+      " -q --set server_configs.num_clients=1 --set server_configs.num_global_epochs=1"
+      " --set server_configs.comm_configs.grpc_configs.server_uri=127.0.0.1:17392";
+  Result s = run_shell(bin + " server " + cfg + one + " --out " + tmp.file("s") + " & spid=$!; " + bin + " client " +
+                       cfg + one + " --client-id 0 --out " + tmp.file("c0") + "; wait $spid");
+  ASSERT_EQ(s.exit_code, 0) << s.output;
+  ASSERT_TRUE(fs::exists(tmp.file("s/state")));
+  {
+    const std::string server_config = testing::read_file(tmp.file("s/config.yaml"));
+    const auto t0 = std::chrono::steady_clock::now();
+    Result other = memfl_cli("server --resume " + tmp.file("s") + " -q --set server_configs.aggregator=FedAdamAggregator");
+    const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    EXPECT_EQ(other.exit_code, 2) << other.output;
+    EXPECT_NE(other.output.find("server_configs.aggregator"), std::string::npos) << other.output;
+    EXPECT_LT(waited, 10) << "refused at once, not after waiting for clients";
+    EXPECT_EQ(testing::read_file(tmp.file("s/config.yaml")), server_config) << "config.yaml untouched";
+  }
+#endif
+}
+
 // kill -9 of a `memfl run` at a point of round 2, then --resume: the final
 // model is the uninterrupted run's, byte for byte.
 class KillAndResume : public ::testing::TestWithParam<const char*> {};
@@ -283,7 +380,8 @@ TEST_P(Stragglers, AStoppedGrpcClientIsDroppedTheOthersFinishAndItRejoinsLater) 
                              " 2>/dev/null)\" = 1 ] && break; sleep 0.1; done; kill -CONT $(cat " + dir + "/pid_" +
                              std::to_string(sc.client) + ") ) & ";
   Result r = run_shell(clients + let_go + bin + " server " + cfg +
-                       (sc.data_channel ? " --set server_configs.comm_configs.grpc_configs.data_channel=tcp" : "") +
+                       (sc.data_channel ? " --set server_configs.comm_configs.grpc_configs.data_channel=tcp"
+                                        : " --set server_configs.comm_configs.grpc_configs.data_channel=grpc") +
                        " --set server_configs.broadcast_timeout_s=2 --set server_configs.upload_timeout_s=4 --out " +
                        dir + "/server > " + dir + "/server.log 2>&1; rc=$?; sleep 1; kill -9 $(cat " + dir +
                        "/pid_*) 2>/dev/null; wait; exit $rc");
@@ -432,6 +530,54 @@ TEST(HostileInput, ABadTlsKeyOrAnUnwritableOutIsAnErrorNotACrash) {
   }
 }
 #endif
+
+// The comparison commands take the same care as the roles: an --out that
+// cannot be a directory is an error naming it (exit 2), not an uncaught
+// exception (exit 134), and a target accuracy outside (0, 1] is refused.
+TEST(HostileInput, CompareCommandsRefuseABadOutAndABadTarget) {
+  testing::TempDir tmp;
+  const std::string cfg = write_config(tmp, "c", "", 1000);
+  Result run = memfl_cli("run " + cfg + " -q --set server_configs.num_global_epochs=1 --out " + tmp.file("r"));
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  const std::string bad = "/dev/null/x";
+  const std::vector<std::string> commands = {
+      "compare-algorithms " + cfg + " --algorithms FedAvg --out " + bad,
+      "compare-methods " + cfg + " --methods random --out " + bad,
+      "compare " + tmp.file("r") + " " + tmp.file("r") + " --out " + bad,
+  };
+  for (const auto& c : commands) {
+    Result r = memfl_cli(c);
+    EXPECT_EQ(r.exit_code, 2) << c << "\n" << r.output;
+    EXPECT_NE(r.output.find("--out " + bad), std::string::npos) << c << "\n" << r.output;
+  }
+  for (const std::string t : {"2.5", "-1", "nan", "0.5,inf", "0.8x"}) {
+    Result r = memfl_cli("compare-algorithms " + cfg + " --algorithms FedAvg --target " + t + " --out " + tmp.file("ca"));
+    EXPECT_EQ(r.exit_code, 2) << t << "\n" << r.output;
+    EXPECT_NE(r.output.find("--target"), std::string::npos) << r.output;
+  }
+  Result m = memfl_cli("compare-methods " + cfg + " --methods random --target 1.5 --out " + tmp.file("cm"));
+  EXPECT_EQ(m.exit_code, 2) << m.output;
+  EXPECT_NE(m.output.find("--target"), std::string::npos) << m.output;
+}
+
+// A synthetic model is its parameter count: an initial_model file of another
+// size is refused naming both keys, not silently taken instead.
+TEST(HostileInput, AnInitialModelThatDisagreesWithNumParamsIsRefused) {
+  testing::TempDir tmp;
+  const std::string cfg = write_config(tmp, "c", "", 1000);
+  Result r = memfl_cli("run " + cfg + " -q --set server_configs.num_global_epochs=1 --out " + tmp.file("r"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const std::string init = tmp.file("r/global_model.safetensors");  // 3001 parameters
+  Result other = memfl_cli("run " + cfg + " -q --set client_configs.model_configs.initial_model=" + init +
+                           " --set client_configs.model_configs.model_kwargs.num_params=5000 --out " + tmp.file("x"));
+  EXPECT_NE(other.exit_code, 0) << other.output;
+  EXPECT_NE(other.output.find("holds 3001 parameters but client_configs.model_configs.model_kwargs.num_params is 5000"),
+            std::string::npos)
+      << other.output;
+  Result same = memfl_cli("run " + cfg + " -q --set client_configs.model_configs.initial_model=" + init +
+                          " --set server_configs.num_global_epochs=1 --out " + tmp.file("y"));
+  EXPECT_EQ(same.exit_code, 0) << same.output;
+}
 
 TEST(RunDirectories, BenchTransferKeepNeverDeletesWhatTheDirectoryHeld) {
   testing::TempDir tmp;

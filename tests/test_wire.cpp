@@ -2,6 +2,8 @@
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
+#include <poll.h>
+#include <sys/un.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -529,29 +531,127 @@ TEST(DataChannel, OnlyTheSessionsTicketIsWelcomedAndOnlyOnce) {
   EXPECT_EQ(got, bytes);
 }
 
-// A stranger that connects and says nothing holds the listener up for its
-// hello's 2 s at most: a client dialling behind it is welcomed after that.
-TEST(DataChannel, ASilentStrangerHoldsTheListenerUpForTwoSecondsAtMost) {
+// An abstract Unix socket of the given name (-1 if it cannot connect): any
+// local user can read the name in /proc/net/unix and dial it.
+int connect_to_abstract(const std::string& name) {
+  const int fd = ::socket(AF_UNIX, SOCK_STREAM, 0);
+  sockaddr_un a{};
+  a.sun_family = AF_UNIX;
+  std::memcpy(a.sun_path + 1, name.data(), std::min(name.size(), sizeof(a.sun_path) - 2));
+  const auto len = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + name.size());
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&a), len) != 0) {
+    ::close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+// Strangers that connect and say nothing, on the TCP port and on the Unix
+// socket, more of them than the old one-at-a-time listener could wait out
+// (25 × its 2 s): a client dialling behind them is welcomed at once, and the
+// silent ones are closed when their own deadline passes.
+TEST(DataChannel, SilentStrangersDoNotHoldUpAClientsHello) {
   const uint64_t ticket = draw_data_ticket();
   DataListener listener;
+  listener.set_hello_timeout(std::chrono::milliseconds(1500));
   ASSERT_TRUE(listener
-                  .start("127.0.0.1:0", 0, false,
+                  .start("127.0.0.1:0", 0, true,
                          [&](int fd, const DataHello& h, const std::string&) {
                            if (h.ticket != ticket || !send_data_welcome(fd)) return false;
                            ::close(fd);  // the test keeps only the client's end
                            return true;
                          })
                   .ok());
-  const int silent = connect_to_loopback(listener.port());
-  ASSERT_GE(silent, 0);
-  std::this_thread::sleep_for(std::chrono::milliseconds(50));  // accepted first
-  const auto t0 = std::chrono::steady_clock::now();
+  ASSERT_FALSE(listener.unix_name().empty());
+  std::vector<int> silent;
+  for (int i = 0; i < 30; ++i) {
+    silent.push_back(connect_to_loopback(listener.port()));
+    silent.push_back(connect_to_abstract(listener.unix_name()));
+    // One stranger that starts a hello and stops half-way.
+    if (i == 0) ASSERT_EQ(::write(silent.back(), kDataHelloMagic, 4), 4);
+  }
+  for (int fd : silent) ASSERT_GE(fd, 0);
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));  // all accepted first
+  for (const bool unix_socket : {false, true}) {
+    const auto t0 = std::chrono::steady_clock::now();
+    auto ok = dial_data_channel("127.0.0.1:1", listener.port(), unix_socket ? listener.unix_name() : "", 1, ticket, 10);
+    const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    ASSERT_TRUE(ok.ok()) << ok.status().message();
+    // The old listener read one hello at a time: this dial would have
+    // waited 60 × 1.5 s.
+    EXPECT_LT(waited, 1.0) << (unix_socket ? "unix socket" : "tcp");
+  }
+  // Each stranger is closed by the listener after its own 1.5 s.
+  for (int fd : silent) {
+    pollfd p{fd, POLLIN, 0};
+    ASSERT_EQ(::poll(&p, 1, 10'000), 1) << "closed within the deadline";
+    char c;
+    EXPECT_LE(::read(fd, &c, 1), 0) << "closed, nothing said";
+    ::close(fd);
+  }
+}
+
+// More silent connections than the listener keeps waiting: the oldest are
+// closed to make room, so its memory stays bounded and the newest (a
+// client's) still gets its turn.
+TEST(DataChannel, AFloodOfSilentConnectionsClosesTheOldestAndStillWelcomesAClient) {
+  const uint64_t ticket = draw_data_ticket();
+  DataListener listener;
+  listener.set_hello_timeout(std::chrono::milliseconds(60'000));
+  ASSERT_TRUE(listener
+                  .start("127.0.0.1:0", 0, false,
+                         [&](int fd, const DataHello& h, const std::string&) {
+                           if (h.ticket != ticket || !send_data_welcome(fd)) return false;
+                           ::close(fd);
+                           return true;
+                         })
+                  .ok());
+  std::vector<int> silent;
+  for (size_t i = 0; i < DataListener::kMaxPendingHellos + 20; ++i) {
+    silent.push_back(connect_to_loopback(listener.port()));
+    ASSERT_GE(silent.back(), 0) << i;
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
   auto ok = dial_data_channel("127.0.0.1:1", listener.port(), "", 1, ticket, 10);
-  const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   ASSERT_TRUE(ok.ok()) << ok.status().message();
-  EXPECT_GT(waited, 1.5) << "the listener was reading the stranger's hello";
-  EXPECT_LT(waited, 8.0) << "and gave up on it after 2 s (the dial itself would wait 10)";
-  ::close(silent);
+  // The first 20 (and the one evicted by the client) were closed long before
+  // their 60 s: the cap, not the deadline.
+  int closed = 0;
+  for (int fd : silent) {
+    pollfd p{fd, POLLIN, 0};
+    if (::poll(&p, 1, 0) == 1) ++closed;
+  }
+  EXPECT_GE(closed, 20);
+  EXPECT_LE(closed, 21);
+  pollfd first{silent.front(), POLLIN, 0};
+  EXPECT_EQ(::poll(&first, 1, 0), 1) << "the oldest went first";
+  for (int fd : silent) ::close(fd);
+}
+
+// A listener that accepts and never answers is a timeout, said as one; a
+// server that closes on the hello is a refusal, said as one.
+TEST(DataChannel, TheClientSaysWhetherTheHelloTimedOutOrWasRefused) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
+  ASSERT_EQ(::listen(fd, 4), 0);
+  socklen_t len = sizeof a;
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+  auto mute = dial_data_channel("127.0.0.1:1", ntohs(a.sin_port), "", 1, 42, 1);
+  ASSERT_FALSE(mute.ok());
+  EXPECT_NE(mute.status().message().find("did not answer the data channel's hello within 1 s"), std::string::npos)
+      << mute.status().message();
+  ::close(fd);
+
+  DataListener listener;
+  ASSERT_TRUE(
+      listener.start("127.0.0.1:0", 0, false, [](int, const DataHello&, const std::string&) { return false; }).ok());
+  auto refused = dial_data_channel("127.0.0.1:1", listener.port(), "", 1, 42, 5);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.status().message().find("refused the data channel's ticket"), std::string::npos)
+      << refused.status().message();
 }
 
 // On one host the client reaches the server's Unix socket and uses it; a

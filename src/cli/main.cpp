@@ -201,6 +201,32 @@ memfl::StatusOr<memfl::ExperimentConfig> load(const std::string& path, const std
   return memfl::load_config_file(path, sets);
 }
 
+// An --out directory, created now: a path that cannot be one is an error
+// naming it, before any work is done (not an exception from deep inside).
+memfl::Status make_out_dir(const std::string& dir) {
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  if (ec || !std::filesystem::is_directory(dir, ec)) {
+    return memfl::invalid_argument("--out {}: cannot create it: {}", dir,
+                                   ec ? ec.message() : std::string("not a directory"));
+  }
+  return memfl::Status::Ok();
+}
+
+// An accuracy to reach: a number in (0, 1].
+memfl::Status check_target(double t, const std::string& text) {
+  if (std::isfinite(t) && t > 0 && t <= 1) return memfl::Status::Ok();
+  return memfl::invalid_argument("--target: '{}' is not an accuracy in (0, 1]", text);
+}
+
+// --resume: the config must be the run's own experiment (committed in
+// `committed_path`), checked before anything is written or listened on.
+memfl::Status check_resume(const std::string& committed_path, const memfl::ExperimentConfig& cfg) {
+  auto committed = memfl::load_config_file(committed_path);
+  if (!committed.ok()) return committed.status().with_context("--resume");
+  return memfl::check_resume_config(committed->resolved_yaml, committed_path, cfg);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -415,7 +441,9 @@ int main(int argc, char** argv) {
     return kExitOk;
   }
   if (app.got_subcommand("compare")) {
-    auto r = memfl::write_comparison(compare_dirs, compare_out.empty() ? compare_dirs[0] + "/compare" : compare_out);
+    const std::string out = compare_out.empty() ? compare_dirs[0] + "/compare" : compare_out;
+    if (memfl::Status d = make_out_dir(out); !d.ok()) return fail(d);
+    auto r = memfl::write_comparison(compare_dirs, out);
     if (!r.ok()) return fail(r.status());
     fmt::print("comparison: {}/index.html\n", *r);
     return kExitOk;
@@ -441,13 +469,19 @@ int main(int argc, char** argv) {
     std::stringstream ts(targets_csv);
     for (std::string t; std::getline(ts, t, ',');) {
       if (t.empty()) continue;
+      size_t used = 0;
+      double v = 0;
       try {
-        ca.targets.push_back(std::stod(t));
+        v = std::stod(t, &used);
       } catch (...) {
         return fail(memfl::invalid_argument("--target: '{}' is not a number", t));
       }
+      if (used != t.size()) return fail(memfl::invalid_argument("--target: '{}' is not a number", t));
+      if (memfl::Status c = check_target(v, t); !c.ok()) return fail(c);
+      ca.targets.push_back(v);
     }
     ca.out_dir = out_dir.empty() ? fmt::format("runs/compare-algorithms-{}", getpid()) : out_dir;
+    if (memfl::Status d = make_out_dir(ca.out_dir); !d.ok()) return fail(d);
     auto r = memfl::run_compare_algorithms(*cfg, ca);
     if (!r.ok()) return fail(r.status());
     fmt::print(
@@ -464,7 +498,10 @@ int main(int argc, char** argv) {
     while (std::getline(ss, m, ',')) {
       if (!m.empty()) cm.methods.push_back(m);
     }
+    if (memfl::Status c = check_target(cm.target_accuracy, fmt::format("{}", cm.target_accuracy)); !c.ok())
+      return fail(c);
     cm.out_dir = out_dir.empty() ? fmt::format("runs/compare-methods-{}", getpid()) : out_dir;
+    if (memfl::Status d = make_out_dir(cm.out_dir); !d.ok()) return fail(d);
     auto r = memfl::run_compare_methods(*cfg, cm);
     if (!r.ok()) return fail(r.status());
     fmt::print("{}\nresults: {}/results.md, results.csv, accuracy.svg\n", *r, cm.out_dir);
@@ -517,6 +554,9 @@ int main(int argc, char** argv) {
     if (!resume_dir.empty() && config_path.empty()) config_path = resume_dir + "/rank_0/config.yaml";
     auto cfg = load(config_path, sets);
     if (!cfg.ok()) return fail(cfg.status());
+    if (!resume_dir.empty()) {
+      if (memfl::Status c = check_resume(resume_dir + "/rank_0/config.yaml", *cfg); !c.ok()) return fail(c);
+    }
     std::string dir = !resume_dir.empty() ? resume_dir
                       : out_dir.empty()   ? fmt::format("runs/mpi-{}", getpid())
                                           : out_dir;
@@ -615,6 +655,9 @@ int main(int argc, char** argv) {
     auto cfg = load(config_path, sets);
     if (!cfg.ok()) return fail(cfg.status());
     const bool is_server = app.got_subcommand("server");
+    if (is_server && !resume_dir.empty()) {
+      if (memfl::Status c = check_resume(resume_dir + "/config.yaml", *cfg); !c.ok()) return fail(c);
+    }
     std::string dir = out_dir;
     if (dir.empty())
       dir = fmt::format("runs/{}-{}", is_server ? "server" : "client_" + std::to_string(client_id), getpid());
@@ -650,6 +693,9 @@ int main(int argc, char** argv) {
   if (resume && config_path.empty()) config_path = resume_dir + "/config.yaml";
   auto cfg = load(config_path, sets);
   if (!cfg.ok()) return fail(cfg.status());
+  if (resume) {
+    if (memfl::Status c = check_resume(resume_dir + "/config.yaml", *cfg); !c.ok()) return fail(c);
+  }
   auto dir = resume ? memfl::StatusOr<std::string>(resume_dir) : memfl::prepare_run_dir(out_dir, *cfg);
   if (!dir.ok()) return fail(dir.status());
   memfl::Status st = resume ? memfl::Status::Ok()
@@ -665,10 +711,11 @@ int main(int argc, char** argv) {
     fmt::print(stderr, "memfl: run failed; what was measured so far is in {}\n", *dir);
     return fail(result.status());
   }
-  const auto& last = result->rounds.back();
+  // An asynchronous run whose virtual time ends before its first evaluation
+  // has no rounds to report.
+  const double last_accuracy = result->rounds.empty() ? std::nan("") : result->rounds.back().test_accuracy;
   fmt::print("done: {} rounds, test accuracy {:.4f}, peak RSS {} ({:.1f}× the {} model), {:.1f} s — {}\n",
-             result->rounds.size(), last.test_accuracy,
-             memfl::format_bytes(static_cast<double>(result->peak_rss_bytes)),
+             result->rounds.size(), last_accuracy, memfl::format_bytes(static_cast<double>(result->peak_rss_bytes)),
              static_cast<double>(result->peak_rss_bytes) / static_cast<double>(result->model_bytes),
              memfl::format_bytes(static_cast<double>(result->model_bytes)), result->wall_seconds, *dir);
   return kExitOk;

@@ -4,12 +4,14 @@
 #include "aggregate/async_aggregator.h"
 
 #include <chrono>
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <limits>
 #include <thread>
 
 #include "aggregate/dp_fedavg.h"
+#include "comm/transport.h"
 #include "dp/rdp_accountant.h"
 #include "io/run_dir.h"
 #include "model/llama.h"
@@ -145,9 +147,19 @@ StatusOr<TrainResult> local_update(LocalModel& model, const ExperimentConfig& cf
     return TrainResult{};
   }
   if (data == nullptr || part == nullptr) return failed_precondition("VanillaTrainer needs a data set and a partition");
+  // A loss that is not finite means weights that are not either: the client
+  // says so and sends nothing (the server would refuse the values anyway).
+  auto finite_loss = [&](StatusOr<TrainResult> r) -> StatusOr<TrainResult> {
+    if (r.ok() && !std::isfinite(r->train_loss)) {
+      return Status(StatusCode::kRejected,
+                    fmt::format("round {}: {}'s local training produced a non-finite loss ({}); its update is not sent",
+                                round, client_id(client), r->train_loss));
+    }
+    return r;
+  };
   if (cfg.server.dp_fedavg_clip_norm <= 0) {
-    return model.replica()->train(data->train, part->train, part->val, cfg.train,
-                                  client_train_seed(cfg.server.seed, round, client));
+    return finite_loss(model.replica()->train(data->train, part->train, part->val, cfg.train,
+                                              client_train_seed(cfg.server.seed, round, client)));
   }
   // Client-level DP-FedAvg: the update is clipped before it leaves, against
   // a copy of the global model the client received (one model, freed after).
@@ -155,6 +167,7 @@ StatusOr<TrainResult> local_update(LocalModel& model, const ExperimentConfig& cf
   std::memcpy(received.data(), model.arena().data(), model.layout().total_bytes());
   MEMFL_ASSIGN_OR_RETURN(TrainResult r, model.replica()->train(data->train, part->train, part->val, cfg.train,
                                                                client_train_seed(cfg.server.seed, round, client)));
+  MEMFL_ASSIGN_OR_RETURN(r, finite_loss(std::move(r)));
   clip_update(model.layout(), received, model.arena(), cfg.server.dp_fedavg_clip_norm);
   return r;
 }

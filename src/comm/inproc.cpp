@@ -1,5 +1,7 @@
 #include "comm/inproc.h"
 
+#include <spdlog/spdlog.h>
+
 #include <atomic>
 #include <chrono>
 #include <mutex>
@@ -77,7 +79,13 @@ Status InProcessTransport::collect(int round, const std::vector<int>& selected, 
       }
       std::lock_guard lock(mu);
       if (!st.ok()) {
-        if (first_error.ok()) first_error = st;
+        // A refused update (non-finite values or loss, an absurd sample
+        // count) is that client's alone: the round goes on with the others.
+        if (st.code() == StatusCode::kRejected) {
+          spdlog::warn("{}", st.message());
+        } else if (first_error.ok()) {
+          first_error = st;
+        }
         out->failed.push_back(c);
         continue;
       }
@@ -93,8 +101,8 @@ Status InProcessTransport::collect(int round, const std::vector<int>& selected, 
   for (size_t k = 1; k < workers_.size(); ++k) threads.emplace_back([&, k] { work(static_cast<int>(k)); });
   work(0);
   for (auto& th : threads) th.join();
-  // A client of the simulator fails only through a bug or a bad config
-  // (its data, its model): that ends the run, as it always has.
+  // Otherwise a client of the simulator fails only through a bug or a bad
+  // config (its data, its model): that ends the run.
   return first_error;
 }
 

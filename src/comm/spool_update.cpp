@@ -4,6 +4,7 @@ namespace memfl {
 
 Status SpoolSlotWriter::accept(const ChunkHeader& header, Payload payload) {
   MEMFL_RETURN_IF_ERROR(verify_chunk(header, payload, layout_, received_, peer_));
+  MEMFL_RETURN_IF_ERROR(values_.check(header.offset, payload, peer_, -1));
   uint64_t at = header.offset;
   for (auto piece : payload) {
     MEMFL_RETURN_IF_ERROR(spool_.write(base_ + at, piece));

@@ -1,7 +1,7 @@
 // An asynchronous update's bytes between their arrival and their
 // application: a slot of a SpoolFile (io/spool_file.h), one model long.
 // SpoolSlotWriter takes a client's chunks — each checked against the layout,
-// in order, with its checksum — into the slot; SpoolSlotSource reads the
+// in order, with its checksum, and its values finite — into the slot; SpoolSlotSource reads the
 // whole, checked update back for the aggregator. Every transport that serves
 // asynchronous FL (the simulator, gRPC, MPI) keeps updates so.
 #pragma once
@@ -10,6 +10,7 @@
 #include <string>
 
 #include "comm/chunk.h"
+#include "comm/update_check.h"
 #include "io/spool_file.h"
 #include "tensor/layout.h"
 
@@ -34,7 +35,8 @@ class SpoolSlotWriter final : public UpdateStream {
       : spool_(spool),
         base_(static_cast<uint64_t>(slot) * layout.total_bytes()),
         layout_(layout),
-        peer_(std::move(peer)) {}
+        peer_(std::move(peer)),
+        values_(layout) {}
   using ChunkSink::accept;
   Status accept(const ChunkHeader& header, Payload payload) override;
   // Fails unless the whole model arrived.
@@ -47,6 +49,7 @@ class SpoolSlotWriter final : public UpdateStream {
   const Layout& layout_;
   std::string peer_;
   uint64_t received_ = 0;
+  FiniteValueCheck values_;  // an update with a NaN or Inf never reaches the model
 };
 
 // Slots of one model each in a spool: taken and given back (the disk

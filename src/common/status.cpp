@@ -22,6 +22,8 @@ const char* status_code_name(StatusCode code) {
       return "UNAVAILABLE";
     case StatusCode::kAborted:
       return "ABORTED";
+    case StatusCode::kRejected:
+      return "REJECTED";
   }
   return "UNKNOWN";
 }

@@ -27,6 +27,7 @@ enum class StatusCode {
   kInternal,
   kUnavailable,  // peer went away
   kAborted,      // round must be redone
+  kRejected,     // a peer's update refused for what it holds (non-finite values, absurd weight)
 };
 
 const char* status_code_name(StatusCode code);

@@ -4,6 +4,7 @@
 #include "model/llama.h"
 
 #include <fmt/ranges.h>  // fmt::join (its home since fmt 11; here on 9 too)
+#include <spdlog/spdlog.h>
 #include <yaml-cpp/yaml.h>
 
 #include <algorithm>
@@ -570,6 +571,16 @@ const std::vector<KeySpec>& schema() {
        "seconds from the end of the broadcast for each client to train and upload its update; a client that has "
        "not is dropped and the round ends with those that did (0 = round_timeout_s)",
        I(server.upload_timeout_s)},
+      {"server_configs.max_num_samples",
+       Type::kFloat,
+       "1e12",
+       {},
+       1,
+       1e300,
+       "the largest sample count a client update may report; an update whose count is not finite, not positive or "
+       "larger is refused (and one with a non-finite value in any float tensor), naming the client, and the round "
+       "goes on with the others",
+       F(server.max_num_samples)},
       {"server_configs.clients_per_rank",
        Type::kInt,
        "1",
@@ -685,12 +696,14 @@ const std::vector<KeySpec>& schema() {
        I(server.max_message_size)},
       {"server_configs.comm_configs.grpc_configs.data_channel",
        Type::kString,
-       "grpc",
-       {"grpc", "tcp"},
+       "auto",
+       {"auto", "grpc", "tcp"},
        -kInf,
        kInf,
-       "where chunks travel: grpc (inside the stream) or tcp (a TCP connection beside it, opened with a "
-       "per-session ticket; not encrypted, so not with use_ssl)",
+       "where chunks travel: tcp (a connection beside the stream, opened with a per-session ticket: a Unix socket "
+       "for clients on the server's host, the TCP port for others; not encrypted, so not with use_ssl), grpc "
+       "(inside the stream), or auto (the fastest safe one: tcp without TLS; with use_ssl, the Unix socket for "
+       "clients on the server's host and the encrypted stream for the others)",
        S(server.data_channel)},
       {"server_configs.comm_configs.grpc_configs.data_channel_port",
        Type::kInt,
@@ -698,7 +711,7 @@ const std::vector<KeySpec>& schema() {
        {},
        0,
        65535,
-       "data_channel tcp: the port the server listens on for it (0: any free port, told to clients)",
+       "data_channel tcp or auto: the port the server listens on for it (0: any free port, told to clients)",
        I(server.data_channel_port)},
       {"server_configs.comm_configs.grpc_configs.data_channel_unix",
        Type::kBool,
@@ -706,8 +719,8 @@ const std::vector<KeySpec>& schema() {
        {},
        -kInf,
        kInf,
-       "data_channel tcp: clients on the server's host use a Unix-domain socket (faster than loopback TCP); "
-       "others dial the port",
+       "data_channel tcp or auto: clients on the server's host use a Unix-domain socket (faster than loopback "
+       "TCP); others dial the port",
        B(server.data_channel_unix)},
       {"server_configs.comm_configs.grpc_configs.use_ssl",
        Type::kBool,
@@ -1226,6 +1239,54 @@ std::string first_config_difference(const std::string& resolved_here, const std:
     if (va != vb) return fmt::format("{}: {} here, {} there", k.path, va, vb);
   }
   return "";
+}
+
+bool may_change_on_resume(std::string_view key) {
+  // How long the run goes on, how long it waits, where it listens and what
+  // it logs or profiles: none of them changes what a round computes, so a
+  // resumed run ends where one uninterrupted run with them would have.
+  static const char* const kMayChange[] = {
+      "server_configs.num_global_epochs",
+      "server_configs.round_timeout_s",
+      "server_configs.broadcast_timeout_s",
+      "server_configs.upload_timeout_s",
+      "server_configs.comm_configs.grpc_configs.connect_timeout_s",
+      "server_configs.comm_configs.grpc_configs.server_uri",
+      "server_configs.comm_configs.grpc_configs.data_channel_port",
+      "server_configs.logging_output_dirname",
+  };
+  for (const char* k : kMayChange) {
+    if (key == k) return true;
+  }
+  return key.rfind("memory_configs.profile", 0) == 0 || key.rfind("memory_configs.sample", 0) == 0;
+}
+
+Status check_resume_config(const std::string& committed_resolved, const std::string& committed_path,
+                           const ExperimentConfig& now) {
+  YAML::Node before, after;
+  try {
+    before = YAML::Load(committed_resolved);
+    after = YAML::Load(now.resolved_yaml);
+  } catch (const YAML::Exception& e) {
+    return invalid_argument("--resume: {} cannot be compared with this config: {}", committed_path, e.what());
+  }
+  std::vector<std::string> refused;
+  for (const auto& k : schema()) {
+    const YAML::Node a = lookup(before, k.path), b = lookup(after, k.path);
+    const std::string va = a.IsDefined() ? YAML::Dump(a) : "(unset)";
+    const std::string vb = b.IsDefined() ? YAML::Dump(b) : "(unset)";
+    if (va == vb) continue;
+    if (may_change_on_resume(k.path)) {
+      spdlog::warn("--resume: {} changes from {} to {}", k.path, va, vb);
+      continue;
+    }
+    refused.push_back(fmt::format("{}: {} in the run, {} now", k.path, va, vb));
+  }
+  if (refused.empty()) return Status::Ok();
+  return invalid_argument(
+      "--resume: this config is another experiment than the run's ({}): {}. Only the run's length, timeouts, "
+      "addresses and profiling may change on resume; nothing was written",
+      committed_path, fmt::join(refused, "; "));
 }
 
 StatusOr<ExperimentConfig> load_config_file(const std::string& path, const std::vector<std::string>& overrides) {

@@ -131,9 +131,12 @@ struct ServerConfig {
   int broadcast_deadline_s() const { return broadcast_timeout_s > 0 ? broadcast_timeout_s : round_timeout_s; }
   int upload_deadline_s() const { return upload_timeout_s > 0 ? upload_timeout_s : round_timeout_s; }
   int connect_timeout_s = 30;
-  // Where a model's chunks travel over gRPC: "grpc" (inside the stream) or
-  // "tcp" (a TCP connection beside it, comm/grpc/data_channel.h).
-  std::string data_channel = "grpc";
+  // The largest sample count an update may be weighted by (comm/update_check.h).
+  double max_num_samples = 1e12;
+  // Where a model's chunks travel over gRPC: "grpc" (inside the stream),
+  // "tcp" (a connection beside it, comm/grpc/data_channel.h), or "auto" (tcp
+  // without TLS; with TLS, only the Unix socket for clients on the host).
+  std::string data_channel = "auto";
   int data_channel_port = 0;      // 0: any free port (told to clients at Register)
   bool data_channel_unix = true;  // clients on the server's host: a Unix-domain socket
   int clients_per_rank = 1;
@@ -193,6 +196,16 @@ std::string describe_config_keys();
 // (ExperimentConfig::resolved_yaml), as "key: A here, B there"; empty when
 // they are the same experiment. MPI ranks check that they agree.
 std::string first_config_difference(const std::string& resolved_here, const std::string& resolved_there);
+
+// --resume: whether `key` may differ between the run being resumed and the
+// config it is resumed with (its length, timeouts, addresses, profiling).
+bool may_change_on_resume(std::string_view key);
+// --resume: refuses a config that differs from the run's committed one
+// (`committed_resolved`, read from `committed_path`) in any other key, naming
+// each; warns for the keys that may change. Called before anything is
+// written or any port opened.
+Status check_resume_config(const std::string& committed_resolved, const std::string& committed_path,
+                           const ExperimentConfig& now);
 
 // `train_configs.dummy_delay_s` as numbers (an error names the key).
 StatusOr<std::vector<double>> parse_delays(const std::string& text);

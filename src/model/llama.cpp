@@ -106,7 +106,16 @@ StatusOr<Layout> layout_without_network(const ModelConfig& model) {
       return Status(file.status().code(),
                     fmt::format("client_configs.model_configs.initial_model: {}", file.status().message()));
     }
-    return (*file)->layout();
+    MEMFL_ASSIGN_OR_RETURN(Layout layout, (*file)->layout());
+    // A synthetic model is its parameter count: a file of another size is
+    // another model, not a way to start this one.
+    if (model.model_name == "synthetic" && layout.num_params() != static_cast<size_t>(model.num_params)) {
+      return invalid_argument(
+          "client_configs.model_configs.initial_model: {} holds {} parameters but "
+          "client_configs.model_configs.model_kwargs.num_params is {}; make them agree",
+          model.initial_model, layout.num_params(), model.num_params);
+    }
+    return layout;
   }
   if (!dtype) return invalid_argument("model_kwargs.dtype: unknown dtype '{}'", model.dtype);
   if (model.model_name == "synthetic") return synthetic_layout(model.num_params, *dtype);

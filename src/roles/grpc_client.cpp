@@ -95,13 +95,10 @@ Status run_grpc_client(const ExperimentConfig& local, int client_id, const RoleO
                     fmt::format("server {} refused {}: {}", peer, role, msg.register_reply().message()));
     }
     data_link.reset();
-    if (const uint32_t port = msg.register_reply().data_port(); port != 0) {
-      const uint64_t ticket = msg.register_reply().data_ticket() ^ (fault == "wrong_data_ticket" ? 1 : 0);
-      MEMFL_ASSIGN_OR_RETURN(
-          data_link, dial_data_channel(lc.server_uri, static_cast<int>(port), msg.register_reply().data_unix_socket(),
-                                       static_cast<uint32_t>(client_id), ticket, lc.connect_timeout_s));
-      spdlog::info("{}: chunks travel on the data channel ({})", role, data_link->peer());
-    }
+    const uint64_t ticket = msg.register_reply().data_ticket() ^ (fault == "wrong_data_ticket" ? 1 : 0);
+    MEMFL_ASSIGN_OR_RETURN(data_link, join_data_channel(*stream, msg.register_reply(), lc.server_uri,
+                                                        static_cast<uint32_t>(client_id), ticket,
+                                                        lc.connect_timeout_s, role));
     // The server's configuration is the experiment; the local one only says
     // how to reach the server.
     out.Clear();

@@ -7,6 +7,7 @@
 
 #include <spdlog/spdlog.h>
 
+#include "comm/update_check.h"
 #include "dp/rdp_accountant.h"
 #include "memory/budget.h"
 #include "server/server_state.h"
@@ -126,7 +127,9 @@ Status RoundDriver::play_round(int round, RoundMetrics* m, bool* redo) {
   sampler_.mark(round, "upload");
   crash_point(round, "upload");
   CollectResult up;
-  MEMFL_RETURN_IF_ERROR(transport_.collect(round, selected, global_.arena(), global_.aggregator(), &up));
+  // Every update's sample count and values are checked before they count.
+  CheckedUpdateOpener checked(global_.aggregator(), global_.layout(), round, UpdateLimits{cfg_.server.max_num_samples});
+  MEMFL_RETURN_IF_ERROR(transport_.collect(round, selected, global_.arena(), checked, &up));
   for (int c : up.failed) {
     (void)global_.aggregator().withdraw(client_id(c));
     if (std::find(dropped_.begin(), dropped_.end(), c) == dropped_.end()) dropped_.push_back(c);

@@ -183,3 +183,52 @@ def test_tls_and_a_token_as_for_the_cpp_client(tmp_path):
     finally:
         if server.poll() is None:
             server.kill()
+
+
+def test_a_refused_update_raises_and_an_abandoned_round_still_exits(tmp_path):
+    # send() with values or a sample count the server would refuse raises at
+    # once, naming the tensor or the count, and the round goes on: the right
+    # update is still accepted. (These used to leave the process waiting for
+    # gRPC to let go of chunks the server never read.)
+    port = free_port()
+    cfg = write_config(tmp_path / "c.yaml", port, rounds=1)
+    server = subprocess.Popen([BIN, "server", cfg, "-q", "--out", str(tmp_path / "server"), "--set",
+                               "server_configs.num_clients=1"])
+    try:
+        client = memfl.Client(f"127.0.0.1:{port}", client_id="0")
+        assert client.next_round() == 1
+        sd = CNN().state_dict()
+        client.receive(sd)
+        poisoned = dict(sd)
+        poisoned["conv2.weight"] = sd["conv2.weight"].clone()
+        poisoned["conv2.weight"].view(-1)[123] = float("nan")
+        with pytest.raises(ValueError, match=r"tensor 'conv2\.weight' element 123 is not finite"):
+            client.send(poisoned, num_samples=10.0, metrics={})
+        for bad in (-1.0, 0.0, float("nan"), float("inf")):
+            with pytest.raises(ValueError, match=r"sample count"):
+                client.send(sd, num_samples=bad, metrics={})
+        client.send(sd, num_samples=10.0, metrics={"train_loss": 1.0})
+        assert client.next_round() == -1
+        client.close()
+        assert server.wait(timeout=120) == 0
+    finally:
+        if server.poll() is None:
+            server.kill()
+
+    # A client that asks for a round's model and never reads it ends when it
+    # closes (or when the interpreter exits), instead of waiting on a server
+    # that is blocked sending it the model.
+    port = free_port()
+    cfg = write_config(tmp_path / "d.yaml", port, rounds=1)
+    server = subprocess.Popen([BIN, "server", cfg, "-q", "--out", str(tmp_path / "server2"), "--set",
+                               "server_configs.num_clients=1"])
+    try:
+        for ending in ("client.close()", "pass"):
+            code = ("import memfl\n"
+                    f"client = memfl.Client('127.0.0.1:{port}', client_id='0')\n"
+                    "assert client.next_round() >= 1\n" + ending + "\n")
+            r = subprocess.run([sys.executable, "-c", code], timeout=60, env=os.environ.copy())
+            assert r.returncode == 0, ending
+    finally:
+        server.kill()
+        server.wait()

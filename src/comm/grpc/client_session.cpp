@@ -2,12 +2,15 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstring>
 #include <fstream>
 #include <thread>
 
 #include <nlohmann/json.hpp>
+#include <spdlog/spdlog.h>
 
+#include "comm/update_check.h"
 #include "config/config.h"
 #include "tensor/dtype.h"
 
@@ -99,6 +102,27 @@ StatusOr<std::vector<const TensorBuffer*>> match_layout(const Layout& layout, st
   return ordered;
 }
 
+StatusOr<std::unique_ptr<DataSocket>> join_data_channel(ClientStream& stream, const wire::RegisterReply& reply,
+                                                        const std::string& server_uri, uint32_t client_id,
+                                                        uint64_t ticket, int timeout_s, const std::string& role) {
+  if (reply.data_ticket() == 0) {
+    spdlog::info("{}: chunks travel on the gRPC stream (the server offers no data channel)", role);
+    return std::unique_ptr<DataSocket>();
+  }
+  auto link = dial_data_channel(server_uri, static_cast<int>(reply.data_port()), reply.data_unix_socket(), client_id,
+                                ticket, timeout_s);
+  if (link.ok()) {
+    spdlog::info("{}: chunks travel on the data channel ({})", role, (*link)->peer());
+    return link;
+  }
+  if (link.status().code() != StatusCode::kNotFound) return link.status();
+  wire::ClientMessage out;
+  out.mutable_data_channel_declined()->set_reason(link.status().message());
+  MEMFL_RETURN_IF_ERROR(write_client_message(stream, out, server_uri));
+  spdlog::info("{}: chunks travel on the gRPC stream ({})", role, link.status().message());
+  return std::unique_ptr<DataSocket>();
+}
+
 StatusOr<std::unique_ptr<GrpcClientSession>> GrpcClientSession::connect(const SessionOptions& o) {
   std::unique_ptr<GrpcClientSession> s(new GrpcClientSession());
   s->peer_ = o.server_uri;
@@ -122,13 +146,11 @@ StatusOr<std::unique_ptr<GrpcClientSession>> GrpcClientSession::connect(const Se
     return failed_precondition("server {} refused client {}: {}", s->peer_, o.client_id,
                                msg.register_reply().message());
   }
-  if (const uint32_t port = msg.register_reply().data_port(); port != 0) {
-    // The server accepted the id, so it is a number.
-    MEMFL_ASSIGN_OR_RETURN(
-        s->data_, dial_data_channel(o.server_uri, static_cast<int>(port), msg.register_reply().data_unix_socket(),
-                                    static_cast<uint32_t>(std::stoul(o.client_id)), msg.register_reply().data_ticket(),
-                                    o.connect_timeout_s));
-  }
+  // The server accepted the id, so it is a number.
+  MEMFL_ASSIGN_OR_RETURN(s->data_, join_data_channel(stream, msg.register_reply(), o.server_uri,
+                                                     static_cast<uint32_t>(std::stoul(o.client_id)),
+                                                     msg.register_reply().data_ticket(), o.connect_timeout_s,
+                                                     "client " + o.client_id));
   out.Clear();
   out.mutable_get_configuration();
   MEMFL_RETURN_IF_ERROR(write_client_message(stream, out, s->peer_));
@@ -156,6 +178,7 @@ StatusOr<std::unique_ptr<GrpcClientSession>> GrpcClientSession::connect(const Se
   MEMFL_ASSIGN_OR_RETURN(ExperimentConfig cfg,
                          load_config_text(s->config_yaml_, "configuration from server " + s->peer_));
   s->chunk_ = grpc_chunk_bytes(cfg.server.use_model_chunking, cfg.server.model_chunk_size, s->layout_.total_bytes());
+  s->connect_timeout_s_ = o.connect_timeout_s > 0 ? o.connect_timeout_s : 30;
   return s;
 }
 
@@ -243,6 +266,19 @@ Status GrpcClientSession::send(std::span<const TensorBuffer> tensors, double num
                                const std::map<std::string, double>& metrics) {
   if (receiving_ || round_ < 0) return failed_precondition("send() before this round's model was received");
   MEMFL_ASSIGN_OR_RETURN(auto ordered, match_layout(layout_, tensors));
+  // What the server would refuse is refused here, before a byte leaves:
+  // the caller gets the reason at once, and the round's stream stays usable.
+  if (!(std::isfinite(num_samples) && num_samples > 0)) {
+    return invalid_argument("send(num_samples={}): the sample count must be a finite number above 0", num_samples);
+  }
+  for (size_t i = 0; i < ordered.size(); ++i) {
+    const auto& e = layout_.entries()[i];
+    const size_t bad = first_non_finite(e.dtype, ordered[i]->data, e.numel());
+    if (bad < e.numel()) {
+      return invalid_argument("send(): tensor '{}' element {} is not finite (NaN or Inf); the update is not sent",
+                              e.name, bad);
+    }
+  }
   wire::ClientMessage out;
   auto* md = out.mutable_update_metadata();
   md->set_round(round_);
@@ -253,9 +289,28 @@ Status GrpcClientSession::send(std::span<const TensorBuffer> tensors, double num
   // handed to gRPC by reference, and reused once gRPC has let go of it.
   std::vector<std::byte> buf(chunk_);
   std::atomic<int64_t> inflight{0};
+  // gRPC holds the last chunk's buffer until the server has taken it. A
+  // server that has stopped reading (it refused the update and ended the
+  // call) never takes it: after connect_timeout_s the call is cancelled,
+  // which makes gRPC let go, and the caller gets an error, not a hang.
+  auto wait_released = [&]() -> Status {
+    const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(connect_timeout_s_);
+    while (inflight.load() > 0) {
+      if (std::chrono::steady_clock::now() > give_up) {
+        ctx_->TryCancel();
+        while (inflight.load() > 0) std::this_thread::sleep_for(std::chrono::microseconds(200));
+        closed_ = true;
+        return Status(StatusCode::kUnavailable,
+                      fmt::format("server {} stopped reading the update for {} s; the session is closed", peer_,
+                                  connect_timeout_s_));
+      }
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+    return Status::Ok();
+  };
   const auto& entries = layout_.entries();
   for (size_t off = 0; off < layout_.total_bytes(); off += chunk_) {
-    while (inflight.load() > 0) std::this_thread::sleep_for(std::chrono::microseconds(50));
+    MEMFL_RETURN_IF_ERROR(wait_released());
     const size_t len = std::min(chunk_, layout_.total_bytes() - off);
     std::memset(buf.data(), 0, len);
     for (size_t i = layout_.entry_at_or_after(off); i < entries.size() && entries[i].offset < off + len; ++i) {
@@ -271,10 +326,13 @@ Status GrpcClientSession::send(std::span<const TensorBuffer> tensors, double num
         return Status(StatusCode::kUnavailable, fmt::format("{} during the upload", w.message()));
       }
     } else if (!stream_->Write(encode_chunk_frame(kClientChunkField, h, bytes, &inflight))) {
+      ctx_->TryCancel();
+      while (inflight.load() > 0) std::this_thread::sleep_for(std::chrono::microseconds(200));
+      closed_ = true;
       return Status(StatusCode::kUnavailable, fmt::format("server {} closed the stream during the upload", peer_));
     }
   }
-  while (inflight.load() > 0) std::this_thread::sleep_for(std::chrono::microseconds(50));
+  MEMFL_RETURN_IF_ERROR(wait_released());
   out.Clear();
   out.mutable_update_end();
   MEMFL_RETURN_IF_ERROR(write_client_message(*stream_, out, peer_));
@@ -293,6 +351,13 @@ Status GrpcClientSession::send(std::span<const TensorBuffer> tensors, double num
 Status GrpcClientSession::close() {
   if (closed_ || !stream_) return Status::Ok();
   closed_ = true;
+  // In the middle of a round the server is sending the model (or waiting
+  // for the update) and would not read a Bye behind it: end the call.
+  if (receiving_ || round_ >= 0) {
+    ctx_->TryCancel();
+    (void)stream_->Finish();
+    return Status::Ok();
+  }
   wire::ClientMessage out;
   out.mutable_bye();
   (void)write_client_message(*stream_, out, peer_);

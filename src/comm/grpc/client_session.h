@@ -43,6 +43,16 @@ using ClientStream = grpc::ClientReaderWriter<Frame, Frame>;
 Status read_server_message(ClientStream& stream, const std::string& peer, DecodedFrame* d, wire::ServerMessage* msg);
 Status write_client_message(ClientStream& stream, const google::protobuf::MessageLite& msg, const std::string& peer);
 
+// After an accepted Register: the session's data connection, when the
+// server offered one (a ticket) and this client can reach it; nullptr when
+// the chunks travel on the stream — none offered, or none reachable, and
+// then the server is told (DataChannelDeclined). Logs which path `role`
+// takes. A channel that is reached but fails (a refused ticket, no welcome)
+// is an error.
+StatusOr<std::unique_ptr<DataSocket>> join_data_channel(ClientStream& stream, const wire::RegisterReply& reply,
+                                                        const std::string& server_uri, uint32_t client_id,
+                                                        uint64_t ticket, int timeout_s, const std::string& role);
+
 // The channel a client opens: TLS when root_cert is given (PEM file), the
 // message limits and stream window that fit one transfer chunk.
 StatusOr<std::shared_ptr<grpc::Channel>> make_client_channel(const std::string& server_uri, bool use_ssl,
@@ -101,6 +111,7 @@ class GrpcClientSession {
   std::string peer_, config_yaml_;
   Layout layout_;
   size_t chunk_ = 0;
+  int connect_timeout_s_ = 30;
   int round_ = -1, local_steps_ = 0;
   bool receiving_ = false, closed_ = false;
 };

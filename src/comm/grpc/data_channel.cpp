@@ -11,8 +11,10 @@
 #include <sys/un.h>
 #include <unistd.h>
 
-#include <bit>
 #include <algorithm>
+#include <bit>
+#include <chrono>
+#include <vector>
 #include <cerrno>
 #include <cstddef>
 #include <cstring>
@@ -187,9 +189,7 @@ uint64_t draw_data_ticket() {
   return t;
 }
 
-Status DataListener::start(const std::string& server_uri, int port, bool unix_socket, Attach attach) {
-  std::string host, unused;
-  MEMFL_RETURN_IF_ERROR(split_host_port(server_uri, &host, &unused));
+Status DataListener::listen_tcp(const std::string& host, int port) {
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;
@@ -206,7 +206,7 @@ Status DataListener::start(const std::string& server_uri, int port, bool unix_so
     if (fd < 0) continue;
     const int one = 1;
     ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-    if (::bind(fd, a->ai_addr, a->ai_addrlen) == 0 && ::listen(fd, 64) == 0) {
+    if (::bind(fd, a->ai_addr, a->ai_addrlen) == 0 && ::listen(fd, SOMAXCONN) == 0) {
       listen_fd_ = fd;
     } else {
       why = std::strerror(errno);
@@ -222,15 +222,23 @@ Status DataListener::start(const std::string& server_uri, int port, bool unix_so
   ::getsockname(listen_fd_, reinterpret_cast<sockaddr*>(&ss), &len);
   port_ = ss.ss_family == AF_INET ? ntohs(reinterpret_cast<sockaddr_in*>(&ss)->sin_port)
                                   : ntohs(reinterpret_cast<sockaddr_in6*>(&ss)->sin6_port);
+  return Status::Ok();
+}
+
+Status DataListener::start(const std::string& server_uri, int port, bool unix_socket, Attach attach, bool tcp) {
+  std::string host, unused;
+  MEMFL_RETURN_IF_ERROR(split_host_port(server_uri, &host, &unused));
+  if (tcp) MEMFL_RETURN_IF_ERROR(listen_tcp(host, port));
   if (unix_socket) {
     unix_name_ = fmt::format("memfl-data-{}-{:016x}", ::getpid(), draw_data_ticket());
     sockaddr_un a;
     const socklen_t alen = unix_address(unix_name_, &a);
     unix_fd_ = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    if (unix_fd_ < 0 || ::bind(unix_fd_, reinterpret_cast<sockaddr*>(&a), alen) != 0 || ::listen(unix_fd_, 64) != 0) {
+    if (unix_fd_ < 0 || ::bind(unix_fd_, reinterpret_cast<sockaddr*>(&a), alen) != 0 ||
+        ::listen(unix_fd_, SOMAXCONN) != 0) {
       // Not fatal: clients dial TCP.
-      spdlog::warn("grpc_configs.data_channel_unix: no Unix socket ({}); clients on this host use TCP",
-                   std::strerror(errno));
+      spdlog::warn("grpc_configs.data_channel_unix: no Unix socket ({}); clients on this host use {}",
+                   std::strerror(errno), tcp ? "TCP" : "the gRPC stream");
       if (unix_fd_ >= 0) ::close(unix_fd_);
       unix_fd_ = -1;
       unix_name_.clear();
@@ -242,42 +250,110 @@ Status DataListener::start(const std::string& server_uri, int port, bool unix_so
   return Status::Ok();
 }
 
+namespace {
+
+// A connection accepted but not yet past its hello. Handshakes run side by
+// side in the listener's poll loop, each with its own deadline, so a peer
+// that connects and says nothing (or says it one byte a second) delays
+// nobody else: a known client's hello arrives with its connect and is read in
+// the same turn of the loop.
+struct PendingHello {
+  int fd = -1;
+  bool from_unix = false;
+  std::string peer;
+  std::chrono::steady_clock::time_point deadline;
+  std::byte bytes[24] = {};
+  size_t have = 0;
+};
+
+void set_blocking(int fd, bool blocking) {
+  const int flags = ::fcntl(fd, F_GETFL);
+  if (flags >= 0) ::fcntl(fd, F_SETFL, blocking ? (flags & ~O_NONBLOCK) : (flags | O_NONBLOCK));
+}
+
+}  // namespace
+
 void DataListener::serve() {
+  std::vector<PendingHello> pending;
+  std::vector<pollfd> p;
+  auto drop = [&](size_t i, const char* why) {
+    spdlog::warn("data channel: {} {}; closed", pending[i].peer, why);
+    ::close(pending[i].fd);
+    pending.erase(pending.begin() + static_cast<std::ptrdiff_t>(i));
+  };
   while (true) {
-    pollfd p[3] = {{wake_[0], POLLIN, 0}, {listen_fd_, POLLIN, 0}, {unix_fd_, POLLIN, 0}};
-    if (::poll(p, unix_fd_ >= 0 ? 3 : 2, -1) < 0) {
+    const auto now = std::chrono::steady_clock::now();
+    for (size_t i = pending.size(); i-- > 0;) {
+      if (now >= pending[i].deadline) drop(i, "did not say a memfl hello in time");
+    }
+    int wait_ms = -1;
+    for (const auto& h : pending) {
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(h.deadline - now).count() + 1;
+      wait_ms = wait_ms < 0 ? static_cast<int>(left) : std::min(wait_ms, static_cast<int>(left));
+    }
+    p.assign({{wake_[0], POLLIN, 0}, {listen_fd_, POLLIN, 0}, {unix_fd_, POLLIN, 0}});
+    for (const auto& h : pending) p.push_back({h.fd, POLLIN, 0});
+    if (::poll(p.data(), p.size(), wait_ms) < 0) {
       if (errno == EINTR) continue;
-      return;
+      break;
     }
-    if (p[0].revents != 0) return;
-    const bool from_unix = unix_fd_ >= 0 && p[2].revents != 0;
-    sockaddr_storage ss{};
-    socklen_t len = sizeof ss;
-    const int fd = ::accept4(from_unix ? unix_fd_ : listen_fd_, reinterpret_cast<sockaddr*>(&ss), &len, SOCK_CLOEXEC);
-    if (fd < 0) continue;
-    if (from_unix) widen_unix_buffers(fd);
-    const std::string peer = address_text(reinterpret_cast<sockaddr*>(&ss));
-    // A peer that connects and says nothing holds the listener up for 2 s at
-    // most; a known client says its hello at once.
-    set_timeouts(fd, 2);
-    std::byte hello[24];
-    if (read_all(fd, hello, sizeof hello) != 0 || std::memcmp(hello, kDataHelloMagic, 8) != 0) {
-      spdlog::warn("data channel: {} did not say a memfl hello; closed", peer);
-      ::close(fd);
-      continue;
+    if (p[0].revents != 0) break;
+    // Hellos first (the connections are older than any new one), from the
+    // back so that erasing keeps the indices of those not yet visited.
+    for (size_t i = pending.size(); i-- > 0;) {
+      if (p[3 + i].revents == 0) continue;
+      PendingHello& h = pending[i];
+      const ssize_t r = ::recv(h.fd, h.bytes + h.have, sizeof h.bytes - h.have, 0);
+      if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) continue;
+      if (r <= 0) {
+        drop(i, "closed before its hello");
+        continue;
+      }
+      h.have += static_cast<size_t>(r);
+      if (std::memcmp(h.bytes, kDataHelloMagic, std::min(h.have, sizeof kDataHelloMagic)) != 0) {
+        drop(i, "did not say a memfl hello");
+        continue;
+      }
+      if (h.have < sizeof h.bytes) continue;
+      DataHello hello;
+      std::memcpy(&hello.client_id, h.bytes + 8, 4);
+      std::memcpy(&hello.ticket, h.bytes + 16, 8);
+      const int fd = h.fd;
+      const std::string peer = h.peer;
+      const bool from_unix = h.from_unix;
+      pending.erase(pending.begin() + static_cast<std::ptrdiff_t>(i));
+      set_blocking(fd, true);
+      if (!from_unix) set_nodelay(fd);
+      // attach_ says the welcome (send_data_welcome) before it publishes the
+      // connection to its session: the client's chunks may then follow. The
+      // session's deadlines govern from here (shutdown).
+      if (!attach_(fd, hello, peer)) {
+        spdlog::warn("data channel: {} (client id {}) has no session with that ticket; closed", peer, hello.client_id);
+        ::close(fd);
+      }
     }
-    DataHello h;
-    std::memcpy(&h.client_id, hello + 8, 4);
-    std::memcpy(&h.ticket, hello + 16, 8);
-    if (!from_unix) set_nodelay(fd);
-    set_timeouts(fd, 0);  // the session's deadlines govern from here (shutdown)
-    // attach_ says the welcome (send_data_welcome) before it publishes the
-    // connection to its session: the client's chunks may then follow.
-    if (!attach_(fd, h, peer)) {
-      spdlog::warn("data channel: {} (client id {}) has no session with that ticket; closed", peer, h.client_id);
-      ::close(fd);
+    for (const int which : {1, 2}) {
+      if (p[static_cast<size_t>(which)].fd < 0 || p[static_cast<size_t>(which)].revents == 0) continue;
+      const bool from_unix = which == 2;
+      // Every connection waiting in the backlog, not one per turn.
+      while (true) {
+        sockaddr_storage ss{};
+        socklen_t len = sizeof ss;
+        const int fd = ::accept4(from_unix ? unix_fd_ : listen_fd_, reinterpret_cast<sockaddr*>(&ss), &len,
+                                 SOCK_CLOEXEC | SOCK_NONBLOCK);
+        if (fd < 0) break;
+        if (from_unix) widen_unix_buffers(fd);
+        if (pending.size() >= kMaxPendingHellos) drop(0, "was the oldest of too many connections without a hello");
+        PendingHello h;
+        h.fd = fd;
+        h.from_unix = from_unix;
+        h.peer = address_text(reinterpret_cast<sockaddr*>(&ss));
+        h.deadline = std::chrono::steady_clock::now() + hello_timeout_;
+        pending.push_back(std::move(h));
+      }
     }
   }
+  for (auto& h : pending) ::close(h.fd);
 }
 
 bool send_data_welcome(int fd) {
@@ -308,9 +384,30 @@ static StatusOr<std::unique_ptr<DataSocket>> say_hello(int fd, const std::string
   std::memcpy(hello + 16, &ticket, 8);
   iovec iov{hello, sizeof hello};
   std::byte welcome[8];
-  if (!write_all(fd, &iov, 1) || read_all(fd, welcome, sizeof welcome) != 0 ||
-      std::memcmp(welcome, kDataWelcomeMagic, 8) != 0) {
-    return Status(StatusCode::kUnavailable, fmt::format("{} refused the data channel's ticket", peer));
+  if (!write_all(fd, &iov, 1)) {
+    return Status(StatusCode::kUnavailable,
+                  fmt::format("{}: could not send the data channel's hello: {}", peer, std::strerror(errno)));
+  }
+  // What went wrong decides what the user should look at: a closed
+  // connection is the server refusing this session's ticket; silence is a
+  // busy or wrong listener.
+  const int e = read_all(fd, welcome, sizeof welcome);
+  if (e == EAGAIN || e == EWOULDBLOCK) {
+    return Status(StatusCode::kUnavailable, fmt::format("{} did not answer the data channel's hello within {} s "
+                                                        "(grpc_configs.connect_timeout_s)",
+                                                        peer, timeout_s));
+  }
+  if (e == -1 || e == ECONNRESET) {
+    return Status(StatusCode::kUnavailable,
+                  fmt::format("{} refused the data channel's ticket (closed the connection)", peer));
+  }
+  if (e != 0) {
+    return Status(StatusCode::kUnavailable,
+                  fmt::format("{}: reading the data channel's welcome: {}", peer, std::strerror(e)));
+  }
+  if (std::memcmp(welcome, kDataWelcomeMagic, 8) != 0) {
+    return Status(StatusCode::kUnavailable,
+                  fmt::format("{} answered the data channel's hello with bytes that are not a memfl welcome", peer));
   }
   set_timeouts(fd, 0);  // the rounds may idle for as long as training takes
   return sock;
@@ -333,6 +430,11 @@ StatusOr<std::unique_ptr<DataSocket>> dial_data_channel(const std::string& serve
     }
     if (fd >= 0) ::close(fd);
   }
+  if (port == 0) {
+    return not_found("server {}: its data channel is a Unix socket this process cannot reach (another host or "
+                     "network namespace)",
+                     server_uri);
+  }
   const std::string peer = fmt::format("server {} (data channel port {})", server_uri, port);
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
@@ -340,7 +442,7 @@ StatusOr<std::unique_ptr<DataSocket>> dial_data_channel(const std::string& serve
   addrinfo* res = nullptr;
   const std::string port_text = std::to_string(port);
   if (const int e = ::getaddrinfo(host.c_str(), port_text.c_str(), &hints, &res); e != 0) {
-    return Status(StatusCode::kUnavailable, fmt::format("{}: cannot resolve {}: {}", peer, host, ::gai_strerror(e)));
+    return not_found("{}: cannot resolve {}: {}", peer, host, ::gai_strerror(e));
   }
   int fd = -1;
   std::string why = "no address";
@@ -355,7 +457,7 @@ StatusOr<std::unique_ptr<DataSocket>> dial_data_channel(const std::string& serve
     }
   }
   ::freeaddrinfo(res);
-  if (fd < 0) return Status(StatusCode::kUnavailable, fmt::format("{}: cannot connect: {}", peer, why));
+  if (fd < 0) return not_found("{}: cannot connect: {}", peer, why);
   set_nodelay(fd);
   return say_hello(fd, peer, client_id, ticket, timeout_s);
 }

@@ -29,6 +29,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -75,7 +76,8 @@ class DataSocket {
 };
 
 // The server's side: listens beside the gRPC port and hands every
-// connection whose hello reads in time to `attach`, which returns whether it
+// connection whose hello reads in time (hello_timeout, per connection) to
+// `attach`, which returns whether it
 // took the connection (a known client with the ticket of its session: it
 // then says send_data_welcome before the session may use it); a refused one
 // is closed unwelcomed, with a warning naming the address.
@@ -85,14 +87,26 @@ class DataListener {
   ~DataListener() { stop(); }
   // Binds the host of `server_uri` (host:port, [v6]:port) at `port` (0: any
   // free port); port() is then the one bound. With `unix_socket`, also an
-  // abstract Unix-domain socket of a random name, unix_name().
-  Status start(const std::string& server_uri, int port, bool unix_socket, Attach attach);
+  // abstract Unix-domain socket of a random name, unix_name(). With `tcp`
+  // false, only the Unix socket (port() is 0): for a server whose stream is
+  // TLS, whose chunks may leave the stream only where they never leave the
+  // kernel.
+  Status start(const std::string& server_uri, int port, bool unix_socket, Attach attach, bool tcp = true);
   int port() const { return port_; }
   const std::string& unix_name() const { return unix_name_; }
   void stop();
+  // Handshakes run side by side: each connection has this long to say its
+  // hello, counted from its own accept (set before start). At most
+  // kMaxPendingHellos wait at once; one more closes the oldest, so a flood of
+  // silent connections cannot keep a client's hello out for longer than it
+  // takes the flood to be accepted, and costs the listener bounded memory.
+  void set_hello_timeout(std::chrono::milliseconds t) { hello_timeout_ = t; }
+  static constexpr size_t kMaxPendingHellos = 256;
 
  private:
+  Status listen_tcp(const std::string& host, int port);
   void serve();
+  std::chrono::milliseconds hello_timeout_{2000};
   int listen_fd_ = -1, unix_fd_ = -1, wake_[2] = {-1, -1}, port_ = 0;
   std::string unix_name_;
   Attach attach_;
@@ -103,8 +117,10 @@ bool send_data_welcome(int fd);
 
 // The client's side: connects to the server's Unix socket `unix_name` if
 // it is given and reachable (the same host), else to the host of
-// `server_uri` at `port`; says its hello and waits for the server's welcome
-// (a refused ticket closes the connection: the error says so).
+// `server_uri` at `port` (0: none offered); says its hello and waits for the
+// server's welcome (a refused ticket closes the connection: the error says
+// so). kNotFound: nothing offered could be reached (the client may then move
+// its chunks on the stream); any other error is the channel failing.
 StatusOr<std::unique_ptr<DataSocket>> dial_data_channel(const std::string& server_uri, int port,
                                                         const std::string& unix_name, uint32_t client_id,
                                                         uint64_t ticket, int timeout_s);

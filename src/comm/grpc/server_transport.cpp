@@ -145,6 +145,7 @@ class ServerAgent final : public ServerTransport {
       async_ = std::make_unique<Async>();
       async_->ready_steps.assign(slots_.size(), -1);
       async_->base_version.assign(slots_.size(), 0);
+      async_->sending_since.assign(slots_.size(), Clock::time_point::max());
       async_->dispatched_at.assign(slots_.size(), 0.0);
     }
   }
@@ -183,6 +184,12 @@ class ServerAgent final : public ServerTransport {
     std::unique_ptr<SpoolSlots> slots;  // updates wait here until applied
     std::vector<int> ready_steps;       // per client: its next trip's local steps, -1 while it has none
     std::vector<int64_t> base_version;
+    // Per client: when the send of its model began (max: not sending). A
+    // sender holds model_mu shared, which applying an update needs alone, so
+    // a client that stops reading would freeze every update behind it: a
+    // watchdog cancels a send older than broadcast_timeout_s, as the
+    // synchronous broadcast's deadline does.
+    std::vector<Clock::time_point> sending_since;
     std::vector<double> dispatched_at;
     std::vector<std::pair<double, int>> deadlines;  // FedCompass groups
     int64_t evals_due = 0;                          // evaluations the serving thread owes
@@ -191,6 +198,8 @@ class ServerAgent final : public ServerTransport {
     double now() const { return std::chrono::duration<double>(Clock::now() - t0).count(); }
   };
   void follow_locked(const AsyncNext& next);
+  // Drops every client whose model send has taken longer than the broadcast deadline.
+  void cancel_stalled_senders_locked();
   // Chunks of the global model are handed to gRPC without a copy: before the
   // model changes, gRPC must have let go of every one (senders are done:
   // the caller holds the model lock alone).
@@ -246,18 +255,30 @@ class ServerAgent final : public ServerTransport {
   uint64_t bytes_down_ = 0, bytes_up_ = 0;
   // Naive mode: every client's serialised model, held until the end of the upload phase.
   std::vector<std::pair<int, std::pair<double, std::vector<std::byte>>>> naive_updates_;
-  int data_port_ = 0;  // 0: no data channel offered
+  int data_port_ = 0;         // 0: no TCP port offered
+  bool offers_data_ = false;  // a data channel (TCP port or Unix socket) is offered
   // Last: destroyed first, so its thread stops before what it touches.
   DataListener data_listener_;
 };
 
 Status ServerAgent::start_data_channel() {
+  // Under TLS the chunks may leave the encrypted stream only where they never
+  // leave the kernel: the Unix socket, for clients on this host (its ticket
+  // travels inside the TLS stream). A plain server also offers a TCP port.
+  const bool tcp = !cfg_.server.use_ssl;
+  const bool unix_socket = cfg_.server.data_channel_unix || !tcp;
   MEMFL_RETURN_IF_ERROR(data_listener_.start(
-      cfg_.server.server_uri, cfg_.server.data_channel_port, cfg_.server.data_channel_unix,
-      [this](int fd, const DataHello& hello, const std::string& addr) { return attach_data(fd, hello, addr); }));
+      cfg_.server.server_uri, cfg_.server.data_channel_port, unix_socket,
+      [this](int fd, const DataHello& hello, const std::string& addr) { return attach_data(fd, hello, addr); }, tcp));
   data_port_ = data_listener_.port();
-  spdlog::info("server: TCP data channel on port {}{}", data_port_,
-               data_listener_.unix_name().empty() ? "" : ", and a Unix socket for clients on this host");
+  offers_data_ = data_port_ != 0 || !data_listener_.unix_name().empty();
+  if (tcp) {
+    spdlog::info("server: TCP data channel on port {}{}", data_port_,
+                 data_listener_.unix_name().empty() ? "" : ", and a Unix socket for clients on this host");
+  } else if (offers_data_) {
+    spdlog::info("server: data channel on a Unix socket for clients on this host (TLS: clients elsewhere use the "
+                 "encrypted stream)");
+  }
   return Status::Ok();
 }
 
@@ -269,6 +290,7 @@ bool ServerAgent::attach_data(int fd, const DataHello& hello, const std::string&
   if (s.data_ticket == 0 || s.data_ticket != hello.ticket || !send_data_welcome(fd)) return false;
   s.data_ticket = 0;
   s.data = std::make_shared<DataSocket>(fd, fmt::format("client_{} ({}, data channel)", hello.client_id, addr));
+  spdlog::info("client_{}: chunks on the data channel ({})", hello.client_id, addr);
   cv_.notify_all();
   return true;
 }
@@ -499,7 +521,7 @@ grpc::Status ServerAgent::session(grpc::ServerContext* ctx, grpc::ServerReaderWr
       my_session = ++s.session;
       // An earlier session's data connection is not this one's.
       s.close_data();
-      s.data_ticket = data_ticket = data_port_ != 0 && reg.data_channel() ? draw_data_ticket() : 0;
+      s.data_ticket = data_ticket = offers_data_ && reg.data_channel() ? draw_data_ticket() : 0;
       cv_.notify_all();
     }
   }
@@ -632,6 +654,16 @@ grpc::Status ServerAgent::session(grpc::ServerContext* ctx, grpc::ServerReaderWr
         r.mutable_error()->set_message("unknown custom action '" + msg.custom_action().action() + "'");
       }
       stream->Write(encode_message(r));
+    } else if (msg.has_data_channel_declined()) {
+      // The client cannot reach the channel it was offered: its chunks use
+      // the stream, and its ticket is no longer good.
+      std::lock_guard lock(mu_);
+      auto& slot = slots_[static_cast<size_t>(id)];
+      if (slot.session == my_session && slot.data_ticket == data_ticket) slot.data_ticket = 0;
+      if (data_ticket != 0) {
+        spdlog::info("{}: chunks on the gRPC stream ({})", peer, msg.data_channel_declined().reason());
+      }
+      data_ticket = 0;
     } else if (msg.has_bye()) {
       std::lock_guard lock(mu_);
       if (slots_[static_cast<size_t>(id)].session == my_session) slots_[static_cast<size_t>(id)].ctx = nullptr;
@@ -672,12 +704,33 @@ grpc::Status ServerAgent::async_send_model(grpc::ServerReaderWriter<Frame, Frame
   int64_t version = 0;
   {
     std::lock_guard lock(mu_);
+    if (slots_[static_cast<size_t>(id)].session != session) return {grpc::StatusCode::ABORTED, peer + " was replaced"};
     version = a.core->version();
     a.base_version[static_cast<size_t>(id)] = version;
     a.dispatched_at[static_cast<size_t>(id)] = a.now();
+    a.sending_since[static_cast<size_t>(id)] = Clock::now();
     global_ = a.global;
   }
-  return send_model(stream, static_cast<int>(version), peer, data, steps);
+  grpc::Status sent = send_model(stream, static_cast<int>(version), peer, data, steps);
+  std::lock_guard lock(mu_);
+  if (slots_[static_cast<size_t>(id)].session == session)
+    a.sending_since[static_cast<size_t>(id)] = Clock::time_point::max();
+  return sent;
+}
+
+void ServerAgent::cancel_stalled_senders_locked() {
+  Async& a = *async_;
+  const auto limit = std::chrono::seconds(cfg_.server.broadcast_deadline_s());
+  const auto now = Clock::now();
+  for (size_t id = 0; id < a.sending_since.size(); ++id) {
+    if (a.sending_since[id] == Clock::time_point::max() || now - a.sending_since[id] < limit) continue;
+    a.sending_since[id] = Clock::time_point::max();
+    fail_locked(static_cast<int>(id),
+                fmt::format("did not take the model within {} s (server_configs.broadcast_timeout_s); its send is "
+                            "cancelled so that updates can be applied",
+                            cfg_.server.broadcast_deadline_s()),
+                /*cancel=*/true);
+  }
 }
 
 grpc::Status ServerAgent::async_receive_update(grpc::ServerContext* ctx, grpc::ServerReaderWriter<Frame, Frame>* stream,
@@ -772,6 +825,34 @@ Status ServerAgent::serve_async(AsyncUpdateHandler& core, Arena& global, const A
     cv_.notify_all();
   }
   Async& a = *async_;
+  // The watchdog runs beside the serving loop, which may itself wait for
+  // model_mu (a FedCompass deadline, an evaluation).
+  struct Watchdog {
+    explicit Watchdog(ServerAgent* a) : agent(a) {}
+    ServerAgent* agent;
+    std::mutex m;
+    std::condition_variable cv;
+    bool stop = false;
+    std::thread thread;
+    ~Watchdog() {
+      {
+        std::lock_guard lock(m);
+        stop = true;
+      }
+      cv.notify_all();
+      if (thread.joinable()) thread.join();
+    }
+  } watchdog(this);
+  watchdog.thread = std::thread([&watchdog] {
+    while (true) {
+      {
+        std::unique_lock lock(watchdog.m);
+        if (watchdog.cv.wait_for(lock, std::chrono::milliseconds(100), [&] { return watchdog.stop; })) return;
+      }
+      std::lock_guard agent_lock(watchdog.agent->mu_);
+      watchdog.agent->cancel_stalled_senders_locked();
+    }
+  });
   int64_t evaluated = 0;
   while (true) {
     std::unique_lock lock(mu_);
@@ -1016,7 +1097,7 @@ StatusOr<std::unique_ptr<GrpcServerTransport>> GrpcServerTransport::listen(const
                                                  /*chunks=*/1));
   builder.RegisterService(&t->impl_->service);
   // Before the first client can register: every session is offered it.
-  if (sc.data_channel == "tcp") MEMFL_RETURN_IF_ERROR(t->impl_->agent.start_data_channel());
+  if (sc.data_channel == "tcp" || sc.data_channel == "auto") MEMFL_RETURN_IF_ERROR(t->impl_->agent.start_data_channel());
   t->impl_->server = builder.BuildAndStart();
   if (!t->impl_->server || port == 0) {
     return invalid_argument(

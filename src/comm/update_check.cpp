@@ -1,0 +1,185 @@
+#include "comm/update_check.h"
+
+#include <cmath>
+#include <cstring>
+
+namespace memfl {
+
+Status check_sample_count(double sample_count, const UpdateLimits& limits, std::string_view peer, int round) {
+  if (std::isfinite(sample_count) && sample_count > 0 && sample_count <= limits.max_num_samples) {
+    return Status::Ok();
+  }
+  return Status(StatusCode::kRejected,
+                fmt::format("round {}: the update of {} is refused: its sample count {} is not a finite number in "
+                            "(0, {}] (server_configs.max_num_samples)",
+                            round, peer, sample_count, limits.max_num_samples));
+}
+
+namespace {
+
+// An element is not finite when its exponent bits are all ones. The loops
+// OR a flag per element, with no early exit, so the compiler vectorises
+// them; only a chunk that fails is searched again for the index.
+template <typename Bits, Bits kExponent>
+bool all_finite(const std::byte* p, size_t n) {
+  Bits bad = 0;
+  for (size_t i = 0; i < n; ++i) {
+    Bits v;
+    std::memcpy(&v, p + i * sizeof(Bits), sizeof v);
+    bad |= static_cast<Bits>((v & kExponent) == kExponent);
+  }
+  return bad == 0;
+}
+
+template <typename Bits, Bits kExponent>
+size_t first_bad(const std::byte* p, size_t n) {
+  constexpr size_t kBlock = 4096;
+  for (size_t i = 0; i < n; i += kBlock) {
+    const size_t m = std::min(kBlock, n - i);
+    if (all_finite<Bits, kExponent>(p + i * sizeof(Bits), m)) continue;
+    for (size_t j = i; j < i + m; ++j) {
+      Bits v;
+      std::memcpy(&v, p + j * sizeof(Bits), sizeof v);
+      if ((v & kExponent) == kExponent) return j;
+    }
+  }
+  return n;
+}
+
+std::string describe(DType dtype, const std::byte* p) {
+  float f = 0;
+  if (dtype == DType::kF32) {
+    std::memcpy(&f, p, 4);
+  } else {
+    uint16_t b;
+    std::memcpy(&b, p, 2);
+    if (dtype == DType::kBF16) {
+      f = bf16_to_f32(b);
+    } else {
+      // f16: only the class matters here (exponent all ones).
+      f = (b & 0x03ff) != 0 ? std::nanf("") : ((b & 0x8000) != 0 ? -INFINITY : INFINITY);
+    }
+  }
+  return std::isnan(f) ? "NaN" : (f > 0 ? "+Inf" : "-Inf");
+}
+
+}  // namespace
+
+size_t first_non_finite(DType dtype, const std::byte* p, size_t n) {
+  switch (dtype) {
+    case DType::kF32:
+      return first_bad<uint32_t, 0x7f800000u>(p, n);
+    case DType::kBF16:
+      return first_bad<uint16_t, 0x7f80>(p, n);
+    case DType::kF16:
+      return first_bad<uint16_t, 0x7c00>(p, n);
+    default:
+      return n;
+  }
+}
+
+Status FiniteValueCheck::check(uint64_t offset, Payload payload, std::string_view peer, int round) {
+  for (auto piece : payload) {
+    MEMFL_RETURN_IF_ERROR(check_span(offset, piece, peer, round));
+    offset += piece.size();
+  }
+  return Status::Ok();
+}
+
+Status FiniteValueCheck::check_span(uint64_t offset, std::span<const std::byte> bytes, std::string_view peer,
+                                    int round) {
+  const auto& entries = layout_.entries();
+  const uint64_t end = offset + bytes.size();
+  auto refuse = [&](const LayoutEntry& e, size_t index, const std::byte* at) {
+    return Status(StatusCode::kRejected, fmt::format("{}the update of {} is refused: tensor '{}' element {} is {}",
+                                                     round >= 0 ? fmt::format("round {}: ", round) : std::string(),
+                                                     peer, e.name, index, describe(e.dtype, at)));
+  };
+  if (entry_ >= entries.size() || entries[entry_].end() <= offset || entries[entry_].offset > offset) {
+    entry_ = layout_.entry_at_or_after(static_cast<size_t>(offset));
+    carry_len_ = 0;
+  }
+  while (offset < end && entry_ < entries.size()) {
+    const LayoutEntry& e = entries[entry_];
+    if (e.offset >= end) break;  // the rest of this span is padding before it
+    if (!dtype_is_float(e.dtype)) {
+      if (e.end() > end) break;
+      offset = e.end();
+      ++entry_;
+      continue;
+    }
+    const size_t es = dtype_size(e.dtype);
+    uint64_t at = std::max<uint64_t>(offset, e.offset);
+    const uint64_t stop = std::min<uint64_t>(end, e.end());
+    const std::byte* base = bytes.data() + (at - (end - bytes.size()));
+    // An element cut by the last chunk's edge: its first bytes wait in carry_.
+    if (carry_len_ > 0) {
+      const size_t take = std::min<uint64_t>(es - carry_len_, stop - at);
+      std::memcpy(carry_ + carry_len_, base, take);
+      carry_len_ += take;
+      at += take;
+      base += take;
+      if (carry_len_ == es) {
+        carry_len_ = 0;
+        const size_t index = (at - es - e.offset) / es;
+        if (first_non_finite(e.dtype, carry_, 1) == 0) return refuse(e, index, carry_);
+      }
+    }
+    const size_t whole = static_cast<size_t>((stop - at) / es);
+    const size_t bad = first_non_finite(e.dtype, base, whole);
+    if (bad < whole) return refuse(e, (at - e.offset) / es + bad, base + bad * es);
+    at += whole * es;
+    base += whole * es;
+    if (at < stop) {  // a cut element: keep its first bytes
+      carry_len_ = static_cast<size_t>(stop - at);
+      std::memcpy(carry_, base, carry_len_);
+      at = stop;
+    }
+    offset = at;
+    if (at == e.end()) ++entry_;
+  }
+  return Status::Ok();
+}
+
+namespace {
+
+class CheckedUpdateStream final : public UpdateStream {
+ public:
+  CheckedUpdateStream(std::unique_ptr<UpdateStream> inner, const Layout& layout, std::string peer, int round)
+      : inner_(std::move(inner)), layout_(layout), check_(layout), peer_(std::move(peer)), round_(round) {}
+  using ChunkSink::accept;
+  Status accept(const ChunkHeader& header, Payload payload) override {
+    // The header first (as the aggregator will again): the values are
+    // followed by offset, so a chunk out of order must not reach the check.
+    MEMFL_RETURN_IF_ERROR(verify_chunk_header(header, payload_size(payload), layout_, next_offset_, peer_));
+    Status st = check_.check(header.offset, payload, peer_, round_);
+    // Bytes damaged on the way are a checksum error, not the client's
+    // values: say which (only a refused chunk is hashed again).
+    if (!st.ok() && chunk_checksum(payload) != header.checksum) return checksum_mismatch(header, peer_);
+    MEMFL_RETURN_IF_ERROR(st);
+    MEMFL_RETURN_IF_ERROR(inner_->accept(header, payload));
+    next_offset_ += header.length;
+    return Status::Ok();
+  }
+  Status commit() override { return inner_->commit(); }
+
+ private:
+  std::unique_ptr<UpdateStream> inner_;
+  const Layout& layout_;
+  FiniteValueCheck check_;
+  uint64_t next_offset_ = 0;
+  std::string peer_;
+  int round_;
+};
+
+}  // namespace
+
+StatusOr<std::unique_ptr<UpdateStream>> CheckedUpdateOpener::open_update(const std::string& client_id,
+                                                                         double sample_count) {
+  MEMFL_RETURN_IF_ERROR(check_sample_count(sample_count, limits_, client_id, round_));
+  MEMFL_ASSIGN_OR_RETURN(auto inner, inner_.open_update(client_id, sample_count));
+  return std::unique_ptr<UpdateStream>(
+      std::make_unique<CheckedUpdateStream>(std::move(inner), layout_, client_id, round_));
+}
+
+}  // namespace memfl
