@@ -8,7 +8,7 @@ CMAKE_FLAGS ?=
 export CCACHE_SLOPPINESS = pch_defines,time_macros,include_file_mtime,include_file_ctime
 export CCACHE_DIR ?= $(HOME)/.cache/ccache
 
-.PHONY: deps configure build python demo test test-unit test-asan bench fuzz profile-demo format clean
+.PHONY: deps configure build python demo test test-unit test-asan bench fuzz profile-demo check-guides format clean
 
 # Debian packages, then the report's front-end libraries (pinned in
 # report-assets/package-lock.json; inlined into memfl at build time).
@@ -81,6 +81,7 @@ bench: build
 	bash bench/malloc_policy_ab.sh $(BUILD) 2 5 2 > $(BUILD)/bench_malloc_policy_ab.jsonl
 	bash bench/sim_floor.sh $(BUILD) 100 2 1 > $(BUILD)/bench_sim_floor.jsonl
 	bash bench/grpc_vs_tcp.sh $(BUILD) > $(BUILD)/bench_grpc_vs_tcp.jsonl
+	bash bench/default_path.sh $(BUILD) > $(BUILD)/bench_default_path.jsonl
 	python3 bench/spread.py $(BUILD)/bench_grpc_vs_tcp.jsonl clients,model_chunk_size_mib > $(BUILD)/bench_grpc_vs_tcp_spread.jsonl
 	bash bench/mpi_spread.sh $(BUILD) > $(BUILD)/bench_mpi_spread.jsonl
 	python3 bench/spread.py $(BUILD)/bench_mpi_spread.jsonl model_bytes,clients > $(BUILD)/bench_mpi_spread_summary.jsonl
@@ -127,6 +128,10 @@ fuzz: deps
 	  ./build-fuzz/$$name -max_total_time=$(FUZZ_SECONDS) -artifact_prefix=fuzz/$$corpus/crash- \
 	    build-fuzz/$$corpus fuzz/$$corpus; \
 	done
+
+# Every ```sh block of docs/guide/*.md, run as written (scripts/check-guides.sh).
+check-guides: build
+	bash scripts/check-guides.sh
 
 format:
 	clang-format -i $$(git ls-files 'src/*.cpp' 'src/*.h' 'tests/*.cpp' 'tests/*.h' 'bench/*.cpp' 'fuzz/*.cpp' 'fuzz/*.h')

@@ -1,6 +1,5 @@
 #!/usr/bin/env bash
-# gRPC against raw TCP on the same loopback, alternated in one run (issue
-# #18 part 3). For each cell (model MiB × clients × model_chunk_size MiB) and
+# gRPC against raw TCP on the same loopback, alternated in one run. For each cell (model MiB × clients × model_chunk_size MiB) and
 # each repetition: raw TCP with xxh3 on both sides (bench/tcp_raw_bandwidth.cpp,
 # the same shape as memfl's transfer: one server, N client processes), raw
 # TCP without, raw TCP with xxh3 and the server folding every chunk in fold
@@ -41,8 +40,8 @@ for rep in $(seq 1 "$REPS"); do
       grpc_sync=$("$BUILD/grpc_raw_bandwidth" "$mb" "$n" 1 2 sync)
       grpc_callback=$("$BUILD/grpc_raw_bandwidth" "$mb" "$n" 1 2 callback)
     fi
-    memfl=$("$BUILD/memfl" bench transfer --transport grpc --model-mb "$mb" --clients "$n" --chunk-mb "$chunk_mb" \
-      --memory-mode streaming 2>/dev/null)
+    memfl=$("$BUILD/memfl" bench transfer --transport grpc --data-channel grpc --model-mb "$mb" --clients "$n" \
+      --chunk-mb "$chunk_mb" --memory-mode streaming 2>/dev/null)
     memfl_tcp=$("$BUILD/memfl" bench transfer --transport grpc --data-channel tcp --model-mb "$mb" --clients "$n" \
       --chunk-mb "$chunk_mb" --memory-mode streaming 2>/dev/null)
     memfl_unix=$("$BUILD/memfl" bench transfer --transport grpc --data-channel unix --model-mb "$mb" --clients "$n" \

@@ -109,10 +109,21 @@ TEST(Partition, QuantitySkewGivesUnequalSizes) {
   }
 }
 
+// The same seed gives the same partition, and the seed is what decides it:
+// another seed (everything else equal) gives another one, for every
+// strategy that draws at random.
 TEST(Partition, IsDeterministicForASeed) {
   auto l = labels(1000, 10, 4);
-  PartitionSpec spec{PartitionStrategy::kDirichlet, 5, 0.5, 2, 17};
-  EXPECT_EQ(*partition_indices(l, 10, spec), *partition_indices(l, 10, spec));
+  for (auto strategy : {PartitionStrategy::kIid, PartitionStrategy::kDirichlet}) {
+    PartitionSpec spec{strategy, 5, 0.5, 2, 17};
+    PartitionSpec other = spec;
+    other.seed = 18;
+    const auto a = partition_indices(l, 10, spec), again = partition_indices(l, 10, spec);
+    const auto b = partition_indices(l, 10, other);
+    ASSERT_TRUE(a.ok() && again.ok() && b.ok());
+    EXPECT_EQ(*a, *again);
+    EXPECT_NE(*a, *b) << "the seed is ignored";
+  }
 }
 
 TEST(Partition, RejectsMoreClientsThanSamples) {

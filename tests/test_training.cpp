@@ -44,9 +44,11 @@ TEST(Training, ThreeClientsTwoRoundsBeatChance) {
   ASSERT_EQ(rows.size(), 3u) << "header + 2 rounds";
   ASSERT_EQ(rows[0][7], "test_accuracy");
   const double acc1 = std::stod(rows[1][7]), acc2 = std::stod(rows[2][7]);
-  EXPECT_GT(acc2, 0.3) << "10 classes: chance is 0.1";
+  // 10 classes: chance is 0.1. Each round is evaluated on its own model:
+  // the first already beats chance, the second by far.
+  EXPECT_GT(acc1, 0.15) << "round 1";
+  EXPECT_GT(acc2, 0.3) << "round 2";
   EXPECT_GT(std::stod(rows[2][8]), 0.0) << "bytes moved";
-  (void)acc1;
 
   // The memory timeline has the phases of both rounds and a peak.
   std::ifstream in(out + "/memory.json");

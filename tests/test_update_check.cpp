@@ -60,7 +60,7 @@ TEST(UpdateCheck, ANonFiniteElementIsFoundAndNamedWhereverChunkEdgesCutIt) {
   // Odd chunk and piece sizes put edges inside 2- and 4-byte elements.
   for (size_t chunk : {size_t{3}, size_t{7}, size_t{64}, size_t{1000}, layout.total_bytes()}) {
     for (size_t piece : {size_t{1}, size_t{5}, size_t{4096}}) {
-      SCOPED_TRACE(testing::Message() << "chunk " << chunk << " piece " << piece);
+      SCOPED_TRACE(::testing::Message() << "chunk " << chunk << " piece " << piece);
       EXPECT_TRUE(check_in_chunks(layout, clean, chunk, piece).ok());
       for (const auto& e : layout.entries()) {
         if (!dtype_is_float(e.dtype)) continue;

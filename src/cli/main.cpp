@@ -362,8 +362,9 @@ int main(int argc, char** argv) {
   transfer->add_option("--model-mb", tb.model_mb, "model size in MiB")->capture_default_str();
   transfer
       ->add_option("--data-channel", tb.data_channel,
-                   "gRPC: where chunks travel, grpc (in the stream) | tcp (grpc_configs.data_channel: tcp, its "
-                   "TCP port) | unix (the same, its Unix socket)")
+                   "gRPC: where chunks travel, auto (grpc_configs.data_channel's default: the Unix socket on one "
+                   "host) | grpc (in the stream) | tcp (grpc_configs.data_channel: tcp, its TCP port) | unix (the "
+                   "same, its Unix socket)")
       ->capture_default_str();
   transfer->add_option("--clients", tb.clients, "client processes")->capture_default_str();
   transfer->add_option("--dtype", tb.dtype, "f32 | bf16 | f16")->capture_default_str();

@@ -38,8 +38,8 @@ StatusOr<std::string> run_bench_transfer(const TransferBenchOptions& o) {
   if (o.mpi_path != "shared_ring" && o.mpi_path != "point_to_point") {
     return invalid_argument("--mpi-path must be shared_ring or point_to_point, got '{}'", o.mpi_path);
   }
-  if (o.data_channel != "grpc" && o.data_channel != "tcp" && o.data_channel != "unix") {
-    return invalid_argument("--data-channel must be grpc, tcp or unix, got '{}'", o.data_channel);
+  if (o.data_channel != "auto" && o.data_channel != "grpc" && o.data_channel != "tcp" && o.data_channel != "unix") {
+    return invalid_argument("--data-channel must be auto, grpc, tcp or unix, got '{}'", o.data_channel);
   }
   if (o.model_mb <= 0 || o.clients < 1 || o.chunk_mb <= 0) {
     return invalid_argument("--model-mb, --clients and --chunk-mb must be positive");
@@ -85,8 +85,9 @@ memory_configs:
   arena_backing: {}
 )",
                                           o.dummy_delays, num_params, o.dtype, o.clients, o.memory_mode, o.aggregator,
-                                          o.mpi_path == "shared_ring", chunk, o.data_channel == "grpc" ? "grpc" : "tcp",
-                                          o.data_channel == "unix", o.arena_backing)));
+                                          o.mpi_path == "shared_ring", chunk,
+                                          o.data_channel == "grpc" || o.data_channel == "auto" ? o.data_channel : "tcp",
+                                          o.data_channel == "unix" || o.data_channel == "auto", o.arena_backing)));
   std::string server_dir = (fs::path(dir) / "server").string();
   std::string client_prefix = "client_";
   int client_base = 0;

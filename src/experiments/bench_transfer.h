@@ -15,9 +15,10 @@ struct TransferBenchOptions {
   std::string dtype = "f32";
   double chunk_mb = 1;  // MiB
   std::string memory_mode = "streaming";
-  // gRPC: where chunks travel — grpc (the stream), tcp (data_channel: tcp
-  // over the TCP port), unix (data_channel: tcp over the Unix socket).
-  std::string data_channel = "grpc";
+  // gRPC: where chunks travel — auto (the config's default: on one host,
+  // the data channel's Unix socket), grpc (the stream), tcp (data_channel:
+  // tcp over the TCP port), unix (data_channel: tcp over the Unix socket).
+  std::string data_channel = "auto";
   std::string mpi_path = "shared_ring";         // MPI on one node: shared_ring | point_to_point
   std::string aggregator = "FedAvgAggregator";  // server_configs.aggregator
   std::string arena_backing = "memory";         // memory_configs.arena_backing: memory | file

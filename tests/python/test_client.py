@@ -75,6 +75,33 @@ def test_a_python_client_and_two_cpp_clients_train_as_three_cpp_clients(tmp_path
     assert rec["peak_rss_bytes"] - rec["baseline_rss_bytes"] < 64 * rec["model_bytes"] + (64 << 20)
 
 
+def test_a_python_client_alone_trains_the_model(tmp_path):
+    # The mixed run above cannot tell a Python client that trains from one
+    # that sends back the model it received (the two C++ clients would carry
+    # the accuracy): alone, an untrained CNN stays near chance (0.1).
+    port = free_port()
+    cfg = write_config(tmp_path / "c.yaml", port)
+    common = ["--set", "client_configs.data_configs.dataset_kwargs.max_test_samples=2000",
+              "--set", "server_configs.num_clients=1"]
+    server = subprocess.Popen([BIN, "server", cfg, "-q", "--out", str(tmp_path / "server")] + common)
+    try:
+        py = subprocess.run([sys.executable, os.path.join(SRC, "examples/pytorch_client.py"), "--server",
+                             f"127.0.0.1:{port}", "--client-id", "0", "--num-clients", "1", "--steps", "60",
+                             "--json", str(tmp_path / "py.json")], capture_output=True, text=True, timeout=600)
+        assert py.returncode == 0, py.stdout + py.stderr
+        assert server.wait(timeout=300) == 0
+    finally:
+        if server.poll() is None:
+            server.kill()
+    rows = [l.strip().split(",") for l in open(tmp_path / "server/metrics.csv") if l.strip()]
+    header = rows[0]
+    first = float(rows[1][header.index("test_accuracy")])
+    clients, last, rounds = final_accuracy(tmp_path / "server/metrics.csv")
+    assert (clients, rounds) == (1, 3)
+    assert last > 0.6, last
+    assert last > first, (first, last)
+
+
 def write_safetensors(path, tensors):
     """A safetensors file written here, independently of memfl's writer."""
     header, offset, blobs = {}, 0, []

@@ -244,6 +244,11 @@ Status DataListener::start(const std::string& server_uri, int port, bool unix_so
       unix_name_.clear();
     }
   }
+  // The loop accepts every connection waiting, until accept says there are
+  // no more: the listening sockets must not block.
+  for (int fd : {listen_fd_, unix_fd_}) {
+    if (fd >= 0) ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) | O_NONBLOCK);
+  }
   if (::pipe2(wake_, O_CLOEXEC) != 0) return internal_error("data channel: pipe: {}", std::strerror(errno));
   attach_ = std::move(attach);
   thread_ = std::thread([this] { serve(); });
