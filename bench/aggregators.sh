@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Server memory per aggregator (issue #14): `memfl bench transfer
+# Server memory per aggregator: `memfl bench transfer
 # --aggregator NAME`, a MODEL_MB MiB f32 DummyTrainer model, 2 and 8
 # clients, gRPC and MPI; one JSON line per cell with the server's peak RSS
 # ÷ model. Usage: bench/aggregators.sh [BUILD_DIR] [MODEL_MB] > out.jsonl

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Server memory of the asynchronous aggregators (issue #14): FedAsync,
+# Server memory of the asynchronous aggregators: FedAsync,
 # FedBuff and FedCompass with a DummyTrainer f32 model of each MODEL_MB in
 # SIZES, CLIENTS clients, in the simulator (one process: the global model and
 # one worker replica) and as real processes over gRPC and MPI (the server

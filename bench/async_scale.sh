@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Many asynchronous clients in one process (issue #14): `memfl run` of a
+# Many asynchronous clients in one process: `memfl run` of a
 # DummyTrainer 100 k-parameter model, lognormal speeds (step time 0.1 s,
 # sigma 0.5), 5 updates per client, evaluated every CLIENTS updates, for
 # FedAsync, FedBuff (K 3) and FedCompass at each client count. One JSON line

@@ -1,4 +1,4 @@
-// Issue #18, part 2: the floor under the in-process simulator — the same
+// the floor under the in-process simulator — the same
 // images trained and evaluated by bare libtorch loops, with no FL around
 // them. For the default experiment (Fashion-MNIST CNN, batch 64, SGD with
 // momentum, one local epoch, each client validating on its val split, the

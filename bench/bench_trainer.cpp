@@ -1,4 +1,4 @@
-// Issue #18, part 1: memfl's trainer against a bare libtorch loop written
+// memfl's trainer against a bare libtorch loop written
 // for the comparison, side by side in one process: the same model (built by
 // the plugin's registry, the same seed), the same data, batch, optimizer and
 // threads, alternated REPS times. One JSON line per (model, run):
@@ -182,7 +182,7 @@ int main(int argc, char** argv) {
         // loader would: both loops then train on the same batches. Read in
         // order (MEMFL_BENCH_BARE_ORDER=sequential, as this loop did before)
         // the bare loop was up to ≈ 1 % faster on the CNN: it was measuring
-        // a cheaper loop (docs/BENCHMARKS.md, issue #18 part 1).
+        // a cheaper loop (docs/BENCHMARKS.md).
         std::vector<uint32_t> order = idx;
         if (tc.train_data_shuffle && !bare_in_order) {
           std::mt19937_64 rng(seed);

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue #18, part 1: OpenBLAS's own threads under libtorch's intra-op threads.
+# OpenBLAS's own threads under libtorch's intra-op threads.
 # memfl runs each BLAS call on one thread unless OPENBLAS_NUM_THREADS is set
 # (src/train/torch_trainer.cpp, set_intra_op_threads); setting it to the
 # machine's cores gives OpenBLAS's default back, in the same binary. Runs

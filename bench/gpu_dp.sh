@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue #8 on the GPU machine (device tool): the DP-SGD clipping-mode sweep on
+# On the GPU machine (device tool): the DP-SGD clipping-mode sweep on
 # the 0.5B Llama-style classifier, and Fashion-MNIST DP-SGD with the GroupNorm
 # CNN — one client, and 10 clients in FL (each client's ε in privacy.csv).
 # Usage: bench/gpu_dp.sh BUILD_DIR OUT_DIR [DATA_DIR]

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue #16 on the GPU machine (device tool, kind nvidia-h100-x2): the sharded
+# On the GPU machine (device tool, kind nvidia-h100-x2): the sharded
 # DP-SGD sweep, modes no_dp, naive, ghost, fused × seq 1024, 2048, 4096, batch 2
 # per rank, Adam, for each model × parameter dtype × number of GPUs. One
 # dp_sweep JSON, CSV and HTML page per (model, dtype, GPUs) under OUT_DIR.

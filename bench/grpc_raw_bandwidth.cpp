@@ -1,4 +1,4 @@
-// Bare gRPC over loopback (issue #18, part 3): what gRPC itself moves on this
+// Bare gRPC over loopback: what gRPC itself moves on this
 // machine in memfl's message pattern, with none of memfl's session logic.
 // The same shape as tcp_raw_bandwidth and `memfl bench transfer`: one server,
 // N client processes, each on one bidirectional stream of memfl's method

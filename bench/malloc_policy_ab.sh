@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue #18, part 1: the training roles' malloc policy (memory/malloc_policy.h:
+# the training roles' malloc policy (memory/malloc_policy.h:
 # the heap is kept between batches) against glibc's defaults
 # (MEMFL_MALLOC_POLICY=glibc), in the same binary. Runs memfl_bench_trainer
 # with each in turn, PAIRS times (bench/trainer_env_ab.sh); one JSON line per

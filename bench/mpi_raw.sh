@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Raw MPI bandwidth here (issue #5's ceiling): 1 MiB chunks, 4 in flight,
+# Raw MPI bandwidth here (the MPI transport's ceiling): 1 MiB chunks, 4 in flight,
 # with OpenMPI's default single copy (CMA: the receiver copies) and with
 # copy-in/copy-out through shared memory, each without and with xxh3 of
 # every chunk on both sides. One JSON object per line.

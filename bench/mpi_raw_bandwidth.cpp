@@ -1,6 +1,6 @@
 // Raw MPI point-to-point bandwidth between two ranks on this machine, with
 // and without an xxh3 of every chunk on both sides: the ceiling the MPI
-// transport (issue #5) works under. Rank 0 sends a 1 GiB buffer in chunks
+// transport works under. Rank 0 sends a 1 GiB buffer in chunks
 // with up to DEPTH chunks in flight; rank 1 receives into its own buffer.
 // Usage: mpirun -np 2 --bind-to none mpi_raw_bandwidth CHUNK_KIB DEPTH HASH(0|1)
 #include <mpi.h>

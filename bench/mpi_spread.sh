@@ -1,7 +1,6 @@
 #!/usr/bin/env bash
 # MPI transfers over the shared-memory ring, 5 runs per cell, with raw
-# OpenMPI point to point measured in each repetition beside them (issue #18
-# part 4). Each line: one run of `memfl bench transfer --transport mpi`
+# OpenMPI point to point measured in each repetition beside them. Each line: one run of `memfl bench transfer --transport mpi`
 # (DummyTrainer, 2 rounds; round 2's figures) and the raw figures of the same
 # repetition (bench/mpi_raw_bandwidth.cpp: 1 MiB chunks, 4 in flight, best of
 # 3, CMA single copy, without and with xxh3 on both sides), and the same

@@ -1,6 +1,5 @@
 #!/usr/bin/env bash
-# Round time and throughput over shaped links against a clean one (issue
-# #15): the server and 4 DummyTrainer clients in network namespaces
+# Round time and throughput over shaped links against a clean one: the server and 4 DummyTrainer clients in network namespaces
 # (tests/netem/netns.sh), a MODEL_MB MiB model, ROUNDS rounds, once with no
 # qdisc and once shaped — netem 20 ms ± 5 ms, 0.5 % loss, 1 Gbit/s where the
 # kernel has sch_netem, else a tbf rate limit of 1 Gbit/s. One JSON line per

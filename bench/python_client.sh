@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue #17: the Python client (`import memfl`, examples/pytorch_client.py)
+# the Python client (`import memfl`, examples/pytorch_client.py)
 # beside two C++ clients in one FedAvg run over gRPC on Fashion-MNIST, with
 # memfl's MLP (model_kwargs.hidden_size HIDDEN: 4096 → 80 MiB f32) so the
 # model shows in RSS; then the same run with three C++ clients. Prints one

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Server-core figures (issue #13), as JSON lines on stdout, progress on stderr:
+# Server-core figures, as JSON lines on stdout, progress on stderr:
 #   slow_client   4 clients × 1 GiB f32, one client 3× slower (DummyTrainer
 #                 train_configs.dummy_delay_s), gRPC and MPI: round seconds
 #   chunk_bound   2 GiB f32 × 2 clients, model_chunk_size 1 MiB … 1 GiB,

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # How far the models of ShardedDp.AFederatedClientShardedOverRanksTrainsAsAnUnshardedOne
 # lie apart, and how far another draw of the noise moves them: the scale its
-# 1e-4 tolerance sits on (issue #18, machine change). The test's own
+# tolerance is measured against (a fraction of the noise's own effect). The test's own
 # arguments (DP-SGD on the GroupNorm CNN, 2 clients × 2 rounds of 3 Poisson
 # steps), run with 1, 2 and 3 ranks per client (train_configs.num_gpus),
 # noise_multiplier 0.5, the default seed and seed 7. Prints one JSON object:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue #18, part 2: the in-process simulator against its floor, alternated
+# the in-process simulator against its floor, alternated
 # REPS times. The floor is memfl_bench_sim_floor: the same images (ROUNDS
 # rounds of 10 of 100 clients: 540 trained + 60 validated each; the 10 000
 # test images evaluated every round) trained and evaluated by bare libtorch

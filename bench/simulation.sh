@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# In-process simulator at scale (issue #6): Fashion-MNIST CNN, N clients, 10
+# In-process simulator at scale: Fashion-MNIST CNN, N clients, 10
 # per round, one local epoch, K worker replicas. Prints one JSON line per
 # run: wall, rounds/s, peak RSS, and the RSS slope over the rounds.
 # Usage: bench/simulation.sh [BUILD_DIR] [ROUNDS] [CLIENTS...]

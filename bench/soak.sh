@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Soak (issue #15): ROUNDS rounds of a MODEL_MB MiB DummyTrainer model over
+# Soak: ROUNDS rounds of a MODEL_MB MiB DummyTrainer model over
 # gRPC with 4 client processes, each under a supervisor that restarts it;
 # client 1 is killed (-9) every 20 rounds and client 2 stopped (SIGSTOP) for
 # longer than the broadcast deadline every 30, then let go. Prints one JSON

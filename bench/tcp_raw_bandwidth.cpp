@@ -1,4 +1,4 @@
-// Raw TCP over loopback (issue #18's ceiling for gRPC): what the kernel moves
+// Raw TCP over loopback (the ceiling for gRPC): what the kernel moves
 // between a server and N client processes with nothing of memfl or gRPC in
 // between. The same shape as `memfl bench transfer`: the server sends its
 // model (one buffer, MODEL_MB) to every client at once, a thread per client,

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue #17: a TorchScript ResNet18 (examples/export_torchscript.py, scripted
+# a TorchScript ResNet18 (examples/export_torchscript.py, scripted
 # with Debian's python3-torch) against memfl's built-in ResNet18, trained by the
 # same C++ trainer: 1 client, 1 round of STEPS steps of batch 16 on synthetic
 # CIFAR-10, 1 thread, alternated REPS times. images/s = STEPS·16 ÷ round_seconds

@@ -1,5 +1,5 @@
 // The machine's ceiling for a checked, folded transfer through shared memory
-// (issue #18, part 4): the work every chunk of a memfl transfer must get —
+//: the work every chunk of a memfl transfer must get —
 // the sender's xxh3, a copy into a slot of a ring, the receiver's xxh3 check,
 // and on upload the FedAvg fold into the sum (the first update in fold order
 // writes it with streaming stores, the others read-modify-write it) — done by

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# gRPC transfer sweep (issue #3): model size M × client count N, streaming and
+# gRPC transfer sweep: model size M × client count N, streaming and
 # naive, DummyTrainer, 2 rounds each. Skips what would not fit this machine's
 # memory (estimated from the bound) and says so.
 # Usage: [TRANSPORT=grpc|mpi] [BENCH_ARGS="--mpi-path point_to_point"] bench/transfer_sweep.sh [BUILD_DIR] [MAX_GIB] > bench_transfer.json

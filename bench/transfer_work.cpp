@@ -1,5 +1,5 @@
 // What each stage of a checked, folded transfer costs one core here, alone
-// (issue #18, part 4): the work per GiB of model that any transport doing
+//: the work per GiB of model that any transport doing
 // these stages must spend, whatever it overlaps. With C cores, a direction
 // that needs W core-seconds per GB delivered cannot move more than C / W GB/s.
 //

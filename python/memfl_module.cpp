@@ -1,4 +1,4 @@
-// `import memfl`: a Python client for `memfl server` (issue #17), over the
+// `import memfl`: a Python client for `memfl server`, over the
 // same gRPC protocol and chunk checks as the C++ client
 // (comm/grpc/client_session.h). The model's bytes go straight between the
 // wire and the storage of the caller's tensors (a PyTorch state_dict, or

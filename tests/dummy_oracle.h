@@ -57,8 +57,8 @@ inline ::testing::AssertionResult model_equals(const std::string& path, const st
       float v;
       std::memcpy(&v, t.data.data() + 4 * i, 4);
       if (k >= want.size() || std::abs(v - want[k]) > 4e-6 * (1 + std::abs(want[k]))) {
-        return ::testing::AssertionFailure() << t.name << "[" << i << "] = " << v << ", expected "
-                                             << (k < want.size() ? want[k] : NAN);
+        return ::testing::AssertionFailure()
+               << t.name << "[" << i << "] = " << v << ", expected " << (k < want.size() ? want[k] : NAN);
       }
     }
   }

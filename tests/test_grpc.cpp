@@ -106,8 +106,8 @@ TEST_P(GrpcChunks, SyntheticRunEqualsInProcessAndNaive) {
   ASSERT_EQ(g.exit_code, 0) << g.output;
   EXPECT_TRUE(
       same_model(tmp.file("inproc/global_model.safetensors"), tmp.file("grpc/server/global_model.safetensors")));
-  Result n = memfl_cli("launch " + cfg + " --clients 2 -q --set server_configs.memory_mode=naive" + stream +
-                       " --out " + tmp.file("naive"));
+  Result n = memfl_cli("launch " + cfg + " --clients 2 -q --set server_configs.memory_mode=naive" + stream + " --out " +
+                       tmp.file("naive"));
   ASSERT_EQ(n.exit_code, 0) << n.output;
   EXPECT_TRUE(
       same_model(tmp.file("inproc/global_model.safetensors"), tmp.file("naive/server/global_model.safetensors")));
@@ -129,9 +129,8 @@ void expect_faulty_client_never_corrupts_the_model(const std::string& fault, con
   testing::TempDir tmp;
   const int64_t params = 3000;
   const double scale = 0.01;
-  const std::string cfg = synthetic_config(
-      tmp, 3, params, 1000,
-      "  aggregator_kwargs:\n    client_weights_mode: sample_size\n");
+  const std::string cfg =
+      synthetic_config(tmp, 3, params, 1000, "  aggregator_kwargs:\n    client_weights_mode: sample_size\n");
   setenv("MEMFL_FAULT", fault.c_str(), 1);
   setenv("MEMFL_FAULT_CLIENT", "2", 1);
   Result r = memfl_cli("launch " + cfg + " --clients 3 -q --set client_configs.train_configs.dummy_update_scale=" +

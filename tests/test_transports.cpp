@@ -178,7 +178,8 @@ TEST(HostileValues, NonFiniteUpdatesAreRefusedAndTheRoundGoesOnWithTheOthers) {
             std::string::npos)
       << testing::read_file(tmp.file("grpc/summary.json"));
   std::ifstream log(tmp.file("grpc/server.log"));
-  runs.emplace_back(std::string((std::istreambuf_iterator<char>(log)), {}), tmp.file("grpc/server/global_model.safetensors"));
+  runs.emplace_back(std::string((std::istreambuf_iterator<char>(log)), {}),
+                    tmp.file("grpc/server/global_model.safetensors"));
 #endif
   for (const auto& [output, model] : runs) {
     EXPECT_NE(output.find("round 1: the update of client_1 is refused: tensor"), std::string::npos) << output;
@@ -233,7 +234,8 @@ TEST(Resume, AnotherExperimentIsRefusedBeforeAnythingIsWritten) {
   {
     const std::string server_config = testing::read_file(tmp.file("s/config.yaml"));
     const auto t0 = std::chrono::steady_clock::now();
-    Result other = memfl_cli("server --resume " + tmp.file("s") + " -q --set server_configs.aggregator=FedAdamAggregator");
+    Result other =
+        memfl_cli("server --resume " + tmp.file("s") + " -q --set server_configs.aggregator=FedAdamAggregator");
     const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     EXPECT_EQ(other.exit_code, 2) << other.output;
     EXPECT_NE(other.output.find("server_configs.aggregator"), std::string::npos) << other.output;
@@ -523,7 +525,8 @@ TEST(HostileInput, CompareCommandsRefuseABadOutAndABadTarget) {
     EXPECT_NE(r.output.find("--out " + bad), std::string::npos) << c << "\n" << r.output;
   }
   for (const std::string t : {"2.5", "-1", "nan", "0.5,inf", "0.8x"}) {
-    Result r = memfl_cli("compare-algorithms " + cfg + " --algorithms FedAvg --target " + t + " --out " + tmp.file("ca"));
+    Result r =
+        memfl_cli("compare-algorithms " + cfg + " --algorithms FedAvg --target " + t + " --out " + tmp.file("ca"));
     EXPECT_EQ(r.exit_code, 2) << t << "\n" << r.output;
     EXPECT_NE(r.output.find("--target"), std::string::npos) << r.output;
   }

@@ -160,9 +160,8 @@ TEST(UpdateCheck, RefusedUpdatesLeaveTheRoundToTheOthers) {
   EXPECT_EQ(agg.num_committed(), 2);
   for (const auto& e : layout.entries()) {
     for (size_t i = 0; i < e.numel(); ++i) {
-      const double want = (10 * testing::element_as_double(clients[0], e, i) +
-                           30 * testing::element_as_double(clients[2], e, i)) /
-                          40;
+      const double want =
+          (10 * testing::element_as_double(clients[0], e, i) + 30 * testing::element_as_double(clients[2], e, i)) / 40;
       EXPECT_NEAR(testing::element_as_double(global, e, i), want, 1e-6 * (1 + std::abs(want))) << e.name << i;
     }
   }

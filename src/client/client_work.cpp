@@ -57,52 +57,6 @@ StatusOr<Arena> make_model_arena(const ExperimentConfig& cfg, size_t bytes, cons
   return Arena(bytes, category, /*populate=*/true);
 }
 
-StatusOr<DatasetSplits> load_data(const ExperimentConfig& cfg) {
-  const auto& d = cfg.data;
-  if (d.dataset_name == "SyntheticTokens") {
-    return make_synthetic_tokens(static_cast<size_t>(d.num_train_samples), static_cast<size_t>(d.num_test_samples),
-                                 cfg.model.seq_length, cfg.server.seed);
-  }
-  if (d.dataset_name == "TextFile") return load_text_tokens(d.dataset_path, cfg.model.seq_length);
-  if (d.dataset_name == "SyntheticCIFAR10") {
-    return make_synthetic_cifar10(static_cast<size_t>(d.num_train_samples), static_cast<size_t>(d.num_test_samples),
-                                  cfg.server.seed);
-  }
-  return load_fashion_mnist(d.dataset_path, static_cast<size_t>(d.max_train_samples),
-                            static_cast<size_t>(d.max_test_samples));
-}
-
-StatusOr<InputSpec> input_spec(const ExperimentConfig& cfg, const ImageDataset& train) {
-  InputSpec in{train.channels, train.height, train.width, train.num_classes};
-  const auto& m = cfg.model;
-  const std::string prefix = "client_configs.model_configs.model_kwargs";
-  if (m.num_channel != 0 && m.num_channel != in.channels) {
-    return invalid_argument("{}: key '{}.num_channel' is {} but {} has {} channel(s)", cfg.source, prefix,
-                            m.num_channel, train.name, in.channels);
-  }
-  if (m.num_pixel != 0 && (m.num_pixel != in.height || m.num_pixel != in.width)) {
-    return invalid_argument("{}: key '{}.num_pixel' is {} but {} images are {}×{}", cfg.source, prefix, m.num_pixel,
-                            train.name, in.height, in.width);
-  }
-  if (m.num_classes != 0 && m.num_classes != in.num_classes) {
-    return invalid_argument("{}: key '{}.num_classes' is {} but {} has {} classes", cfg.source, prefix, m.num_classes,
-                            train.name, in.num_classes);
-  }
-  return in;
-}
-
-StatusOr<std::vector<ClientPartition>> make_partitions(const ExperimentConfig& cfg, const ImageDataset& train) {
-  PartitionStrategy strategy = PartitionStrategy::kIid;
-  if (cfg.data.partition_strategy == "dirichlet") strategy = PartitionStrategy::kDirichlet;
-  if (cfg.data.partition_strategy == "class_shards") strategy = PartitionStrategy::kClassShards;
-  if (cfg.data.partition_strategy == "lognormal") strategy = PartitionStrategy::kLognormal;
-  if (cfg.data.partition_strategy == "power_law") strategy = PartitionStrategy::kPowerLaw;
-  PartitionSpec ps{strategy,        cfg.server.num_clients, cfg.data.alpha,      cfg.data.shards_per_client,
-                   cfg.server.seed, cfg.data.sigma,         cfg.data.power_law_a};
-  MEMFL_ASSIGN_OR_RETURN(auto parts, partition_indices(train.labels, train.num_classes, ps));
-  return split_train_val(std::move(parts), cfg.data.val_ratio, cfg.server.seed);
-}
-
 StatusOr<LocalModel> make_local_model(const ExperimentConfig& cfg, const InputSpec& input, bool fill, uint64_t seed,
                                       const std::string& run_dir) {
   LocalModel m;

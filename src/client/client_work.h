@@ -11,6 +11,7 @@
 
 #include "config/config.h"
 #include "data/dataset.h"
+#include "data/experiment_data.h"
 #include "data/partition.h"
 #include "train/trainer_backend.h"
 
@@ -44,13 +45,9 @@ bool is_spec_only(const ExperimentConfig& cfg);
 // memory, or a scratch file in memory_configs.scratch_dir (else `run_dir`).
 StatusOr<Arena> make_model_arena(const ExperimentConfig& cfg, size_t bytes, const std::string& run_dir,
                                  MemoryCategory category = MemoryCategory::kModel);
-StatusOr<DatasetSplits> load_data(const ExperimentConfig& cfg);
 // The initial weights of a model described without a network: from
 // model_configs.initial_model when set, else synthetic (seeded).
 Status fill_initial_model(const ModelConfig& model, const Layout& layout, Arena& arena, uint64_t seed);
-// model_kwargs that contradict the data set are config errors, named as such.
-StatusOr<InputSpec> input_spec(const ExperimentConfig& cfg, const ImageDataset& train);
-StatusOr<std::vector<ClientPartition>> make_partitions(const ExperimentConfig& cfg, const ImageDataset& train);
 
 // Builds the model. `fill` asks a synthetic model for seeded values (the
 // initial global model); a receiver leaves it zero, to be overwritten.

@@ -54,7 +54,7 @@ struct TrainConfig {
   bool do_validation = true;
   std::string device = "cpu";
   int num_threads = 0;  // libtorch intra-op threads; 0 = number of cores
-  int num_gpus = 1;     // ranks the client's model is sharded over (issue #16): one process each
+  int num_gpus = 1;     // ranks the client's model is sharded over: one process each
   DpConfig dp;
   // DummyTrainer: an update that differs per client and round (0: none), and
   // per-client delays ("1.5,0.5": client c takes entry c mod 2).

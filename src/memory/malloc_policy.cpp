@@ -50,8 +50,8 @@ void tune_malloc_for_training() {
   // step and allocates the same sizes again in the next. Trimmed, the heap
   // went back to the kernel every step: ResNet18 (batch 16) took 75–81 k
   // page faults per 8 steps under glibc's defaults and none with the heap
-  // kept, which trained 1.4× faster (docs/BENCHMARKS.md, issue #18 part 1,
-  // "The training roles' malloc policy").
+  // kept, which trained 1.4× faster (docs/BENCHMARKS.md,
+  // "Training speed").
   mallopt(M_TRIM_THRESHOLD, INT_MAX);
   g_policy = "training";
 }

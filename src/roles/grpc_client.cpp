@@ -19,6 +19,7 @@
 #include "comm/grpc/wire.h"
 #include "memory/malloc_policy.h"
 #include "memory/sampler.h"
+#include "client/client_driver.h"
 #include "client/client_work.h"
 #include "roles/grpc_roles.h"
 #include "io/run_dir.h"
@@ -96,9 +97,9 @@ Status run_grpc_client(const ExperimentConfig& local, int client_id, const RoleO
     }
     data_link.reset();
     const uint64_t ticket = msg.register_reply().data_ticket() ^ (fault == "wrong_data_ticket" ? 1 : 0);
-    MEMFL_ASSIGN_OR_RETURN(data_link, join_data_channel(*stream, msg.register_reply(), lc.server_uri,
-                                                        static_cast<uint32_t>(client_id), ticket,
-                                                        lc.connect_timeout_s, role));
+    MEMFL_ASSIGN_OR_RETURN(
+        data_link, join_data_channel(*stream, msg.register_reply(), lc.server_uri, static_cast<uint32_t>(client_id),
+                                     ticket, lc.connect_timeout_s, role));
     // The server's configuration is the experiment; the local one only says
     // how to reach the server.
     out.Clear();
@@ -144,7 +145,6 @@ Status run_grpc_client(const ExperimentConfig& local, int client_id, const RoleO
     MEMFL_ASSIGN_OR_RETURN(input, input_spec(cfg, data->train));
     MEMFL_ASSIGN_OR_RETURN(parts, make_partitions(cfg, data->train));
   }
-  const ClientPartition* part = parts.empty() ? nullptr : &parts[static_cast<size_t>(client_id)];
   const int64_t before_model_rss = read_rss_bytes();
   MEMFL_ASSIGN_OR_RETURN(LocalModel model, make_local_model(cfg, input, /*fill=*/false, cfg.server.seed, opts.run_dir));
   const Layout& layout = model.layout();
@@ -159,8 +159,7 @@ Status run_grpc_client(const ExperimentConfig& local, int client_id, const RoleO
     spdlog::warn("{}: injected fault {}: stopping (SIGSTOP)", role, kind);
     std::raise(SIGSTOP);
   };
-  int64_t dp_steps = 0;  // DP-SGD steps over every round, for this client's ε
-  Arena base;            // gradient_based: the model received, then the change sent
+  ClientDriver driver(cfg, opts.run_dir, data ? &*data : nullptr, parts);
   // A sharded model's upload: one chunk at a time, read from the ranks that
   // own it. It lives as long as the arena would: gRPC sends it zero-copy.
   std::vector<std::byte> from_shards;
@@ -184,7 +183,7 @@ Status run_grpc_client(const ExperimentConfig& local, int client_id, const RoleO
     // Our previous upload's slices must be released before the arena is overwritten.
     while (inflight.load() > 0) std::this_thread::sleep_for(std::chrono::microseconds(100));
     // A model sharded over ranks takes each chunk straight into its shards.
-    ShardedModelIo* shards = model.replica() != nullptr ? model.replica()->sharded_io() : nullptr;
+    ShardedModelIo* shards = ClientDriver::receive_shards(model);
     std::unique_ptr<ModelWriter> into;
     if (shards != nullptr) {
       into = std::make_unique<ShardedWriter>(layout, *shards, "server " + peer);
@@ -240,41 +239,18 @@ Status run_grpc_client(const ExperimentConfig& local, int client_id, const RoleO
     MEMFL_RETURN_IF_ERROR(write(*stream, out, peer));
 
     sampler.mark(round, "train");
-    // Asynchronous: the round is the model's version, which repeats; each
-    // trip trains with its own seed (its number, as in the simulator), for
-    // the local steps the server gave (FedCompass), and a gradient_based
-    // update is the change from the model received (one more model here).
-    const bool async = cfg.server.is_async();
-    const ExperimentConfig tcfg = with_local_steps(cfg, async ? begin.local_steps() : 0);
-    const bool send_change = async && cfg.server.gradient_based;
-    if (send_change) keep_base(layout, base, model.arena());
-    MEMFL_ASSIGN_OR_RETURN(TrainResult tr, local_update(model, tcfg, data ? &*data : nullptr, part,
-                                                        async ? rounds + 1 : round, client_id));
-    // Anything that asked for the arena while training (gradient_based's
-    // base, dp_fedavg's clip) gathered the model into it: then upload from it.
-    shards = model.replica() != nullptr ? model.replica()->sharded_io() : nullptr;
-    const Arena* upload = shards != nullptr ? nullptr : &model.arena();
-    if (send_change) {
-      MEMFL_RETURN_IF_ERROR(change_from_base(layout, base, model.arena()));
-      upload = &base;
-    }
-    const int64_t steps = local_steps_taken(tcfg.train, part, tr.num_steps);
-    double epsilon = 0;
-    if (cfg.train.dp.enabled) {
-      dp_steps += tr.dp_steps;
-      MEMFL_ASSIGN_OR_RETURN(epsilon,
-                             record_client_privacy(cfg, opts.run_dir, round, client_id, dp_steps, tr.dp_sample_rate));
-    }
-
+    MEMFL_ASSIGN_OR_RETURN(TripUpdate up, driver.train(model, client_id, round, begin.local_steps()));
+    const Arena* upload = up.upload;
+    shards = up.shards;
     sampler.mark(round, "upload");
     out.Clear();
     auto* md = out.mutable_update_metadata();
     md->set_round(round);
-    md->set_sample_count(update_sample_count(cfg, part, client_id));
-    (*md->mutable_metrics())["train_loss"] = tr.train_loss;
-    (*md->mutable_metrics())["val_accuracy"] = tr.val_accuracy;
-    (*md->mutable_metrics())["local_steps"] = static_cast<double>(steps);
-    if (cfg.train.dp.enabled) (*md->mutable_metrics())["epsilon"] = epsilon;
+    md->set_sample_count(up.sample_count);
+    (*md->mutable_metrics())["train_loss"] = up.trained.train_loss;
+    (*md->mutable_metrics())["val_accuracy"] = up.trained.val_accuracy;
+    (*md->mutable_metrics())["local_steps"] = static_cast<double>(up.local_steps);
+    if (up.has_epsilon) (*md->mutable_metrics())["epsilon"] = up.epsilon;
     MEMFL_RETURN_IF_ERROR(write(*stream, out, peer));
     size_t index = 0;
     for (size_t off = 0; off < layout.total_bytes(); off += chunk, ++index) {

@@ -26,6 +26,7 @@
 #include "comm/mpi/mpi_transport.h"
 #include "memory/malloc_policy.h"
 #include "memory/sampler.h"
+#include "client/client_driver.h"
 #include "client/client_work.h"
 #include "roles/async_server.h"
 #include "server/global_model.h"
@@ -206,7 +207,7 @@ Status run_client_rank(const ExperimentConfig& cfg, int rank, const std::string&
   }
   MEMFL_ASSIGN_OR_RETURN(LocalModel model, make_local_model(local, input, /*fill=*/false, cfg.server.seed, dir));
   const Layout& layout = model.layout();
-  std::map<int, int64_t> dp_steps;  // DP-SGD steps per virtual client of this rank, for its ε
+  ClientDriver driver(local, dir, data ? &*data : nullptr, parts);
   // With several virtual clients the rank keeps the round's global model and
   // starts each client from it; with one, the model is received in place.
   Arena global_copy;
@@ -241,8 +242,6 @@ Status run_client_rank(const ExperimentConfig& cfg, int rank, const std::string&
   // the server sends it, for the steps it says (FedCompass), and sends the
   // model or — gradient_based — its change from the model received.
   const bool async = cfg.server.is_async();
-  Arena base;
-  int64_t trips = 0;
   while (async) {
     WireModelBegin b{};
     quiet_recv(&b, sizeof b, 0, kTagModelBegin);
@@ -261,22 +260,17 @@ Status run_client_rank(const ExperimentConfig& cfg, int rank, const std::string&
     int32_t ok = 1;
     MPI_Send(&ok, 1, MPI_INT32_T, 0, kTagModelReceived, MPI_COMM_WORLD);
     const int c = rank - 1;
-    const ExperimentConfig trip_cfg = with_local_steps(local, b.local_steps);
-    if (cfg.server.gradient_based) keep_base(layout, base, model.arena());
     st.sampler.mark(b.round, "train");
-    const ClientPartition* part = parts.empty() ? nullptr : &parts[static_cast<size_t>(c)];
-    MEMFL_ASSIGN_OR_RETURN(TrainResult tr,
-                           local_update(model, trip_cfg, data ? &*data : nullptr, part, static_cast<int>(++trips), c));
-    shards = sharded_io_of(model);  // null once training asked for the arena
-    Arena* upload = shards != nullptr ? nullptr : &model.arena();
-    if (cfg.server.gradient_based) {
-      MEMFL_RETURN_IF_ERROR(change_from_base(layout, base, model.arena()));
-      upload = &base;
-    }
-    const int64_t steps = local_steps_taken(trip_cfg.train, part, tr.num_steps);
+    MEMFL_ASSIGN_OR_RETURN(TripUpdate up, driver.train(model, c, b.round, b.local_steps));
+    const Arena* upload = up.upload;
+    shards = up.shards;
     st.sampler.mark(b.round, "upload");
-    WireUpdateMeta md{
-        b.round, c, update_sample_count(cfg, part, c), tr.train_loss, tr.val_accuracy, static_cast<double>(steps)};
+    WireUpdateMeta md{b.round,
+                      c,
+                      up.sample_count,
+                      up.trained.train_loss,
+                      up.trained.val_accuracy,
+                      static_cast<double>(up.local_steps)};
     MPI_Send(&md, sizeof md, MPI_BYTE, 0, kTagUpdateMeta, MPI_COMM_WORLD);
     if (upload != nullptr) {
       streams.send_update(*upload);
@@ -310,17 +304,13 @@ Status run_client_rank(const ExperimentConfig& cfg, int rank, const std::string&
       if (rank_of_client(c, k) != rank) continue;
       if (k > 1) std::memcpy(model.arena().data(), global_copy.data(), layout.total_bytes());
       st.sampler.mark(b.round, "train");
-      const ClientPartition* part = parts.empty() ? nullptr : &parts[static_cast<size_t>(c)];
-      MEMFL_ASSIGN_OR_RETURN(TrainResult tr, local_update(model, local, data ? &*data : nullptr, part, b.round, c));
-      if (cfg.train.dp.enabled) {
-        dp_steps[c] += tr.dp_steps;
-        MEMFL_RETURN_IF_ERROR(record_client_privacy(cfg, dir, b.round, c, dp_steps[c], tr.dp_sample_rate).status());
-      }
+      MEMFL_ASSIGN_OR_RETURN(TripUpdate up, driver.train(model, c, b.round));
       st.sampler.mark(b.round, "upload");
-      WireUpdateMeta md{b.round, c, update_sample_count(cfg, part, c), tr.train_loss, tr.val_accuracy, 0.0};
+      WireUpdateMeta md{b.round, c, up.sample_count, up.trained.train_loss, up.trained.val_accuracy, 0.0};
       MPI_Send(&md, sizeof md, MPI_BYTE, 0, kTagUpdateMeta, MPI_COMM_WORLD);
       stop_here("stop_mid_upload");
-      shards = k == 1 ? sharded_io_of(model) : nullptr;  // null once training asked for the arena
+      // One client per rank with its model in its shards sends from them.
+      shards = k == 1 ? up.shards : nullptr;
       if (shards != nullptr) {
         streams.send_update(*shards);
       } else {

@@ -17,6 +17,7 @@
 #include <nlohmann/json.hpp>
 #include <spdlog/spdlog.h>
 
+#include "client/client_driver.h"
 #include "comm/inproc.h"
 #include "memory/budget.h"
 #include "memory/malloc_policy.h"
@@ -95,20 +96,21 @@ StatusOr<SimulationResult> run_async_simulation(const ExperimentConfig& cfg, con
   }
   for (double n : samples)
     dopts.weights.push_back(sc.client_weights_mode == "sample_size" ? n / total_samples : 1.0 / sc.num_clients);
-  std::vector<int> trips(static_cast<size_t>(sc.num_clients), 0);
   std::string speeds = "client,step_time_s,weight\n";
   for (size_t c = 0; c < dopts.step_time_s.size(); ++c)
     speeds += fmt::format("{},{:.6f},{:.9g}\n", c, dopts.step_time_s[c], dopts.weights[c]);
   MEMFL_RETURN_IF_ERROR(write_text_file((fs::path(opts.run_dir) / "client_speeds.csv").string(), speeds));
+  // The clients' side, as every transport's; the driver (AsyncDriver) still
+  // holds the global model each trip started from and writes a
+  // gradient_based change against it into the spool, so no base is kept.
+  ClientDriver client_driver(cfg, opts.run_dir, data, clients, /*record_privacy=*/true, /*keep_base=*/false);
   dopts.train = [&](int c, int local_steps, const Arena& g, AsyncTrip* trip) -> StatusOr<const Arena*> {
     std::memcpy(worker.arena().data(), g.data(), layout.total_bytes());
-    const ExperimentConfig tc = with_local_steps(cfg, local_steps);
-    const ClientPartition* part = synthetic ? nullptr : &clients[static_cast<size_t>(c)];
-    // Each trip trains with a seed of its own (the trip number plays the round).
-    MEMFL_ASSIGN_OR_RETURN(TrainResult tr, local_update(worker, tc, data, part, ++trips[static_cast<size_t>(c)], c));
-    trip->train_loss = tr.train_loss;
-    trip->steps = local_steps_taken(tc.train, part, tr.num_steps);
-    return &worker.arena();
+    const int version = static_cast<int>(trip->version);
+    MEMFL_ASSIGN_OR_RETURN(TripUpdate up, client_driver.train(worker, c, version, local_steps));
+    trip->train_loss = up.trained.train_loss;
+    trip->steps = up.local_steps;
+    return up.upload;
   };
   if (sc.do_server_eval && global.replica() != nullptr) {
     dopts.evaluate = [&](Arena&) { return global.replica()->evaluate(data->test, test_idx, sc.eval_batch_size); };
@@ -306,12 +308,16 @@ StatusOr<SimulationResult> run_simulation(const ExperimentConfig& cfg, const Sim
   const std::vector<double> step_times = client_step_times(sc);
   std::mutex virtual_mu;
   std::map<int, double> round_virtual;
+  // The clients' side, as every transport's: the round's privacy spending
+  // is recorded after the round, in client order (the workers finish in any
+  // order), from what the scheduler gathered.
+  ClientDriver client_driver(cfg, opts.run_dir, data ? &*data : nullptr, clients, /*record_privacy=*/false);
   auto train = [&](int w, int c, int round, ClientUpdateInfo* info) -> Status {
     const ClientPartition* part = synthetic ? nullptr : &clients[static_cast<size_t>(c)];
     sampler.mark(round, "train");
-    MEMFL_ASSIGN_OR_RETURN(TrainResult tr,
-                           local_update(workers[static_cast<size_t>(w)], cfg, data ? &*data : nullptr, part, round, c));
-    info->sample_count = update_sample_count(cfg, part, c);
+    MEMFL_ASSIGN_OR_RETURN(TripUpdate up, client_driver.train(workers[static_cast<size_t>(w)], c, round));
+    const TrainResult& tr = up.trained;
+    info->sample_count = up.sample_count;
     info->train_loss = tr.train_loss;
     info->train_accuracy = tr.train_accuracy;
     info->has_validation = tr.has_validation;
@@ -322,8 +328,7 @@ StatusOr<SimulationResult> run_simulation(const ExperimentConfig& cfg, const Sim
     info->dp_sample_rate = tr.dp_sample_rate;
     {
       // Simulated time: the round lasts as long as its slowest client.
-      const double d =
-          static_cast<double>(local_steps_taken(cfg.train, part, tr.num_steps)) * step_times[static_cast<size_t>(c)];
+      const double d = static_cast<double>(up.local_steps) * step_times[static_cast<size_t>(c)];
       std::lock_guard vlock(virtual_mu);
       round_virtual[round] = std::max(round_virtual[round], d);
     }

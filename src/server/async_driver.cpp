@@ -87,6 +87,7 @@ struct AsyncDriver::Impl {
   // the spool; it arrives local steps × its time per step later.
   Status dispatch(int client, int local_steps) {
     AsyncTrip t;
+    t.version = core.version();
     MEMFL_ASSIGN_OR_RETURN(const Arena* trained, opts.train(client, local_steps, global, &t));
     AsyncTripRecord trip;
     trip.client = client;

@@ -39,6 +39,7 @@ namespace memfl {
 
 // What a client's trip reported.
 struct AsyncTrip {
+  int64_t version = 0;  // the global model's version the trip trains from (set by the driver)
   double train_loss = 0;
   int64_t steps = 0;  // local steps taken (its virtual duration is steps × its time per step)
 };

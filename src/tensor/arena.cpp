@@ -30,10 +30,9 @@ Arena::Arena(size_t size, MemoryCategory category, bool populate) : size_(size),
     // Transparent huge pages, asked for (the kernel's default, `madvise`,
     // gives them only so): a model-sized arena in 4 KiB pages cost a page
     // fault per 4 KiB on first touch and a TLB walk per 4 KiB on every pass.
-    // Measured on this project's AMD EPYC VM (docs/BENCHMARKS.md, issue #18
-    // part 4): 4 GiB over MPI, 1 client, round 1's download 0.5–0.6 → 6–9.5
-    // GB/s, round 2's 4.0–6.4 → 11.0–13.1 GB/s, with the same peak RSS.
-    // Advice only: where THP is off the arena is in small pages, as before.
+    // Measured on the 2-core AMD EPYC VM (docs/BENCHMARKS.md, "MPI"): 4 GiB over MPI, 1 client, round 1's download
+    // 0.5–0.6 → 6–9.5 GB/s, round 2's 4.0–6.4 → 11.0–13.1 GB/s, with the same peak RSS. Advice only: where THP is off
+    // the arena is in small pages, as before.
     (void)madvise(p, size, MADV_HUGEPAGE);
     // Populated when asked: one batch of page faults here rather than one at
     // a time in the middle of the first download, which halved its

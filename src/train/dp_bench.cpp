@@ -1,4 +1,4 @@
-// `memfl bench dp`, plugin side (issue #8, part 5): per clipping mode and
+// `memfl bench dp`, plugin side: per clipping mode and
 // sequence length, peak memory and time per iteration of DP-SGD training of a
 // Llama-style sequence classifier built from the DP layers (train/dp_sgd.h).
 //
@@ -267,7 +267,7 @@ json make_record(const DpBenchOptions& o, const DpLlamaSpec& s, const std::strin
   return r;
 }
 
-// ------------------------------------------------------------ sharded (#16)
+// ------------------------------------------------------------ sharded
 
 // What every rank measured in one sharded run, gathered to rank 0.
 struct RankFigures {

@@ -1,5 +1,5 @@
-// `memfl bench dp`, plugin side: the DP-SGD clipping-mode sweep (issue #8,
-// part 5) on a Llama-style sequence classifier built from the DP layers of
+// `memfl bench dp`, plugin side: the DP-SGD clipping-mode sweep on a
+// Llama-style sequence classifier built from the DP layers of
 // train/dp_sgd.h. One JSON record per (seq_length, mode); see dp_bench.cpp
 // for what is measured and how.
 #pragma once
@@ -14,7 +14,7 @@ namespace memfl::torch_internal {
 
 // The presets `--model` accepts: llama-dp-tiny (CPU/CI), llama-dp-0.5b
 // (hidden 2048, 8 layers, vocabulary 32000: ≈ 477M parameters, fp32), and for
-// the sharded sweep (issue #16) llama-3.2-1b-dp, llama-dp-6b, llama-dp-11b.
+// the sharded sweep llama-3.2-1b-dp, llama-dp-6b, llama-dp-11b.
 std::vector<std::string> dp_bench_models();
 
 // Runs the sweep: for each seq_length, each mode in options.modes, a fresh

@@ -1,5 +1,5 @@
-// The Llama-style sequence classifier of the DP-SGD benchmarks (issues #8
-// and #16), built from the DP layers of train/dp_sgd.h, and the helpers both
+// The Llama-style sequence classifier of the DP-SGD benchmarks (plain and
+// sharded), built from the DP layers of train/dp_sgd.h, and the helpers both
 // benchmarks share (memory statistics, out-of-memory detection).
 //
 // The model: dp::Embedding → num_layers × [dp::RMSNorm, rotary causal
@@ -54,7 +54,7 @@ inline const std::vector<DpLlamaSpec>& presets() {
        .num_kv_heads = 2,
        .intermediate_size = 172,
        .vocab_size = 512},
-      // The shape of the Opacus measurement in issue #8: ≈ 477M parameters.
+      // The shape of the Opacus measurement: ≈ 477M parameters.
       {.name = "llama-dp-0.5b",
        .hidden_size = 2048,
        .num_layers = 8,
@@ -62,7 +62,7 @@ inline const std::vector<DpLlamaSpec>& presets() {
        .num_kv_heads = 16,
        .intermediate_size = 5632,
        .vocab_size = 32000},
-      // Llama-3.2-1B's shape (issue #16): ≈ 1.24B parameters with its 128256-token vocabulary.
+      // Llama-3.2-1B's shape: ≈ 1.24B parameters with its 128256-token vocabulary.
       {.name = "llama-3.2-1b-dp",
        .hidden_size = 2048,
        .num_layers = 16,
@@ -71,7 +71,7 @@ inline const std::vector<DpLlamaSpec>& presets() {
        .intermediate_size = 8192,
        .vocab_size = 128256},
       // ≈ 5.8B parameters: fp32 DP-SGD with Adam needs 16 bytes per parameter
-      // (93 GB) before any activation, more than one 80 GB H100 holds (issue #16).
+      // (93 GB) before any activation, more than one 80 GB H100 holds.
       {.name = "llama-dp-6b",
        .hidden_size = 4096,
        .num_layers = 32,

@@ -1,4 +1,4 @@
-// DP-SGD with memory-efficient per-sample clipping (issue #8, parts 1–2).
+// DP-SGD with memory-efficient per-sample clipping.
 //
 // DP-SGD (Abadi et al. 2016) replaces the batch gradient by
 //

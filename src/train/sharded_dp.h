@@ -1,4 +1,4 @@
-// DP-SGD with parameters sharded over several processes (issue #16): the
+// DP-SGD with parameters sharded over several processes: the
 // FSDP idea (Zhao et al. 2023, "PyTorch FSDP"), written for memfl's DP layers.
 //
 // A model is a chain of units (Llama: the embedding, each decoder block, the

@@ -24,7 +24,7 @@
 #include <filesystem>
 #include <nlohmann/json.hpp>
 
-#include "client/client_work.h"
+#include "data/experiment_data.h"
 #include "io/process.h"
 #include "train/dp_bench.h"
 #include "train/dp_sgd.h"
@@ -452,7 +452,7 @@ class TorchReplica final : public ModelReplica {
 #endif
 };
 
-// ------------------------------------------------------ sharded client (#16)
+// ------------------------------------------------------ sharded client
 //
 // A client with train_configs.num_gpus = N: this process (rank 0) holds the
 // FL arena (the model as the transports see it) and starts N − 1
@@ -650,7 +650,7 @@ void* openblas_symbol(const char* name) {
 // starts a pool of its own, one thread per core, so with libtorch's pool
 // (whose OpenMP threads spin between regions) or several simulator workers
 // four threads contend for two cores. Measured on a 2-core VM
-// (bench/blas_threads_ab.sh; docs/BENCHMARKS.md, "OpenBLAS's threads"): at 2
+// (bench/blas_threads_ab.sh; docs/BENCHMARKS.md, "Training speed"): at 2
 // intra-op threads the CNN trained 1.9–2.1× faster with one BLAS thread per
 // call, and llama-tiny 2.9–3.3×. OPENBLAS_NUM_THREADS, when the user sets it,
 // wins. With another BLAS (the reference one; MKL inside PyTorch's bundled

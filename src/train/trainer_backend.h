@@ -17,16 +17,12 @@
 #include "common/status.h"
 #include "config/config.h"
 #include "data/dataset.h"
+#include "data/experiment_data.h"
 #include "tensor/arena.h"
 #include "tensor/layout.h"
 #include "tensor/sharded_model_io.h"
 
 namespace memfl {
-
-struct InputSpec {
-  int64_t channels = 1, height = 28, width = 28;
-  int num_classes = 10;
-};
 
 struct TrainResult {
   double train_loss = 0;
@@ -83,7 +79,7 @@ struct DpBenchOptions {
   std::string device = "cpu";
   double max_grad_norm = 1.0, noise_multiplier = 1.0;
   uint64_t seed = 42;
-  // Sharded DP-SGD (issue #16): ranks (one process and one GPU each; on the
+  // Sharded DP-SGD: ranks (one process and one GPU each; on the
   // CPU, processes); with gpus > 1 or sharded, every run shards the model
   // (train/sharded_dp.h). The ranks find each other through the environment
   // (memfl's launcher, torchrun's or mpirun's variables).
@@ -114,8 +110,8 @@ class TrainerBackend {
   // peak_memory_bytes, avg_iteration_ms, warmup/timed iterations, device,
   // config. Peak memory: the CUDA caching allocator on GPU, the RSS sampler
   // on CPU; time: CUDA events on GPU.
-  // A client whose model is sharded over cfg.train.num_gpus ranks (issue
-  // #16): this process is rank 0 and starts the others (`memfl shard-rank`);
+  // A client whose model is sharded over cfg.train.num_gpus ranks: this
+  // process is rank 0 and starts the others (`memfl shard-rank`);
   // the replica's arena is the whole model, read into the shards before each
   // turn and written back after it, one unit at a time.
   virtual StatusOr<std::unique_ptr<ModelReplica>> create_sharded_replica(const ExperimentConfig& cfg,

@@ -1,6 +1,6 @@
 // A client's session with `memfl server`, driven by its caller one step at a
 // time — what the Python client (`import memfl`, python/memfl_module.cpp) is
-// built on (issue #17). The C++ client role (roles/grpc_client.cpp) shares
+// built on. The C++ client role (roles/grpc_client.cpp) shares
 // its channel set-up and message helpers.
 //
 //   MEMFL_ASSIGN_OR_RETURN(auto s, GrpcClientSession::connect({.server_uri = "127.0.0.1:50051", .client_id = "0"}));

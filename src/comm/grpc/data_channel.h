@@ -3,7 +3,7 @@
 // keeps every control message (Register, ModelBegin/End, UpdateMetadata/End,
 // UpdateAck). gRPC's HTTP/2 transport moves 1 GiB at 1.2–2.7 GB/s on this
 // machine whatever its server API, where TCP doing the same checked work
-// moves 2.9–3.6 (docs/BENCHMARKS.md, issue #18): the bytes leave gRPC, the
+// moves 2.9–3.6 (docs/BENCHMARKS.md): the bytes leave gRPC, the
 // protocol does not.
 //
 // On one host the connection is a Unix-domain socket instead (an abstract

@@ -337,7 +337,7 @@ void ClientStreams::receive_model(Arena& into) {
   }
 }
 
-void ClientStreams::send_update(Arena& model) {
+void ClientStreams::send_update(const Arena& model) {
   if (shm_.enabled()) {
     send_through_ring(model);
   } else {
@@ -431,7 +431,7 @@ void ClientStreams::receive_point_to_point(Arena& into) {
 
 // Fills each slot the server lends, in the order lent (copy and xxh3 of
 // the arena in one pass), and says which chunk is in it.
-void ClientStreams::send_through_ring(Arena& model) {
+void ClientStreams::send_through_ring(const Arena& model) {
   for (uint64_t off = 0; off < layout_.total_bytes(); off += chunk_) {
     fill_next_slot(off, model.data() + off, length_at(off));
   }
@@ -455,7 +455,7 @@ void ClientStreams::fill_next_slot(uint64_t off, const std::byte* src, uint64_t 
 
 // Up to `depth` chunks in flight, sent from the arena; the next chunk's
 // checksum is taken while the server pulls the previous ones.
-void ClientStreams::send_point_to_point(Arena& model) {
+void ClientStreams::send_point_to_point(const Arena& model) {
   struct Outgoing {
     WireHeader header;
     MPI_Request rq[2];

@@ -196,7 +196,7 @@ class ClientStreams {
   void receive_model(Arena& into);
 
   // Sends the update in `model` (after its WireUpdateMeta).
-  void send_update(Arena& model);
+  void send_update(const Arena& model);
 
   // The same for a model sharded over ranks (a client with num_gpus > 1):
   // each chunk passes through one chunk-sized buffer on its way to or from
@@ -208,8 +208,8 @@ class ClientStreams {
   uint64_t length_at(uint64_t offset) const;
   void receive_through_ring(Arena& into);
   void receive_point_to_point(Arena& into);
-  void send_through_ring(Arena& model);
-  void send_point_to_point(Arena& model);
+  void send_through_ring(const Arena& model);
+  void send_point_to_point(const Arena& model);
   void fill_next_slot(uint64_t off, const std::byte* src, uint64_t len);
 
   const Layout& layout_;
