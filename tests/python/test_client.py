@@ -244,18 +244,19 @@ def test_a_refused_update_raises_and_an_abandoned_round_still_exits(tmp_path):
 
     # A client that asks for a round's model and never reads it ends when it
     # closes (or when the interpreter exits), instead of waiting on a server
-    # that is blocked sending it the model.
-    port = free_port()
-    cfg = write_config(tmp_path / "d.yaml", port, rounds=1)
-    server = subprocess.Popen([BIN, "server", cfg, "-q", "--out", str(tmp_path / "server2"), "--set",
-                               "server_configs.num_clients=1"])
-    try:
-        for ending in ("client.close()", "pass"):
+    # that is blocked sending it the model. (The server, its only client gone,
+    # ends the run: each ending gets a server of its own.)
+    for i, ending in enumerate(("client.close()", "pass")):
+        port = free_port()
+        cfg = write_config(tmp_path / f"d{i}.yaml", port, rounds=1)
+        server = subprocess.Popen([BIN, "server", cfg, "-q", "--out", str(tmp_path / f"server{i}"), "--set",
+                                   "server_configs.num_clients=1"])
+        try:
             code = ("import memfl\n"
                     f"client = memfl.Client('127.0.0.1:{port}', client_id='0')\n"
                     "assert client.next_round() >= 1\n" + ending + "\n")
             r = subprocess.run([sys.executable, "-c", code], timeout=60, env=os.environ.copy())
             assert r.returncode == 0, ending
-    finally:
-        server.kill()
-        server.wait()
+        finally:
+            server.kill()
+            server.wait()
