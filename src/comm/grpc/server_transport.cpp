@@ -146,6 +146,7 @@ class ServerAgent final : public ServerTransport {
       async_->ready_steps.assign(slots_.size(), -1);
       async_->base_version.assign(slots_.size(), 0);
       async_->sending_since.assign(slots_.size(), Clock::time_point::max());
+      async_->send_progress = std::make_unique<std::atomic<int64_t>[]>(slots_.size());
       async_->dispatched_at.assign(slots_.size(), 0.0);
     }
   }
@@ -190,6 +191,12 @@ class ServerAgent final : public ServerTransport {
     // watchdog cancels a send older than broadcast_timeout_s, as the
     // synchronous broadcast's deadline does.
     std::vector<Clock::time_point> sending_since;
+    // Per client: when its send last moved a chunk (steady clock ticks), and
+    // how many threads wait to apply an update (or evaluate) behind the
+    // senders: a send that moves nothing for connect_timeout_s while one
+    // waits is cancelled before its deadline.
+    std::unique_ptr<std::atomic<int64_t>[]> send_progress;
+    std::atomic<int> appliers_waiting{0};
     std::vector<double> dispatched_at;
     std::vector<std::pair<double, int>> deadlines;  // FedCompass groups
     int64_t evals_due = 0;                          // evaluations the serving thread owes
@@ -198,8 +205,10 @@ class ServerAgent final : public ServerTransport {
     double now() const { return std::chrono::duration<double>(Clock::now() - t0).count(); }
   };
   void follow_locked(const AsyncNext& next);
-  // Drops every client whose model send has taken longer than the broadcast deadline.
+  // Drops every client whose model send has taken longer than the broadcast
+  // deadline, or has moved nothing for connect_timeout_s while an update waits.
   void cancel_stalled_senders_locked();
+  std::unique_lock<std::shared_mutex> lock_to_apply(Async& a);
   // Chunks of the global model are handed to gRPC without a copy: before the
   // model changes, gRPC must have let go of every one (senders are done:
   // the caller holds the model lock alone).
@@ -219,8 +228,9 @@ class ServerAgent final : public ServerTransport {
   // its own returns its status instead, which the client reads.
   void fail_locked(int id, const std::string& why, bool cancel = false);
   // `data` (may be null): the session's data channel, which then carries the chunks.
+  // `progress` (may be null): set to the steady clock's time after each chunk.
   grpc::Status send_model(grpc::ServerReaderWriter<Frame, Frame>* stream, int round, const std::string& peer,
-                          DataSocket* data, int local_steps = 0);
+                          DataSocket* data, int local_steps = 0, std::atomic<int64_t>* progress = nullptr);
   grpc::Status receive_update(grpc::ServerContext* ctx, grpc::ServerReaderWriter<Frame, Frame>* stream, int id,
                               uint64_t session, const wire::UpdateMetadata& md, const std::string& peer,
                               DataSocket* data);
@@ -276,8 +286,9 @@ Status ServerAgent::start_data_channel() {
     spdlog::info("server: TCP data channel on port {}{}", data_port_,
                  data_listener_.unix_name().empty() ? "" : ", and a Unix socket for clients on this host");
   } else if (offers_data_) {
-    spdlog::info("server: data channel on a Unix socket for clients on this host (TLS: clients elsewhere use the "
-                 "encrypted stream)");
+    spdlog::info(
+        "server: data channel on a Unix socket for clients on this host (TLS: clients elsewhere use the "
+        "encrypted stream)");
   }
   return Status::Ok();
 }
@@ -320,7 +331,10 @@ void ServerAgent::fail_locked(int id, const std::string& why, bool cancel) {
 }
 
 grpc::Status ServerAgent::send_model(grpc::ServerReaderWriter<Frame, Frame>* stream, int round, const std::string& peer,
-                                     DataSocket* data, int local_steps) {
+                                     DataSocket* data, int local_steps, std::atomic<int64_t>* progress) {
+  auto made_progress = [progress] {
+    if (progress != nullptr) progress->store(Clock::now().time_since_epoch().count(), std::memory_order_relaxed);
+  };
   const Layout& layout = layout_;
   wire::ServerMessage begin;
   begin.mutable_model_begin()->set_round(round);
@@ -360,12 +374,14 @@ grpc::Status ServerAgent::send_model(grpc::ServerReaderWriter<Frame, Frame>* str
       // The kernel copies the bytes before write_chunk returns.
       const Status w = data->write_chunk(h, bytes);
       if (!w.ok()) return {grpc::StatusCode::UNAVAILABLE, peer + " went away during the broadcast: " + w.message()};
+      made_progress();
       continue;
     }
     // One write in flight: Write returns when gRPC has taken the message.
     if (!stream->Write(encode_chunk_frame(kServerChunkField, h, bytes, naive_ ? &serialised_inflight : &inflight_))) {
       return {grpc::StatusCode::UNAVAILABLE, peer + " went away during the broadcast"};
     }
+    made_progress();
   }
   wire::ServerMessage end;
   end.mutable_model_end();
@@ -709,27 +725,47 @@ grpc::Status ServerAgent::async_send_model(grpc::ServerReaderWriter<Frame, Frame
     a.base_version[static_cast<size_t>(id)] = version;
     a.dispatched_at[static_cast<size_t>(id)] = a.now();
     a.sending_since[static_cast<size_t>(id)] = Clock::now();
+    a.send_progress[static_cast<size_t>(id)].store(Clock::now().time_since_epoch().count());
     global_ = a.global;
   }
-  grpc::Status sent = send_model(stream, static_cast<int>(version), peer, data, steps);
+  grpc::Status sent =
+      send_model(stream, static_cast<int>(version), peer, data, steps, &a.send_progress[static_cast<size_t>(id)]);
   std::lock_guard lock(mu_);
   if (slots_[static_cast<size_t>(id)].session == session)
     a.sending_since[static_cast<size_t>(id)] = Clock::time_point::max();
   return sent;
 }
 
+// Applying an update (or a FedCompass group) needs the model alone: it
+// waits for the senders, and says so to the watchdog while it waits.
+std::unique_lock<std::shared_mutex> ServerAgent::lock_to_apply(Async& a) {
+  a.appliers_waiting.fetch_add(1);
+  std::unique_lock lock(a.model_mu);
+  a.appliers_waiting.fetch_sub(1);
+  return lock;
+}
+
 void ServerAgent::cancel_stalled_senders_locked() {
   Async& a = *async_;
   const auto limit = std::chrono::seconds(cfg_.server.broadcast_deadline_s());
+  const auto stall = std::chrono::seconds(cfg_.server.connect_timeout_s);
+  const bool someone_waits = a.appliers_waiting.load() > 0;
   const auto now = Clock::now();
   for (size_t id = 0; id < a.sending_since.size(); ++id) {
-    if (a.sending_since[id] == Clock::time_point::max() || now - a.sending_since[id] < limit) continue;
+    if (a.sending_since[id] == Clock::time_point::max()) continue;
+    const auto last = Clock::time_point(Clock::duration(a.send_progress[id].load(std::memory_order_relaxed)));
+    std::string why;
+    if (now - a.sending_since[id] >= limit) {
+      why = fmt::format("did not take the model within {} s (server_configs.broadcast_timeout_s)",
+                        cfg_.server.broadcast_deadline_s());
+    } else if (someone_waits && now - last >= stall) {
+      why = fmt::format("took no chunk of the model for {} s (grpc_configs.connect_timeout_s) while updates waited",
+                        cfg_.server.connect_timeout_s);
+    } else {
+      continue;
+    }
     a.sending_since[id] = Clock::time_point::max();
-    fail_locked(static_cast<int>(id),
-                fmt::format("did not take the model within {} s (server_configs.broadcast_timeout_s); its send is "
-                            "cancelled so that updates can be applied",
-                            cfg_.server.broadcast_deadline_s()),
-                /*cancel=*/true);
+    fail_locked(static_cast<int>(id), why + "; its send is cancelled so that updates can be applied", /*cancel=*/true);
   }
 }
 
@@ -766,7 +802,7 @@ grpc::Status ServerAgent::async_receive_update(grpc::ServerContext* ctx, grpc::S
   }
   Status applied;
   {
-    std::unique_lock model_lock(a.model_mu);
+    std::unique_lock model_lock = lock_to_apply(a);
     wait_for_sent_chunks();
     std::lock_guard lock(mu_);
     if (a.done || slots_[static_cast<size_t>(id)].session != session) {
@@ -885,7 +921,7 @@ Status ServerAgent::serve_async(AsyncUpdateHandler& core, Arena& global, const A
       const int group = a.deadlines[first].second;
       a.deadlines.erase(a.deadlines.begin() + static_cast<std::ptrdiff_t>(first));
       lock.unlock();
-      std::unique_lock model_lock(a.model_mu);
+      std::unique_lock model_lock = lock_to_apply(a);
       wait_for_sent_chunks();
       std::lock_guard relock(mu_);
       MEMFL_ASSIGN_OR_RETURN(AsyncNext next, core.deadline(group, a.now()));
@@ -1097,7 +1133,8 @@ StatusOr<std::unique_ptr<GrpcServerTransport>> GrpcServerTransport::listen(const
                                                  /*chunks=*/1));
   builder.RegisterService(&t->impl_->service);
   // Before the first client can register: every session is offered it.
-  if (sc.data_channel == "tcp" || sc.data_channel == "auto") MEMFL_RETURN_IF_ERROR(t->impl_->agent.start_data_channel());
+  if (sc.data_channel == "tcp" || sc.data_channel == "auto")
+    MEMFL_RETURN_IF_ERROR(t->impl_->agent.start_data_channel());
   t->impl_->server = builder.BuildAndStart();
   if (!t->impl_->server || port == 0) {
     return invalid_argument(
