@@ -56,6 +56,63 @@ std::string script_config(const std::string& model, int train_samples, int test_
          server;
 }
 
+// The MLP above, whose forward returns a non-finite output on a batch of one
+// sample: a user's model that goes wrong on some inputs.
+void save_script_mlp_nan_on_single_samples(const std::string& path) {
+  torch::manual_seed(3);
+  torch::jit::Module net("MLP");
+  torch::jit::Module fc1("Linear1"), fc2("Linear2");
+  auto param = [](torch::Tensor t) { return t.set_requires_grad(true); };
+  fc1.register_parameter("weight", param(torch::randn({64, 784}) * 0.05), false);
+  fc1.register_parameter("bias", param(torch::zeros({64})), false);
+  fc2.register_parameter("weight", param(torch::randn({10, 64}) * 0.05), false);
+  fc2.register_parameter("bias", param(torch::zeros({10})), false);
+  net.register_module("fc1", fc1);
+  net.register_module("fc2", fc2);
+  net.define(R"(
+def forward(self, x):
+    h = torch.relu(torch.addmm(self.fc1.bias, x.flatten(1), self.fc1.weight.t()))
+    y = torch.addmm(self.fc2.bias, h, self.fc2.weight.t())
+    if x.size(0) < 2:
+        y = y * torch.log(torch.zeros_like(y))
+    return y
+)");
+  net.save(path);
+}
+
+// 99 samples over 3 clients leave each 33; one more client sample (100)
+// gives one client 34, and with batches of 33 its last batch is one
+// sample: its loss is not finite, it says so and sends nothing, and the
+// round goes on with the other two — in rounds, and asynchronously.
+TEST(TorchScript, AClientWhoseLossIsNotFiniteSendsNothingAndTheOthersGoOn) {
+  TempDir tmp;
+  save_script_mlp_nan_on_single_samples(tmp.file("mlp.pt"));
+  const std::string common =
+      " -q --set server_configs.num_clients=3 --set client_configs.train_configs.train_batch_size=33"
+      " --set client_configs.data_configs.dataset_kwargs.val_ratio=0"
+      " --set client_configs.train_configs.num_threads=1";
+  std::ofstream(tmp.file("c.yaml")) << script_config(tmp.file("mlp.pt"), 100, 100, "");
+  Result r = memfl_cli("run " + tmp.file("c.yaml") + common + " --out " + tmp.file("sync"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("local training produced a non-finite loss"), std::string::npos) << r.output;
+  auto rows = read_csv(tmp.file("sync/metrics.csv"));
+  ASSERT_EQ(rows.size(), 3u);
+  EXPECT_EQ(rows[1][1], "2") << "round 1 folded the two other clients";
+  EXPECT_EQ(rows[2][1], "2");
+  Result a =
+      memfl_cli("run " + tmp.file("c.yaml") + common +
+                " --set server_configs.scheduler=AsyncScheduler --set server_configs.aggregator=FedAsyncAggregator"
+                " --set server_configs.num_global_epochs=4 --out " +
+                tmp.file("async"));
+  ASSERT_EQ(a.exit_code, 0) << a.output;
+  EXPECT_NE(a.output.find("is out for the rest of the run"), std::string::npos) << a.output;
+  const auto log = read_csv(tmp.file("async/async_log.csv"));
+  ASSERT_EQ(log.size(), 5u) << "4 updates, from the two other clients";
+  std::set<std::string> senders;
+  for (size_t i = 1; i < log.size(); ++i) senders.insert(log[i][1]);
+  EXPECT_EQ(senders.size(), 2u);
+}
+
 TEST(TorchScript, AScriptedModuleTrainsFederatedlyUnderItsOwnNames) {
   TempDir tmp;
   const std::string model = tmp.file("mlp.pt");

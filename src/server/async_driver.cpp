@@ -12,6 +12,7 @@
 #include <spdlog/spdlog.h>
 
 #include "comm/spool_update.h"
+#include "comm/update_check.h"
 #include "server/async_core.h"
 
 namespace memfl {
@@ -88,7 +89,21 @@ struct AsyncDriver::Impl {
   Status dispatch(int client, int local_steps) {
     AsyncTrip t;
     t.version = core.version();
-    MEMFL_ASSIGN_OR_RETURN(const Arena* trained, opts.train(client, local_steps, global, &t));
+    auto trained_or = opts.train(client, local_steps, global, &t);
+    // A refused update (a non-finite loss, or values: checked here as every
+    // transport checks what it receives) is that client's alone: it is out
+    // for the rest of the run and the others go on.
+    Status refused = trained_or.ok() ? Status::Ok() : trained_or.status();
+    if (refused.ok()) {
+      FiniteValueCheck values(layout);
+      refused = values.check(0, (*trained_or)->bytes(0, layout.total_bytes()), client_id(client), -1);
+    }
+    if (refused.code() == StatusCode::kRejected) {
+      spdlog::warn("{}; client_{} is out for the rest of the run", refused.message(), client);
+      return Status::Ok();
+    }
+    MEMFL_RETURN_IF_ERROR(refused);
+    const Arena* trained = *trained_or;
     AsyncTripRecord trip;
     trip.client = client;
     const size_t slot = slots.take();
@@ -182,7 +197,10 @@ Status AsyncDriver::run() {
   s.sampler.mark(0, "train");
   for (int c = 0; c < n; ++c) MEMFL_RETURN_IF_ERROR(s.dispatch(c, s.core.start(c, 0.0)));
   while (s.core.arrivals() < total) {
-    if (s.events.empty()) return internal_error("asynchronous driver: no client is on its way");
+    if (s.events.empty()) {
+      return failed_precondition("asynchronous run: every client is out after {} of {} updates (each named above)",
+                                 s.core.arrivals(), total);
+    }
     const Event ev = s.events.top();
     if (sc.async_virtual_seconds > 0 && ev.time > sc.async_virtual_seconds) {
       // The time budget is spent: what has arrived counts, and the window
