@@ -7,6 +7,9 @@
 #   scripts/check-guides.sh [PAGE.md ...]
 set -uo pipefail
 cd "$(dirname "$0")/.."
+# The guides' python3 is Debian's, with python3-torch (scripts/install-deps.sh);
+# a python3 from elsewhere earlier on PATH (pyenv) has no torch.
+export PATH=/usr/bin:$PATH
 pages=("$@")
 [ ${#pages[@]} -eq 0 ] && pages=(docs/guide/*.md)
 fail=0
