@@ -7,6 +7,10 @@ CMAKE_FLAGS ?=
 # ccache and precompiled headers: see docs/BENCHMARKS.md for what they save.
 export CCACHE_SLOPPINESS = pch_defines,time_macros,include_file_mtime,include_file_ctime
 export CCACHE_DIR ?= $(HOME)/.cache/ccache
+# Paths relative to the checkout, and the build directory left out of the
+# hash: a fresh clone elsewhere (CI's) hits what another checkout compiled.
+export CCACHE_BASEDIR ?= $(CURDIR)
+export CCACHE_NOHASHDIR ?= 1
 
 .PHONY: deps configure build python demo test test-unit test-asan bench fuzz profile-demo check-guides format clean
 

@@ -499,6 +499,18 @@ TEST_P(AsyncSimulation, TheModelIsTheReplayOfTheAsyncLog) {
   EXPECT_GT(max_change, 1e-3);  // the updates did move the model
 }
 
+// An asynchronous simulation whose virtual time ends before its first
+// evaluation has no rounds: the run ends normally and says so (the summary
+// line read the last round of an empty list before).
+TEST(AsyncSimulationLog, ARunThatEndsBeforeItsFirstEvaluationReportsNoRounds) {
+  TempDir tmp;
+  std::ofstream(tmp.file("run.yaml")) << async_config("FedAsyncAggregator", 4, 1000, 0.01)
+                                      << "  async_virtual_seconds: 0.001\n";
+  Result r = memfl_cli("run " + tmp.file("run.yaml") + " -q --out " + tmp.file("run"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("done: 0 rounds"), std::string::npos) << r.output;
+}
+
 // A run killed with SIGKILL keeps the log of the updates it applied: rows
 // are handed to the kernel as they are written (before, the log was 0 bytes
 // while metrics.csv had rows).
