@@ -20,7 +20,12 @@ Layout bench_layout(DType d, size_t params) {
   return std::move(b).build().value();
 }
 
-void BM_FedAvgFold(benchmark::State& state) {
+// FedAvg folding one update of 16 Mi parameters, chunk by chunk; with
+// `checked`, every update's sample count and values checked as its chunks
+// arrive (what a server does): the difference is the check's cost per GB
+// folded.
+template <bool checked>
+void fold_update(benchmark::State& state) {
   const auto dtype = static_cast<DType>(state.range(0));
   const size_t chunk = static_cast<size_t>(state.range(1));
   Layout layout = bench_layout(dtype, 16u << 20);  // 16 Mi parameters
@@ -30,7 +35,9 @@ void BM_FedAvgFold(benchmark::State& state) {
   int round = 0;
   for (auto _ : state) {
     (void)agg.begin_round(++round);
-    auto up = agg.open_update("bench", 100);
+    CheckedUpdateOpener with_checks(agg, layout, round, UpdateLimits{});
+    UpdateOpener& opener = checked ? static_cast<UpdateOpener&>(with_checks) : agg;
+    auto up = opener.open_update("bench", 100);
     auto n = stream_arena(layout, model, chunk, **up);
     benchmark::DoNotOptimize(n);
     (void)(*up)->commit();
@@ -38,32 +45,13 @@ void BM_FedAvgFold(benchmark::State& state) {
   state.SetBytesProcessed(static_cast<int64_t>(state.iterations()) * static_cast<int64_t>(layout.total_bytes()));
   state.SetLabel(std::string(dtype_name(dtype)));
 }
+
+void BM_FedAvgFold(benchmark::State& state) { fold_update<false>(state); }
 BENCHMARK(BM_FedAvgFold)
     ->ArgsProduct({{static_cast<int>(DType::kF32), static_cast<int>(DType::kBF16)}, {64 << 10, 1 << 20, 4 << 20}})
     ->Unit(benchmark::kMillisecond);
 
-// The same fold with every update's sample count and values checked as
-// its chunks arrive (what a server does): the difference from BM_FedAvgFold
-// is the check's cost per GB folded.
-void BM_FedAvgFoldChecked(benchmark::State& state) {
-  const auto dtype = static_cast<DType>(state.range(0));
-  const size_t chunk = static_cast<size_t>(state.range(1));
-  Layout layout = bench_layout(dtype, 16u << 20);
-  Arena model(layout.total_bytes(), MemoryCategory::kModel);
-  std::memset(model.data(), 0x3c, model.size());
-  FedAvgAggregator agg(layout, ClientWeightsMode::kSampleSize);
-  int round = 0;
-  for (auto _ : state) {
-    (void)agg.begin_round(++round);
-    CheckedUpdateOpener checked(agg, layout, round, UpdateLimits{});
-    auto up = checked.open_update("bench", 100);
-    auto n = stream_arena(layout, model, chunk, **up);
-    benchmark::DoNotOptimize(n);
-    (void)(*up)->commit();
-  }
-  state.SetBytesProcessed(static_cast<int64_t>(state.iterations()) * static_cast<int64_t>(layout.total_bytes()));
-  state.SetLabel(std::string(dtype_name(dtype)));
-}
+void BM_FedAvgFoldChecked(benchmark::State& state) { fold_update<true>(state); }
 BENCHMARK(BM_FedAvgFoldChecked)
     ->ArgsProduct({{static_cast<int>(DType::kF32), static_cast<int>(DType::kBF16)}, {1 << 20}})
     ->Unit(benchmark::kMillisecond);

@@ -25,7 +25,24 @@ using testing::TempDir;
 
 // A two-layer perceptron with a buffer, named as PyTorch would name it
 // (fc1.weight, …): fc1 and fc2 are submodules of the script module.
-void save_script_mlp(const std::string& path) {
+constexpr const char* kMlpForward = R"(
+def forward(self, x):
+    h = torch.relu(torch.addmm(self.fc1.bias, x.flatten(1) * self.scale, self.fc1.weight.t()))
+    return torch.addmm(self.fc2.bias, h, self.fc2.weight.t())
+)";
+
+// The same, whose forward returns a non-finite output on a batch of one
+// sample: a user's model that goes wrong on some inputs.
+constexpr const char* kMlpForwardNanOnSingleSamples = R"(
+def forward(self, x):
+    h = torch.relu(torch.addmm(self.fc1.bias, x.flatten(1) * self.scale, self.fc1.weight.t()))
+    y = torch.addmm(self.fc2.bias, h, self.fc2.weight.t())
+    if x.size(0) < 2:
+        y = y * torch.log(torch.zeros_like(y))
+    return y
+)";
+
+void save_script_mlp(const std::string& path, const char* forward = kMlpForward) {
   torch::manual_seed(3);
   torch::jit::Module net("MLP");
   torch::jit::Module fc1("Linear1"), fc2("Linear2");
@@ -38,11 +55,7 @@ void save_script_mlp(const std::string& path) {
   net.register_module("fc1", fc1);
   net.register_module("fc2", fc2);
   net.register_buffer("scale", torch::full({1}, 1.0));
-  net.define(R"(
-def forward(self, x):
-    h = torch.relu(torch.addmm(self.fc1.bias, x.flatten(1) * self.scale, self.fc1.weight.t()))
-    return torch.addmm(self.fc2.bias, h, self.fc2.weight.t())
-)");
+  net.define(forward);
   net.save(path);
 }
 
@@ -56,37 +69,13 @@ std::string script_config(const std::string& model, int train_samples, int test_
          server;
 }
 
-// The MLP above, whose forward returns a non-finite output on a batch of one
-// sample: a user's model that goes wrong on some inputs.
-void save_script_mlp_nan_on_single_samples(const std::string& path) {
-  torch::manual_seed(3);
-  torch::jit::Module net("MLP");
-  torch::jit::Module fc1("Linear1"), fc2("Linear2");
-  auto param = [](torch::Tensor t) { return t.set_requires_grad(true); };
-  fc1.register_parameter("weight", param(torch::randn({64, 784}) * 0.05), false);
-  fc1.register_parameter("bias", param(torch::zeros({64})), false);
-  fc2.register_parameter("weight", param(torch::randn({10, 64}) * 0.05), false);
-  fc2.register_parameter("bias", param(torch::zeros({10})), false);
-  net.register_module("fc1", fc1);
-  net.register_module("fc2", fc2);
-  net.define(R"(
-def forward(self, x):
-    h = torch.relu(torch.addmm(self.fc1.bias, x.flatten(1), self.fc1.weight.t()))
-    y = torch.addmm(self.fc2.bias, h, self.fc2.weight.t())
-    if x.size(0) < 2:
-        y = y * torch.log(torch.zeros_like(y))
-    return y
-)");
-  net.save(path);
-}
-
 // 99 samples over 3 clients leave each 33; one more client sample (100)
 // gives one client 34, and with batches of 33 its last batch is one
 // sample: its loss is not finite, it says so and sends nothing, and the
 // round goes on with the other two — in rounds, and asynchronously.
 TEST(TorchScript, AClientWhoseLossIsNotFiniteSendsNothingAndTheOthersGoOn) {
   TempDir tmp;
-  save_script_mlp_nan_on_single_samples(tmp.file("mlp.pt"));
+  save_script_mlp(tmp.file("mlp.pt"), kMlpForwardNanOnSingleSamples);
   const std::string common =
       " -q --set server_configs.num_clients=3 --set client_configs.train_configs.train_batch_size=33"
       " --set client_configs.data_configs.dataset_kwargs.val_ratio=0"
