@@ -21,7 +21,8 @@ namespace {
 // ORs a flag per element with no early exit, in blocks of a fixed count:
 // GCC's -O2 vectorises only loops whose trip count needs no scalar
 // epilogue (its "very cheap" cost model), and a variable-length loop ran
-// scalar at 3.6–7.6 GB/s where these blocks check 37–42 GB/s in cache.
+// scalar at 3.6–7.6 GB/s where these blocks check 22–39 GB/s in cache
+// (docs/BENCHMARKS.md, "Hostile input and value checks").
 // Only a block that fails is searched again for the index.
 template <typename Bits, Bits kExponent>
 bool all_finite(const std::byte* p, size_t n) {

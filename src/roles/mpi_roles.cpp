@@ -42,11 +42,6 @@ namespace fs = std::filesystem;
 
 namespace {
 
-// The model's shards when it lives only there (num_gpus > 1), else null.
-ShardedModelIo* sharded_io_of(LocalModel& model) {
-  return model.replica() != nullptr ? model.replica()->sharded_io() : nullptr;
-}
-
 // The round's selection, known to every rank from the config and the seed.
 std::vector<int> selection(const ExperimentConfig& cfg, int round) {
   return select_clients(cfg.server.num_clients, cfg.server.clients_per_round, cfg.server.seed, round);
@@ -251,7 +246,7 @@ Status run_client_rank(const ExperimentConfig& cfg, int rank, const std::string&
                             b.layout_hash, layout.hash()));
     }
     st.sampler.mark(b.round, "broadcast");
-    ShardedModelIo* shards = sharded_io_of(model);
+    ShardedModelIo* shards = ClientDriver::receive_shards(model);
     if (shards != nullptr) {
       streams.receive_model(*shards);
     } else {
@@ -292,7 +287,7 @@ Status run_client_rank(const ExperimentConfig& cfg, int rank, const std::string&
     // One client on this rank with its model sharded over ranks: the chunks
     // go straight to the shards. (With several, the rank keeps the global
     // model to restart each from, so it is gathered here anyway.)
-    ShardedModelIo* shards = k == 1 ? sharded_io_of(model) : nullptr;
+    ShardedModelIo* shards = k == 1 ? ClientDriver::receive_shards(model) : nullptr;
     if (shards != nullptr) {
       streams.receive_model(*shards);
     } else {
