@@ -1,5 +1,7 @@
 #include "client/client_driver.h"
 
+#include <cstring>
+
 namespace memfl {
 
 ClientDriver::ClientDriver(const ExperimentConfig& cfg, std::string run_dir, const DatasetSplits* data,
@@ -52,6 +54,69 @@ StatusOr<TripUpdate> ClientDriver::train(LocalModel& model, int client, int roun
     up.has_epsilon = true;
   }
   return up;
+}
+
+}  // namespace memfl
+
+namespace memfl {
+
+StatusOr<bool> ClientDriver::play_round(ClientTransport& transport, LocalModel& model, Arena* round_model,
+                                        MemorySampler* sampler) {
+  auto mark = [&](int round, const char* phase) {
+    if (sampler != nullptr) sampler->mark(round, phase);
+  };
+  MEMFL_ASSIGN_OR_RETURN(RoundOffer offer, transport.next_round());
+  if (offer.finished()) return true;
+  const int round = offer.round;
+  mark(round, "broadcast");
+  // A model sharded over ranks takes each chunk straight into its shards;
+  // several clients start from a copy kept aside (gathered anyway).
+  if (ShardedModelIo* shards = round_model == nullptr ? receive_shards(model) : nullptr) {
+    ShardsPlace into(*shards);
+    MEMFL_RETURN_IF_ERROR(transport.receive(into));
+  } else {
+    ArenaPlace into(round_model != nullptr ? *round_model : model.arena());
+    MEMFL_RETURN_IF_ERROR(transport.receive(into));
+  }
+  for (int c : offer.clients) {
+    if (round_model != nullptr) std::memcpy(model.arena().data(), round_model->data(), model.layout().total_bytes());
+    mark(round, "train");
+    MEMFL_ASSIGN_OR_RETURN(TripUpdate up, train(model, c, round, offer.local_steps));
+    mark(round, "upload");
+    UpdateMeta meta{.round = round, .client = c, .sample_count = up.sample_count, .metrics = {}};
+    meta.metrics["train_loss"] = up.trained.train_loss;
+    meta.metrics["val_accuracy"] = up.trained.val_accuracy;
+    meta.metrics["local_steps"] = static_cast<double>(up.local_steps);
+    if (up.has_epsilon) meta.metrics["epsilon"] = up.epsilon;
+    if (up.shards != nullptr) {
+      ShardsPlace from(*up.shards);
+      MEMFL_RETURN_IF_ERROR(transport.send(meta, from));
+    } else {
+      ArenaPlace from(*up.upload);
+      MEMFL_RETURN_IF_ERROR(transport.send(meta, from));
+    }
+  }
+  mark(round, "idle");
+  return false;
+}
+
+StatusOr<int> ClientDriver::run(ClientTransport& transport, LocalModel& model, const ClientRunOptions& options) {
+  Arena round_model;
+  if (options.clients_per_process > 1) {
+    MEMFL_ASSIGN_OR_RETURN(
+        round_model, make_model_arena(cfg_, model.layout().total_bytes(), run_dir_, MemoryCategory::kCommBuffers));
+  }
+  int rounds = 0;
+  while (true) {
+    auto finished =
+        play_round(transport, model, options.clients_per_process > 1 ? &round_model : nullptr, options.sampler);
+    if (finished.ok()) {
+      if (*finished) return rounds;
+      ++rounds;
+      continue;
+    }
+    MEMFL_RETURN_IF_ERROR(transport.recover(finished.status()));
+  }
 }
 
 }  // namespace memfl

@@ -1,9 +1,10 @@
-// ClientDriver: what a client does with a model it received, written once
-// for every transport — the mirror of the server's RoundDriver. A transport
-// moves the model in (checked chunks into the arena or the shards) and the
-// update out; between the two, every client of every transport (the
-// simulator's, the C++ gRPC client, the MPI client ranks, sync and async)
-// calls train():
+// ClientDriver: a client's side of a run, written once for every transport
+// — the mirror of the server's RoundDriver. run() plays the rounds over a
+// ClientTransport (comm/client_transport.h: gRPC for the C++ client, MPI for
+// the client ranks; the Python client drives the same gRPC transport with
+// its own tensors): next round → receive (checked chunks into the arena or
+// the shards) → train() each of the round's clients → send. The simulator,
+// whose transport is memory, calls train() from its workers. train():
 //
 //   received → [async, gradient_based: keep the base] → local training
 //   (TrainerBackend; a non-finite loss refuses the update) → privacy record
@@ -14,9 +15,7 @@
 // aggregation masks) belong in encode, here, once.
 //
 //   ClientDriver driver(cfg, run_dir, data ? &*data : nullptr, parts);
-//   ... the transport receives the model into model.arena() or driver.receive_shards(model) ...
-//   MEMFL_ASSIGN_OR_RETURN(TripUpdate up, driver.train(model, client, round, begin.local_steps));
-//   ... the transport sends up.upload (or up.shards) with up's metadata ...
+//   MEMFL_ASSIGN_OR_RETURN(int rounds, driver.run(transport, model, {.sampler = &sampler}));
 #pragma once
 
 #include <cstdint>
@@ -26,6 +25,8 @@
 #include <vector>
 
 #include "client/client_work.h"
+#include "comm/client_transport.h"
+#include "memory/sampler.h"
 
 namespace memfl {
 
@@ -34,13 +35,20 @@ struct TripUpdate {
   // The bytes to send: an arena (the trained model, or its change from the
   // base), or — a model sharded over ranks that training left in its
   // shards — the shards (upload is then null).
-  const Arena* upload = nullptr;
+  Arena* upload = nullptr;
   ShardedModelIo* shards = nullptr;
   double sample_count = 0;  // FedAvg's weight
   TrainResult trained;      // losses, accuracies, DP steps and rate
   int64_t local_steps = 0;  // what the trip took (a DummyTrainer's as configured)
   bool has_epsilon = false;
   double epsilon = 0;  // DP-SGD: the client's ε over all its steps so far
+};
+
+struct ClientRunOptions {
+  MemorySampler* sampler = nullptr;  // phase marks (broadcast, train, upload, idle); may be null
+  // More than one client in this process (an MPI rank's virtual clients):
+  // the round's model is kept aside and each client starts from it.
+  int clients_per_process = 1;
 };
 
 class ClientDriver {
@@ -68,6 +76,12 @@ class ClientDriver {
   // this driver until the next call.
   StatusOr<TripUpdate> train(LocalModel& model, int client, int round, int local_steps = 0);
 
+  // Plays rounds over `transport` until the server says the run is over;
+  // a round that fails is handed to transport.recover (a new session, or
+  // the error that ends the client). Returns the rounds played. Does not
+  // close the transport: the caller does, once its outputs are written.
+  StatusOr<int> run(ClientTransport& transport, LocalModel& model, const ClientRunOptions& options);
+
  private:
   const ExperimentConfig& cfg_;
   std::string run_dir_;
@@ -78,6 +92,9 @@ class ClientDriver {
   std::map<int, int64_t> trips_;     // asynchronous: each trip trains with its own seed
   std::map<int, int64_t> dp_steps_;  // DP-SGD steps over every round, per client
   Arena base_;                       // gradient_based: the model received, then the change sent
+
+  // One round; true when the server said the run is over.
+  StatusOr<bool> play_round(ClientTransport& transport, LocalModel& model, Arena* round_model, MemorySampler* sampler);
 };
 
 }  // namespace memfl
