@@ -260,3 +260,64 @@ def test_a_refused_update_raises_and_an_abandoned_round_still_exits(tmp_path):
         finally:
             server.kill()
             server.wait()
+
+
+def play_dummy_trainer(port, client_id, scale):
+    """DummyTrainer's update, written here in torch from its documented formula
+    (client c in round r adds s·(c+1)·(1 + (i + r) mod 5) to element i of each
+    tensor, in f32, and weighs 5·(c+1)): what a C++ client on the same model sends."""
+    client = memfl.Client(f"127.0.0.1:{port}", client_id=str(client_id))
+    sd = {name: torch.zeros(shape, dtype=torch.float32) for name, _, shape in client.layout}
+    rounds = 0
+    while (r := client.next_round()) >= 0:
+        client.receive(sd)
+        for t in sd.values():
+            i = torch.arange(t.numel(), dtype=torch.float64)
+            d = (scale * (client_id + 1) * (1 + torch.remainder(i + r, 5))).to(torch.float32)
+            t.view(-1).add_(d)
+        client.send(sd, 5.0 * (client_id + 1), {})
+        rounds += 1
+    client.close()
+    return rounds
+
+
+@pytest.mark.parametrize("channel", ["grpc", "tcp"])
+def test_the_python_client_path_gives_the_cpp_clients_model_bit_for_bit(tmp_path, channel):
+    # The Python client runs the C++ client's protocol (one gRPC client
+    # transport): playing DummyTrainer beside a C++ client, on the stream or
+    # the data channel, with chunks that cut tensors, it ends the run on the
+    # very bytes two C++ clients end on (the update is computed the same way
+    # in f32, so nothing but the transport could differ). A Python client that
+    # sent back the model it received, or weighed its update otherwise, would
+    # end elsewhere: client 1's change is twice client 0's.
+    scale = 0.01
+    text = ("client_configs:\n  train_configs:\n    trainer: DummyTrainer\n"
+            f"    dummy_update_scale: {scale}\n"
+            "  model_configs:\n    model_name: synthetic\n    model_kwargs:\n      num_params: 3000\n"
+            "server_configs:\n  num_clients: 2\n  num_global_epochs: 2\n  round_timeout_s: 60\n"
+            "  aggregator_kwargs:\n    client_weights_mode: sample_size\n"
+            "  comm_configs:\n    grpc_configs:\n      server_uri: 127.0.0.1:PORT\n      model_chunk_size: 1000\n"
+            f"      data_channel: {channel}\n")
+    port = free_port()
+    cfg = tmp_path / "mixed.yaml"
+    cfg.write_text(text.replace("PORT", str(port)))
+    server = subprocess.Popen([BIN, "server", str(cfg), "-q", "--out", str(tmp_path / "mixed")])
+    cpp = subprocess.Popen([BIN, "client", str(cfg), "--client-id", "0", "-q", "--out", str(tmp_path / "c0")])
+    try:
+        assert play_dummy_trainer(port, 1, scale) == 2
+        assert cpp.wait(timeout=120) == 0
+        assert server.wait(timeout=120) == 0
+    finally:
+        for p in (server, cpp):
+            if p.poll() is None:
+                p.kill()
+    ref_cfg = tmp_path / "cpp.yaml"
+    ref_cfg.write_text(text.replace("PORT", "0"))
+    r = subprocess.run([BIN, "launch", str(ref_cfg), "--clients", "2", "-q", "--out", str(tmp_path / "cpp")],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    mixed = read_safetensors(tmp_path / "mixed/global_model.safetensors")
+    cpp_only = read_safetensors(tmp_path / "cpp/server/global_model.safetensors")
+    assert sorted(mixed) == sorted(cpp_only)
+    for k in mixed:
+        assert torch.equal(mixed[k], cpp_only[k]), k
