@@ -100,7 +100,9 @@ Status run_grpc_server(const ExperimentConfig& cfg, const RoleOptions& opts) {
                            ModelWorker::start((fs::path(opts.run_dir) / "config.yaml").string(), layout,
                                               transfer_chunk_bytes(true, sc.model_chunk_size, layout.total_bytes()),
                                               (fs::path(opts.run_dir) / "model_worker.log").string()));
-    dopts.evaluate = [&](int round, Arena& g) { return evaluator->evaluate(round, g); };
+    // The worker evaluates round r while round r+1 goes on (RoundDriverOptions).
+    dopts.begin_evaluation = [&](int round, const Arena& g) { return evaluator->begin_evaluation(round, g); };
+    dopts.end_evaluation = [&](int round) { return evaluator->end_evaluation(round); };
   }
   dopts.on_round = [&](const RoundMetrics& m) {
     if (!opts.progress) return;

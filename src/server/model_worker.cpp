@@ -134,21 +134,27 @@ ModelWorker::~ModelWorker() {
 }
 
 StatusOr<EvalResult> ModelWorker::evaluate(int round, const Arena& global) {
-  auto failed = [&](const Status& s) {
-    return Status(s.code(), fmt::format("{} (its log {}:\n{})", s.message(), log_path_, tail_of_file(log_path_, 1500)));
-  };
+  MEMFL_RETURN_IF_ERROR(begin_evaluation(round, global));
+  return end_evaluation(round);
+}
+
+Status ModelWorker::begin_evaluation(int round, const Arena& global) {
   EvalBegin b;
   b.round = round;
   b.layout_hash = layout_.hash();
   b.total_bytes = layout_.total_bytes();
-  if (Status s = write_all(to_worker_, &b, sizeof b, "the model header"); !s.ok()) return failed(s);
+  if (Status s = write_all(to_worker_, &b, sizeof b, "the model header"); !s.ok()) return with_log(s);
   PipeSink sink(to_worker_);
-  if (auto sent = stream_arena(layout_, global, chunk_, sink); !sent.ok()) return failed(sent.status());
+  if (auto sent = stream_arena(layout_, global, chunk_, sink); !sent.ok()) return with_log(sent.status());
+  return Status::Ok();
+}
+
+StatusOr<EvalResult> ModelWorker::end_evaluation(int round) {
   EvalReply r;
   auto got = read_all(from_worker_, &r, sizeof r, "the evaluation reply");
-  if (!got.ok()) return failed(got.status());
+  if (!got.ok()) return with_log(got.status());
   if (!*got || r.magic != kBeginMagic || r.round != round) {
-    return failed(internal_error("model worker: no answer for round {}", round));
+    return with_log(internal_error("model worker: no answer for round {}", round));
   }
   if (r.error_bytes > 0) {
     std::string msg(std::min<uint64_t>(r.error_bytes, 1 << 16), '\0');
@@ -156,6 +162,10 @@ StatusOr<EvalResult> ModelWorker::evaluate(int round, const Arena& global) {
     return internal_error("model worker, round {}: {}", round, msg);
   }
   return EvalResult{r.loss, r.accuracy, r.num_samples};
+}
+
+Status ModelWorker::with_log(const Status& s) const {
+  return Status(s.code(), fmt::format("{} (its log {}:\n{})", s.message(), log_path_, tail_of_file(log_path_, 1500)));
 }
 
 Status run_model_worker(const std::string& config_path, const std::string& write_initial) {

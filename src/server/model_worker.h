@@ -43,9 +43,16 @@ class ModelWorker {
   ModelWorker& operator=(const ModelWorker&) = delete;
   // Sends `global` and returns the worker's test loss and accuracy.
   StatusOr<EvalResult> evaluate(int round, const Arena& global);
+  // The same in two halves: begin returns once the model has gone down the
+  // pipe (the worker evaluates its own copy; `global` may change after), end
+  // waits for the answer. One evaluation at a time.
+  Status begin_evaluation(int round, const Arena& global);
+  StatusOr<EvalResult> end_evaluation(int round);
 
  private:
   ModelWorker(const Layout& layout, size_t chunk) : layout_(layout), chunk_(chunk) {}
+  // `s` with the tail of the worker's log (why it failed, when it did).
+  Status with_log(const Status& s) const;
   const Layout& layout_;
   size_t chunk_;
   pid_t pid_ = -1;

@@ -130,6 +130,8 @@ Status RoundDriver::play_round(int round, RoundMetrics* m, bool* redo) {
   // Every update's sample count and values are checked before they count.
   CheckedUpdateOpener checked(global_.aggregator(), global_.layout(), round, UpdateLimits{cfg_.server.max_num_samples});
   MEMFL_RETURN_IF_ERROR(transport_.collect(round, selected, global_.arena(), checked, &up));
+  // The previous round's evaluation has had this round's training to run in.
+  MEMFL_RETURN_IF_ERROR(finish_evaluation());
   for (int c : up.failed) {
     (void)global_.aggregator().withdraw(client_id(c));
     if (std::find(dropped_.begin(), dropped_.end(), c) == dropped_.end()) dropped_.push_back(c);
@@ -191,6 +193,11 @@ Status RoundDriver::play_round(int round, RoundMetrics* m, bool* redo) {
     if (!ev.ok()) return ev.status().with_context(fmt::format("round {}, server evaluation", round));
     m->test_loss = ev->loss;
     m->test_accuracy = ev->accuracy;
+  } else if (opts_.begin_evaluation) {
+    sampler_.mark(round, "evaluate");
+    MEMFL_RETURN_IF_ERROR(
+        opts_.begin_evaluation(round, global_.arena()).with_context(fmt::format("round {}, server evaluation", round)));
+    pending_evaluation_ = round;
   }
   m->round_seconds = std::chrono::duration<double>(Clock::now() - t_round).count();
   if (opts_.round_virtual_seconds) {
@@ -223,11 +230,30 @@ Status check_server_memory_bound(const ExperimentConfig& cfg_, GlobalModel& glob
   return Status::Ok();
 }
 
+Status RoundDriver::publish(const RoundMetrics& m) {
+  MEMFL_RETURN_IF_ERROR(metrics_->append(m));
+  if (opts_.on_round) opts_.on_round(m);
+  return Status::Ok();
+}
+
+Status RoundDriver::finish_evaluation() {
+  if (pending_evaluation_ == 0) return Status::Ok();
+  const int round = pending_evaluation_;
+  pending_evaluation_ = 0;
+  auto ev = opts_.end_evaluation(round);
+  if (!ev.ok()) return ev.status().with_context(fmt::format("round {}, server evaluation", round));
+  auto it = std::find_if(rounds_.begin(), rounds_.end(), [&](const RoundMetrics& m) { return m.round == round; });
+  if (it == rounds_.end()) return internal_error("round {}: evaluated but never committed", round);
+  it->test_loss = ev->loss;
+  it->test_accuracy = ev->accuracy;
+  return publish(*it);
+}
+
 Status RoundDriver::run() {
   MEMFL_RETURN_IF_ERROR(check_server_memory_bound(cfg_, global_));
   if (opts_.resume) MEMFL_RETURN_IF_ERROR(resume());
-  MEMFL_ASSIGN_OR_RETURN(auto metrics, MetricsWriter::open((fs::path(opts_.run_dir) / "metrics.csv").string()));
-  for (const auto& m : rounds_) MEMFL_RETURN_IF_ERROR(metrics->append(m));  // the committed rounds, again
+  MEMFL_ASSIGN_OR_RETURN(metrics_, MetricsWriter::open((fs::path(opts_.run_dir) / "metrics.csv").string()));
+  for (const auto& m : rounds_) MEMFL_RETURN_IF_ERROR(metrics_->append(m));  // the committed rounds, again
   const int last = cfg_.server.num_global_epochs;
   for (int round = first_round_; round <= last;) {
     RoundMetrics m;
@@ -240,10 +266,11 @@ Status RoundDriver::run() {
     const auto t_commit = Clock::now();
     MEMFL_RETURN_IF_ERROR(commit(round));
     rounds_.back().commit_seconds = m.commit_seconds = std::chrono::duration<double>(Clock::now() - t_commit).count();
-    MEMFL_RETURN_IF_ERROR(metrics->append(m));
-    if (opts_.on_round) opts_.on_round(m);
+    // A round still being evaluated is published when its result is in.
+    if (pending_evaluation_ != round) MEMFL_RETURN_IF_ERROR(publish(m));
     ++round;
   }
+  MEMFL_RETURN_IF_ERROR(finish_evaluation());
   sampler_.mark(last, "done");
   transport_.finish(last);
   return Status::Ok();

@@ -33,6 +33,16 @@ struct RoundDriverOptions {
   bool resume = false;
   // Server-side evaluation of the global model after a round; empty: none.
   std::function<StatusOr<EvalResult>(int round, Arena& global)> evaluate;
+  // The same evaluation done by another process (the model worker), in two
+  // halves: begin hands it the round's model and returns once the model is
+  // on its way (the worker evaluates its own copy); end waits for the
+  // result. Round r's evaluation then runs while round r+1 broadcasts and
+  // its clients train — no client waits for it — and r's metrics row (and
+  // on_round) follow when it ends: once r+1's updates are in, or at the end
+  // of the run. A run stopped in between resumes with r's test metrics
+  // empty (its model is committed).
+  std::function<Status(int round, const Arena& global)> begin_evaluation;
+  std::function<StatusOr<EvalResult>(int round)> end_evaluation;
   // Called after each round's metrics are final (progress lines).
   std::function<void(const RoundMetrics&)> on_round;
   // The simulated duration of `round` (its slowest client's local steps ×
@@ -58,6 +68,11 @@ class RoundDriver {
  private:
   Status resume();
   Status play_round(int round, RoundMetrics* m, bool* redo);
+  // Round pending_evaluation_'s evaluation result into its metrics, then its
+  // metrics row and on_round (a no-op when none is pending).
+  Status finish_evaluation();
+  // Round `m`'s metrics are final: the row, and on_round.
+  Status publish(const RoundMetrics& m);
   Status commit(int round);
 
   const ExperimentConfig& cfg_;
@@ -68,7 +83,9 @@ class RoundDriver {
   RoundDriverOptions opts_;
   int first_round_ = 1;
   std::vector<RoundMetrics> rounds_;
-  std::vector<int> dropped_;  // clients out for the rest of the run
+  std::unique_ptr<MetricsWriter> metrics_;
+  int pending_evaluation_ = 0;  // a round whose evaluation runs (begin_evaluation); 0: none
+  std::vector<int> dropped_;    // clients out for the rest of the run
   double dp_fedavg_epsilon_ = 0;
 };
 
