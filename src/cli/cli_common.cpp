@@ -1,0 +1,65 @@
+#include "cli/cli_common.h"
+
+#include <cmath>
+#include <filesystem>
+
+#include "default_config.h"
+#include "memory/alloc_tracker.h"
+
+namespace memfl::cli {
+
+int exit_code_for(const memfl::Status& s) {
+  switch (s.code()) {
+    case memfl::StatusCode::kOk:
+      return kExitOk;
+    case memfl::StatusCode::kInvalidArgument:
+      return kExitUsage;
+    case memfl::StatusCode::kNotFound:
+      return kExitMissing;
+    default:
+      return kExitRunFailed;
+  }
+}
+
+int fail(const memfl::Status& s) {
+  fmt::print(stderr, "memfl: error: {}\n", s.message());
+  return exit_code_for(s);
+}
+
+void start_profiler(const memfl::ExperimentConfig& cfg, const std::string& dir, const std::string& role) {
+  if (!cfg.memory.profile) return;
+  if (!memfl::alloc_tracker_start(dir + "/profile.bin", role, static_cast<size_t>(cfg.memory.profile_threshold))) {
+    fmt::print(stderr,
+               "memfl: warning: the allocation tracker is not available in this build (sanitizers?) or {} "
+               "cannot be written; running without it\n",
+               dir + "/profile.bin");
+  }
+}
+
+memfl::StatusOr<memfl::ExperimentConfig> load(const std::string& path, const std::vector<std::string>& sets) {
+  if (path.empty()) return memfl::load_config_text(memfl::kDefaultConfigYaml, memfl::kDefaultConfigName, sets);
+  return memfl::load_config_file(path, sets);
+}
+
+memfl::Status make_out_dir(const std::string& dir) {
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  if (ec || !std::filesystem::is_directory(dir, ec)) {
+    return memfl::invalid_argument("--out {}: cannot create it: {}", dir,
+                                   ec ? ec.message() : std::string("not a directory"));
+  }
+  return memfl::Status::Ok();
+}
+
+memfl::Status check_target(double t, const std::string& text) {
+  if (std::isfinite(t) && t > 0 && t <= 1) return memfl::Status::Ok();
+  return memfl::invalid_argument("--target: '{}' is not an accuracy in (0, 1]", text);
+}
+
+memfl::Status check_resume(const std::string& committed_path, const memfl::ExperimentConfig& cfg) {
+  auto committed = memfl::load_config_file(committed_path);
+  if (!committed.ok()) return committed.status().with_context("--resume");
+  return memfl::check_resume_config(committed->resolved_yaml, committed_path, cfg);
+}
+
+}  // namespace memfl::cli

@@ -1,0 +1,65 @@
+// What the memfl commands (src/cli/cmd_*.cpp) share: the exit codes, error
+// printing, config loading and the checks of options several commands take.
+#pragma once
+
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "config/config.h"
+
+namespace CLI {
+class App;  // <CLI/CLI.hpp>, in the commands that add options
+}  // namespace CLI
+
+namespace memfl::cli {
+
+// Exit codes (also in `memfl --help`).
+constexpr int kExitOk = 0;
+constexpr int kExitRunFailed = 1;
+constexpr int kExitUsage = 2;
+constexpr int kExitMissing = 3;
+
+int exit_code_for(const memfl::Status& s);
+
+// Prints "memfl: error: ..." and returns the exit code for `s`.
+int fail(const memfl::Status& s);
+
+// --profile / memory_configs.profile: the tracker streams into DIR/profile.bin.
+void start_profiler(const memfl::ExperimentConfig& cfg, const std::string& dir, const std::string& role);
+
+// CONFIG, or the embedded default when none is given, with the --set overrides.
+memfl::StatusOr<memfl::ExperimentConfig> load(const std::string& path, const std::vector<std::string>& sets);
+
+// An --out directory, created now: a path that cannot be one is an error
+// naming it, before any work is done (not an exception from deep inside).
+memfl::Status make_out_dir(const std::string& dir);
+
+// An accuracy to reach: a number in (0, 1].
+memfl::Status check_target(double t, const std::string& text);
+
+// --resume: the config must be the run's own experiment (committed in
+// `committed_path`), checked before anything is written or listened on.
+memfl::Status check_resume(const std::string& committed_path, const memfl::ExperimentConfig& cfg);
+
+// The options several commands take. Each command binds its own flags to
+// these; only the command given on the line writes them.
+struct SharedOptions {
+  std::string config_path, out_dir, resume_dir;
+  std::vector<std::string> sets;
+  bool quiet = false;
+  bool profile = false;  // main turns it into --set memory_configs.profile=true
+};
+
+inline constexpr const char* kResumeDoc =
+    "continue the run in DIR after its newest committed round (config: DIR's config.yaml unless CONFIG is given)";
+
+// Runs a command once the line is parsed; returns the exit code. argc and
+// argv are main's: mpi hands them to MPI_Init, bench dp to the ranks it starts.
+using CommandFn = std::function<int(int& argc, char**& argv)>;
+
+// Adds a command's options to its subcommand `cmd` (main creates it, with its
+// help line) and returns what runs it.
+using AddCommandFn = CommandFn (*)(CLI::App& cmd, SharedOptions& shared);
+
+}  // namespace memfl::cli

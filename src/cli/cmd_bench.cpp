@@ -1,0 +1,152 @@
+// memfl bench: benchmarks. bench dp sweeps the DP-SGD clipping modes (the
+// plugin runs them); bench transfer measures a gRPC run's peak RSS per role
+// and GB/s per direction with DummyTrainer clients.
+#include <CLI/CLI.hpp>
+#include <cstdlib>
+#include <filesystem>
+#include <memory>
+#include <nlohmann/json.hpp>
+
+#include "cli/commands.h"
+#include "io/process.h"
+#include "report/dp_sweep.h"
+#include "train/trainer_backend.h"
+#ifdef MEMFL_HAVE_GRPC
+#include "experiments/bench_transfer.h"
+#endif
+
+namespace memfl::cli {
+
+namespace {
+
+struct BenchDpArgs {
+  memfl::DpBenchOptions dpb;
+  std::string dp_json = "dp_sweep.json", dp_report;
+};
+
+int bench_dp(const BenchDpArgs& a, int argc, char** argv) {
+  const memfl::DpBenchOptions& dpb = a.dpb;
+  const std::string& dp_json = a.dp_json;
+  for (const auto& m : dpb.modes) {
+    if (m != "no_dp" && m != "naive" && m != "ghost" && m != "fused") {
+      return fail(memfl::invalid_argument("bench dp: --modes: unknown mode '{}' (no_dp, naive, ghost, fused)", m));
+    }
+  }
+  if (dpb.seq_lengths.empty() || dpb.batch_size < 1 || dpb.iters < 1) {
+    return fail(memfl::invalid_argument("bench dp: --seq, --batch and --iters must be positive"));
+  }
+  if (dpb.gpus < 1) return fail(memfl::invalid_argument("bench dp: --gpus {} must be >= 1", dpb.gpus));
+  // A sharded sweep on N ranks: this process starts them (one process per
+  // GPU, each this command again with its rank in the environment) unless a
+  // launcher (mpirun, torchrun, or this one) already did.
+  const bool is_rank = std::getenv("MEMFL_RANK") != nullptr || std::getenv("RANK") != nullptr ||
+                       std::getenv("OMPI_COMM_WORLD_RANK") != nullptr;
+  if (dpb.gpus > 1 && !is_rank) {
+    auto st = memfl::launch_ranks(dpb.gpus, argc, argv, dp_json + ".rank");
+    if (!st.ok()) return fail(st);
+    return kExitOk;
+  }
+  auto backend = memfl::load_trainer_backend();
+  if (!backend.ok()) return fail(backend.status());
+  auto recs = (*backend)->bench_dp(dpb);
+  if (!recs.ok()) return fail(recs.status());
+  if (recs->empty()) return kExitOk;  // a rank other than 0: rank 0 writes the records
+  std::vector<nlohmann::ordered_json> records;
+  for (const auto& r : *recs) records.push_back(nlohmann::ordered_json::parse(r));
+  const std::string dir =
+      a.dp_report.empty() ? (std::filesystem::path(dp_json).parent_path() / "dp_sweep").string() : a.dp_report;
+  memfl::Status st = memfl::write_dp_sweep(records, dp_json, dir);
+  if (!st.ok()) return fail(st);
+  fmt::print("{:<7} {:>6} {:>12} {:>8} {:>10} {:>8}\n", "mode", "seq", "peak MiB", "x no_dp", "ms/iter", "x no_dp");
+  for (const auto& r : records) {
+    const std::string m = r.value("mode", "");
+    const int sl = r.value("seq_length", 0);
+    fmt::print("{:<7} {:>6} {:>12.1f} {:>8.3f} {:>10.2f} {:>8.3f}\n", m, sl,
+               static_cast<double>(r.value("peak_memory_bytes", int64_t{0})) / (1 << 20),
+               memfl::dp_overhead(records, m, sl, "peak_memory_bytes"), r.value("avg_iteration_ms", 0.0),
+               memfl::dp_overhead(records, m, sl, "avg_iteration_ms"));
+  }
+  fmt::print("wrote {} and {}/dp_sweep.html\n", dp_json, dir);
+  return kExitOk;
+}
+
+void add_bench_dp_options(CLI::App& dp, BenchDpArgs& a) {
+  memfl::DpBenchOptions& dpb = a.dpb;
+  dp.add_option("--model", dpb.model, "llama-dp-tiny | llama-dp-0.5b | llama-3.2-1b-dp | llama-dp-6b | llama-dp-11b")
+      ->capture_default_str();
+  dp.add_option("--seq", dpb.seq_lengths, "sequence lengths, comma separated")->delimiter(',')->capture_default_str();
+  dp.add_option("--batch", dpb.batch_size, "samples per batch")->capture_default_str();
+  dp.add_option("--modes", dpb.modes, "no_dp,naive,ghost,fused")->delimiter(',')->capture_default_str();
+  dp.add_option("--warmup", dpb.warmup, "untimed iterations per run")->capture_default_str();
+  dp.add_option("--iters", dpb.iters, "timed iterations per run")->capture_default_str();
+  dp.add_option("--device", dpb.device, "cpu | cuda")->capture_default_str();
+  dp.add_option("--json", a.dp_json, "records (one per run) as a JSON array")->capture_default_str();
+  dp.add_option("--report", a.dp_report, "directory for dp_sweep.html and .csv (default: beside --json)");
+  dp.add_option("--gpus", dpb.gpus,
+                "ranks of a sharded model: one process per GPU (per process on the CPU), started by memfl")
+      ->capture_default_str();
+  dp.add_flag("--sharded", dpb.sharded, "shard the model even on one rank (the 1-GPU figure of a sharded sweep)");
+  dp.add_option("--optimizer", dpb.optimizer, "sgd | adam (sharded runs)")->capture_default_str();
+  dp.add_option("--noise-multiplier", dpb.noise_multiplier, "sigma: noise std / max_grad_norm (0: no noise)")
+      ->capture_default_str();
+  dp.add_option("--dtype", dpb.dtype, "float32 | bfloat16 parameters (sharded runs)")->capture_default_str();
+}
+
+#ifdef MEMFL_HAVE_GRPC
+int bench_transfer(const memfl::TransferBenchOptions& tb) {
+  auto r = memfl::run_bench_transfer(tb);
+  if (!r.ok()) return fail(r.status());
+  fmt::print("{}", *r);
+  return kExitOk;
+}
+
+void add_bench_transfer_options(CLI::App& transfer, memfl::TransferBenchOptions& tb) {
+  transfer.add_option("--transport", tb.transport, "grpc")->capture_default_str();
+  transfer.add_option("--model-mb", tb.model_mb, "model size in MiB")->capture_default_str();
+  transfer
+      .add_option("--data-channel", tb.data_channel,
+                  "gRPC: where chunks travel, auto (grpc_configs.data_channel's default: the Unix socket on one "
+                  "host) | grpc (in the stream) | tcp (grpc_configs.data_channel: tcp, its TCP port) | unix (the "
+                  "same, its Unix socket)")
+      ->capture_default_str();
+  transfer.add_option("--clients", tb.clients, "client processes")->capture_default_str();
+  transfer.add_option("--dtype", tb.dtype, "f32 | bf16 | f16")->capture_default_str();
+  transfer.add_option("--chunk-mb", tb.chunk_mb, "chunk size in MiB")->capture_default_str();
+  transfer.add_option("--memory-mode", tb.memory_mode, "streaming | naive")->capture_default_str();
+  transfer.add_option("--aggregator", tb.aggregator, "server_configs.aggregator")->capture_default_str();
+  transfer.add_option("--arena-backing", tb.arena_backing, "memory_configs.arena_backing: memory | file")
+      ->capture_default_str();
+  transfer
+      .add_option("--mpi-path", tb.mpi_path,
+                  "MPI on one node: shared_ring (chunks through a shared-memory ring) | point_to_point")
+      ->capture_default_str();
+  transfer.add_option("--dummy-delays", tb.dummy_delays,
+                      "train_configs.dummy_delay_s: seconds each client spends in its local update (e.g. 1.5,0.5)");
+  transfer.add_option("--json", tb.json_out, "write the JSON here too");
+  transfer.add_option("--keep", tb.run_dir, "keep the run directory here");
+}
+#endif
+
+}  // namespace
+
+CommandFn add_bench(CLI::App& cmd, SharedOptions&) {
+  cmd.require_subcommand(1);
+  auto dp_args = std::make_shared<BenchDpArgs>();
+  CLI::App* dp = cmd.add_subcommand("dp", "DP-SGD clipping modes: peak memory and time per mode and sequence length");
+  add_bench_dp_options(*dp, *dp_args);
+#ifdef MEMFL_HAVE_GRPC
+  auto tb = std::make_shared<memfl::TransferBenchOptions>();
+  CLI::App* transfer = cmd.add_subcommand("transfer", "Peak RSS per role and GB/s per direction, DummyTrainer");
+  add_bench_transfer_options(*transfer, *tb);
+#endif
+  return [=](int& argc, char**& argv) {
+    if (dp->parsed()) return bench_dp(*dp_args, argc, argv);
+#ifdef MEMFL_HAVE_GRPC
+    return bench_transfer(*tb);
+#else
+    return kExitUsage;  // not reached: bench requires one of its commands
+#endif
+  };
+}
+
+}  // namespace memfl::cli
