@@ -143,7 +143,7 @@ grpc::Status ServerAgent::async_receive_update(grpc::ServerContext* ctx, grpc::S
       } else {
         follow_locked(*next);
         bytes_up_ += layout.total_bytes();
-        if (a.core->arrivals() % a.options.eval_every == 0 || a.core->arrivals() >= a.options.total) a.evals_due++;
+        if (a.options.eval_due(a.core->arrivals())) a.evals_due++;
         if (a.core->arrivals() >= a.options.total) a.done = true;
         cv_.notify_all();
       }
@@ -171,11 +171,7 @@ Status ServerAgent::serve_async(AsyncUpdateHandler& core, Arena& global, const A
     async_->core = &core;  // last: sessions wait for it
     // Applied (or folded into FedBuff's buffer) updates give their slot back;
     // the core calls this with mu_ held.
-    core.set_release([this](AsyncTripRecord& t) {
-      const auto* src = dynamic_cast<const SpoolSlotSource*>(t.update.get());
-      if (src != nullptr) async_->slots->give_back(src->slot());
-      t.update.reset();
-    });
+    core.set_release([this](AsyncTripRecord& t) { async_->slots->release(t); });
     for (size_t c = 0; c < n; ++c) {
       if (!slots_[c].failed) async_->ready_steps[c] = core.start(static_cast<int>(c), 0.0);
     }
