@@ -32,4 +32,10 @@ void SpoolSlots::give_back(size_t slot) {
   free_.push_back(slot);
 }
 
+void SpoolSlots::release(AsyncTripRecord& trip) {
+  const auto* src = dynamic_cast<const SpoolSlotSource*>(trip.update.get());
+  if (src != nullptr) give_back(src->slot());
+  trip.update.reset();
+}
+
 }  // namespace memfl

@@ -10,6 +10,7 @@
 #include <string>
 
 #include "comm/chunk.h"
+#include "comm/transport.h"
 #include "comm/update_check.h"
 #include "io/spool_file.h"
 #include "tensor/layout.h"
@@ -60,6 +61,10 @@ class SpoolSlots {
   Status open(const std::string& dir) { return spool_.open(dir); }
   size_t take();
   void give_back(size_t slot);
+  // An update that is no longer needed (applied, or folded into FedBuff's
+  // buffer) gives its slot back and the trip lets go of it: what every
+  // asynchronous driver hands AsyncUpdateHandler::set_release.
+  void release(AsyncTripRecord& trip);
   SpoolFile& spool() { return spool_; }
   uint64_t slot_bytes() const { return slot_bytes_; }
 

@@ -127,6 +127,12 @@ class AsyncUpdateHandler {
   virtual Status flush_log() = 0;
 };
 
+// Whether the update that brought the count to `arrivals` is followed by an
+// evaluation: after every `every` updates, and after the last of `total`.
+inline bool async_eval_due(int64_t arrivals, int64_t every, int64_t total) {
+  return arrivals % every == 0 || arrivals >= total;
+}
+
 // How a transport serves an asynchronous run (its serve_async).
 struct AsyncServeOptions {
   int64_t total = 0;       // client updates to play (num_global_epochs)
@@ -135,6 +141,7 @@ struct AsyncServeOptions {
   // Called with the model unchanged while it runs: the evaluation number,
   // updates so far, seconds since the start.
   std::function<Status(int evaluation, int64_t updates, double seconds)> on_eval;
+  bool eval_due(int64_t arrivals) const { return async_eval_due(arrivals, eval_every, total); }
 };
 
 // How every transport names client `c` to the aggregator (and in messages).

@@ -9,6 +9,8 @@
 #include <filesystem>
 #include <fstream>
 
+#include "memory/sampler.h"
+
 namespace memfl {
 
 namespace fs = std::filesystem;
@@ -71,6 +73,13 @@ int count_entries(const char* dir) {
 int count_threads() { return count_entries("/proc/self/task"); }
 // Less the descriptor the listing itself holds open.
 int count_open_fds() { return count_entries("/proc/self/fd") - 1; }
+
+void record_process_metrics(const MemorySampler& sampler, RoundMetrics* m) {
+  m->peak_rss_bytes = sampler.peak_rss();
+  m->rss_bytes = read_rss_bytes();
+  m->threads = count_threads();
+  m->open_fds = count_open_fds();
+}
 
 Status write_text_file(const std::string& path, const std::string& text) {
   std::ofstream out(path);

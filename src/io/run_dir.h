@@ -45,6 +45,11 @@ struct RoundMetrics {
 int count_threads();
 int count_open_fds();
 
+class MemorySampler;
+// The process's columns of a metrics row, written alike by every driver:
+// RSS now, the sampler's peak, threads and open descriptors.
+void record_process_metrics(const MemorySampler& sampler, RoundMetrics* m);
+
 class MetricsWriter {
  public:
   static StatusOr<std::unique_ptr<MetricsWriter>> open(const std::string& path);

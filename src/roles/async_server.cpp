@@ -1,6 +1,5 @@
 #include "roles/async_server.h"
 
-#include <chrono>
 #include <filesystem>
 
 #include <spdlog/spdlog.h>
@@ -8,13 +7,13 @@
 #include "aggregate/async_aggregator.h"
 #include "client/client_work.h"
 #include "io/run_dir.h"
+#include "server/async_common.h"
 #include "server/async_core.h"
 #include "server/model_worker.h"
 
 namespace memfl {
 
 namespace fs = std::filesystem;
-using Clock = std::chrono::steady_clock;
 
 StatusOr<std::unique_ptr<GlobalModel>> make_async_global_model(const ExperimentConfig& cfg,
                                                                const std::string& run_dir) {
@@ -40,7 +39,8 @@ Status run_async_server(const ExperimentConfig& cfg, const std::string& run_dir,
   AsyncServerCore core(cfg, layout, global.arena(), *aggregator,
                        std::vector<double>(static_cast<size_t>(sc.num_clients), 1.0 / sc.num_clients), nullptr);
   MEMFL_RETURN_IF_ERROR(core.open_log((fs::path(run_dir) / "async_log.csv").string()));
-  MEMFL_ASSIGN_OR_RETURN(auto metrics, MetricsWriter::open((fs::path(run_dir) / "metrics.csv").string()));
+  AsyncMetricsLog metrics(sampler);
+  MEMFL_RETURN_IF_ERROR(metrics.open(run_dir));
   std::unique_ptr<ModelWorker> evaluator;
   if (sc.do_server_eval && !is_spec_only(cfg)) {
     MEMFL_ASSIGN_OR_RETURN(evaluator,
@@ -48,12 +48,11 @@ Status run_async_server(const ExperimentConfig& cfg, const std::string& run_dir,
                                               transfer_chunk_bytes(true, sc.model_chunk_size, layout.total_bytes()),
                                               (fs::path(run_dir) / "model_worker.log").string()));
   }
-  std::vector<RoundMetrics> evals;
-  auto t_window = Clock::now();
+  metrics.start_window();
   int64_t last_updates = 0;
   AsyncServeOptions so;
   so.total = sc.num_global_epochs;
-  so.eval_every = sc.async_eval_every > 0 ? sc.async_eval_every : sc.num_clients;
+  so.eval_every = async_eval_every(sc);
   so.spool_dir = cfg.memory.scratch_dir.empty() ? run_dir : cfg.memory.scratch_dir;
   so.on_eval = [&](int k, int64_t updates, double seconds) -> Status {
     RoundMetrics m;
@@ -65,15 +64,8 @@ Status run_async_server(const ExperimentConfig& cfg, const std::string& run_dir,
       m.test_loss = ev.loss;
       m.test_accuracy = ev.accuracy;
     }
-    m.round_seconds = std::chrono::duration<double>(Clock::now() - t_window).count();
     m.virtual_seconds = seconds;  // real seconds here, on the simulator's clock axis
-    m.rss_bytes = read_rss_bytes();
-    m.peak_rss_bytes = sampler.peak_rss();
-    m.threads = count_threads();
-    m.open_fds = count_open_fds();
-    MEMFL_RETURN_IF_ERROR(metrics->append(m));
-    evals.push_back(m);
-    t_window = Clock::now();
+    MEMFL_RETURN_IF_ERROR(metrics.append(m));
     if (progress) {
       fmt::print("server updates {:>5}/{}  versions {}  test_acc {:.4f}  {:.1f} s  peak RSS {}\n", updates,
                  sc.num_global_epochs, core.version(), m.test_accuracy, seconds,
@@ -86,20 +78,15 @@ Status run_async_server(const ExperimentConfig& cfg, const std::string& run_dir,
                format_bytes(static_cast<double>(layout.payload_bytes())), sc.num_global_epochs);
   Status result = serve(core, global.arena(), so);
   if (result.ok()) result = global.write_checkpoint(static_cast<int>(core.version()));
-  nlohmann::ordered_json summary;
-  summary["role"] = "server";
-  summary["scheduler"] = sc.scheduler;
-  summary["aggregator"] = sc.aggregator;
-  summary["updates"] = core.arrivals();
-  summary["global_versions"] = core.version();
-  summary["mean_staleness"] = core.mean_staleness();
-  summary["max_staleness"] = core.max_staleness();
+  nlohmann::ordered_json summary =
+      async_summary_head("server", sc, core.arrivals(), core.version(), core.mean_staleness(), core.max_staleness());
   summary["model_bytes"] = layout.payload_bytes();
   summary["num_params"] = layout.num_params();
   summary["baseline_rss_bytes"] = baseline_rss;
   summary["peak_rss_bytes"] = std::max(sampler.peak_rss(), read_peak_rss_bytes());
   summary["aggregator_state_bytes"] = aggregator->state_bytes();
   summary["maps_libtorch"] = maps_library("libtorch");
+  const auto& evals = metrics.rows();
   summary["final_test_accuracy"] = evals.empty() ? 0.0 : evals.back().test_accuracy;
   summary["status"] = result.ok() ? "ok" : result.message();
   if (add_summary) add_summary(summary);

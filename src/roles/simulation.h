@@ -1,9 +1,12 @@
-// In-process federated simulation (`memfl run`): one ServerAgent (global
-// model arena, SyncScheduler, aggregator) and N virtual clients that take
-// turns on one worker replica. A virtual client is its partition and sample
-// count; the worker's arena receives the global model as chunks (broadcast),
-// trains in place, and streams its chunks into the aggregator (upload) — so
-// memory is global + running sum + one replica, whatever N is.
+// In-process federated simulation (`memfl run`): one server (global model
+// arena, scheduler, aggregator) and N virtual clients that take turns on K
+// worker replicas (server/sim_workers.h). A virtual client is its partition
+// and sample count; a worker's arena receives the global model as chunks
+// (broadcast), trains in place, and streams its chunks into the aggregator
+// (upload) — so memory is global + running sum + K replicas, whatever N is.
+// Asynchronous schedulers run on the virtual clock of
+// server/async_simulation.h. This file wires the process: sampler, data,
+// workers, transport, driver, summary.json.
 #pragma once
 
 #include <string>

@@ -1,7 +1,7 @@
 // AsyncServerCore: the asynchronous server's rules, written once for every
 // transport — the simulator's virtual clock (server/async_driver.h) and
-// real client processes over gRPC (comm/grpc/async_server.h) drive it with
-// their own time. It holds the global model's version, applies each
+// real client processes over gRPC and MPI (their transports' serve_async)
+// drive it with their own time. It holds the global model's version, applies each
 // arriving update with its staleness (FedAsync), adds it to the buffer
 // (FedBuff), or keeps it for its arrival group (FedCompass, with the
 // CompassPlanner), and says which clients to send the model to next, with

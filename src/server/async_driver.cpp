@@ -1,7 +1,6 @@
 #include "server/async_driver.h"
 
 #include <algorithm>
-#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -13,6 +12,7 @@
 
 #include "comm/spool_update.h"
 #include "comm/update_check.h"
+#include "server/async_common.h"
 #include "server/async_core.h"
 
 namespace memfl {
@@ -38,8 +38,6 @@ std::vector<double> client_step_times(const ServerConfig& sc) {
 
 namespace {
 
-using Clock = std::chrono::steady_clock;
-
 struct Event {
   double time;
   int kind;  // 0: an update arrives; 1: a FedCompass group's latest arrival time
@@ -62,7 +60,7 @@ struct AsyncDriver::Impl {
         agg(a),
         sampler(s),
         opts(std::move(o)),
-        core(c, l, g, a, opts.weights, [this](AsyncTripRecord& t) { release(t); }) {}
+        core(c, l, g, a, opts.weights, [this](AsyncTripRecord& t) { slots.release(t); }) {}
 
   const ExperimentConfig& cfg;
   const Layout& layout;
@@ -71,18 +69,13 @@ struct AsyncDriver::Impl {
   MemorySampler& sampler;
   AsyncDriverOptions opts;
   AsyncServerCore core;
+  AsyncMetricsLog metrics{sampler};
 
   SpoolSlots slots{"asynchronous update spool", layout.total_bytes()};
   std::priority_queue<Event, std::vector<Event>, std::greater<>> events;
   uint64_t seq = 0;
   std::map<int, AsyncTripRecord> in_flight;
   double now = 0;
-
-  void release(AsyncTripRecord& t) {
-    const auto* src = dynamic_cast<const SpoolSlotSource*>(t.update.get());
-    if (src != nullptr) slots.give_back(src->slot());
-    t.update.reset();
-  }
 
   // Trains the client from the model as it is now and puts its update in
   // the spool; it arrives local steps × its time per step later.
@@ -141,6 +134,7 @@ AsyncDriver::AsyncDriver(const ExperimentConfig& cfg, const Layout& layout, Aren
 
 AsyncDriver::~AsyncDriver() = default;
 
+const std::vector<RoundMetrics>& AsyncDriver::evaluations() const { return impl_->metrics.rows(); }
 int64_t AsyncDriver::versions() const { return impl_->core.version(); }
 double AsyncDriver::mean_staleness() const { return impl_->core.mean_staleness(); }
 int64_t AsyncDriver::max_staleness() const { return impl_->core.max_staleness(); }
@@ -154,11 +148,10 @@ Status AsyncDriver::run() {
                             s.opts.step_time_s.size(), s.opts.weights.size());
   MEMFL_RETURN_IF_ERROR(s.slots.open(s.cfg.memory.scratch_dir.empty() ? s.opts.run_dir : s.cfg.memory.scratch_dir));
   MEMFL_RETURN_IF_ERROR(s.core.open_log((fs::path(s.opts.run_dir) / "async_log.csv").string()));
-  MEMFL_ASSIGN_OR_RETURN(auto metrics, MetricsWriter::open((fs::path(s.opts.run_dir) / "metrics.csv").string()));
+  MEMFL_RETURN_IF_ERROR(s.metrics.open(s.opts.run_dir));
 
   const int64_t total = sc.num_global_epochs;
-  const int64_t eval_every = sc.async_eval_every > 0 ? sc.async_eval_every : n;
-  auto t_window = Clock::now();
+  const int64_t eval_every = async_eval_every(sc);
   int window_updates = 0;
   double window_loss = 0;
 
@@ -166,7 +159,7 @@ Status AsyncDriver::run() {
   auto evaluate_window = [&](double clock) -> Status {
     const int64_t arrivals = s.core.arrivals();
     RoundMetrics m;
-    m.round = static_cast<int>(evals_.size()) + 1;
+    m.round = static_cast<int>(s.metrics.rows().size()) + 1;
     m.clients = window_updates;
     m.train_loss = window_updates > 0 ? window_loss / window_updates : 0.0;
     if (s.opts.evaluate) {
@@ -178,17 +171,10 @@ Status AsyncDriver::run() {
     }
     m.bytes_down = m.bytes_up = static_cast<uint64_t>(window_updates) * s.layout.payload_bytes();
     m.bytes_moved = m.bytes_down + m.bytes_up;
-    m.round_seconds = std::chrono::duration<double>(Clock::now() - t_window).count();
     m.virtual_seconds = clock;
-    m.rss_bytes = read_rss_bytes();
-    m.peak_rss_bytes = s.sampler.peak_rss();
-    m.threads = count_threads();
-    m.open_fds = count_open_fds();
-    MEMFL_RETURN_IF_ERROR(metrics->append(m));
+    MEMFL_RETURN_IF_ERROR(s.metrics.append(m));
     MEMFL_RETURN_IF_ERROR(s.core.flush_log());
-    evals_.push_back(m);
     if (s.opts.on_eval) s.opts.on_eval(m);
-    t_window = Clock::now();
     window_updates = 0;
     window_loss = 0;
     return Status::Ok();
@@ -224,7 +210,7 @@ Status AsyncDriver::run() {
     MEMFL_RETURN_IF_ERROR(s.follow(next));
 
     const int64_t arrivals = s.core.arrivals();
-    if (arrivals % eval_every == 0 || arrivals == total) MEMFL_RETURN_IF_ERROR(evaluate_window(s.now));
+    if (async_eval_due(arrivals, eval_every, total)) MEMFL_RETURN_IF_ERROR(evaluate_window(s.now));
   }
   return s.core.flush_log();
 }

@@ -68,7 +68,8 @@ class AsyncDriver {
   // Plays server_configs.num_global_epochs client updates (APPFL counts an
   // asynchronous run's global epochs so).
   Status run();
-  const std::vector<RoundMetrics>& evaluations() const { return evals_; }
+  // metrics.csv's rows so far.
+  const std::vector<RoundMetrics>& evaluations() const;
   int64_t versions() const;
   double mean_staleness() const;
   int64_t max_staleness() const;
@@ -76,7 +77,6 @@ class AsyncDriver {
  private:
   struct Impl;
   std::unique_ptr<Impl> impl_;
-  std::vector<RoundMetrics> evals_;
 };
 
 }  // namespace memfl

@@ -204,10 +204,7 @@ Status RoundDriver::play_round(int round, RoundMetrics* m, bool* redo) {
     const double before = rounds_.empty() ? 0.0 : rounds_.back().virtual_seconds;
     m->virtual_seconds = before + opts_.round_virtual_seconds(round);
   }
-  m->peak_rss_bytes = sampler_.peak_rss();
-  m->rss_bytes = read_rss_bytes();
-  m->threads = count_threads();
-  m->open_fds = count_open_fds();
+  record_process_metrics(sampler_, m);
   return Status::Ok();
 }
 

@@ -338,11 +338,7 @@ Status MpiServerTransport::serve_async(AsyncUpdateHandler& core, Arena& global, 
   const int n = world_ - 1;
   SpoolSlots slots("asynchronous update spool", layout_.total_bytes());
   MEMFL_RETURN_IF_ERROR(slots.open(options.spool_dir));
-  core.set_release([&](AsyncTripRecord& t) {
-    const auto* src = dynamic_cast<const SpoolSlotSource*>(t.update.get());
-    if (src != nullptr) slots.give_back(src->slot());
-    t.update.reset();
-  });
+  core.set_release([&](AsyncTripRecord& t) { slots.release(t); });
   const auto t0 = Clock::now();
   auto now = [&] { return since(t0); };
   std::vector<bool> training(static_cast<size_t>(n), false);
@@ -417,8 +413,7 @@ Status MpiServerTransport::serve_async(AsyncUpdateHandler& core, Arena& global, 
     trip.train_loss = md.train_loss;
     MEMFL_ASSIGN_OR_RETURN(AsyncNext next, core.arrive(std::move(trip), now()));
     if (core.arrivals() < options.total) follow(next);
-    if (core.arrivals() % options.eval_every == 0 || core.arrivals() >= options.total)
-      MEMFL_RETURN_IF_ERROR(options.on_eval(++evaluated, core.arrivals(), now()));
+    if (options.eval_due(core.arrivals())) MEMFL_RETURN_IF_ERROR(options.on_eval(++evaluated, core.arrivals(), now()));
   }
   // Ranks still training send their update; it is taken (not applied) so
   // that they come to hear that the run is over.
