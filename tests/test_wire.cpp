@@ -568,7 +568,9 @@ TEST(DataChannel, SilentStrangersDoNotHoldUpAClientsHello) {
     silent.push_back(connect_to_loopback(listener.port()));
     silent.push_back(connect_to_abstract(listener.unix_name()));
     // One stranger that starts a hello and stops half-way.
-    if (i == 0) ASSERT_EQ(::write(silent.back(), kDataHelloMagic, 4), 4);
+    if (i == 0) {
+      ASSERT_EQ(::write(silent.back(), kDataHelloMagic, 4), 4);
+    }
   }
   for (int fd : silent) ASSERT_GE(fd, 0);
   std::this_thread::sleep_for(std::chrono::milliseconds(100));  // all accepted first
