@@ -1,6 +1,7 @@
 // `memfl client`: one process, one client over gRPC. Wiring only: the
 // protocol is GrpcClientTransport's, the rounds ClientDriver's.
 #include <filesystem>
+#include <future>
 #include <optional>
 
 #include <nlohmann/json.hpp>
@@ -32,6 +33,11 @@ Status run_grpc_client(const ExperimentConfig& local, int client_id, const RoleO
   sampler.mark(0, "setup");
   const int64_t baseline_rss = read_rss_bytes();
 
+  // A client that trains maps libtorch (the trainer plugin) while it
+  // connects and the server gets ready, not after: the first round waits
+  // for the model and the data only.
+  std::future<StatusOr<TrainerBackend*>> plugin;
+  if (!is_spec_only(local)) plugin = std::async(std::launch::async, load_trainer_backend);
   // The fault tests' misbehaving peer, when the environment names this client.
   const auto faults = transfer_faults_from_env(client_id, "MEMFL_FAULT_CLIENT");
   const auto& lc = local.server;
@@ -57,6 +63,7 @@ Status run_grpc_client(const ExperimentConfig& local, int client_id, const RoleO
     MEMFL_ASSIGN_OR_RETURN(input, input_spec(cfg, data->train));
     MEMFL_ASSIGN_OR_RETURN(parts, make_partitions(cfg, data->train));
   }
+  if (plugin.valid()) MEMFL_RETURN_IF_ERROR(plugin.get().status());
   const int64_t before_model_rss = read_rss_bytes();
   MEMFL_ASSIGN_OR_RETURN(LocalModel model, make_local_model(cfg, input, /*fill=*/false, cfg.server.seed, opts.run_dir));
   const Layout& layout = model.layout();

@@ -100,8 +100,12 @@ Status run_grpc_server(const ExperimentConfig& cfg, const RoleOptions& opts) {
                            ModelWorker::start((fs::path(opts.run_dir) / "config.yaml").string(), layout,
                                               transfer_chunk_bytes(true, sc.model_chunk_size, layout.total_bytes()),
                                               (fs::path(opts.run_dir) / "model_worker.log").string()));
-    // The worker evaluates round r while round r+1 goes on (RoundDriverOptions).
-    dopts.begin_evaluation = [&](int round, const Arena& g) { return evaluator->begin_evaluation(round, g); };
+    // The worker evaluates round r while round r+1 goes on (RoundDriverOptions),
+    // on the clients' thread count (they may share this host: memfl launch);
+    // the last round's evaluation has the cores to itself.
+    dopts.begin_evaluation = [&](int round, const Arena& g) {
+      return evaluator->begin_evaluation(round, g, round == cfg.server.num_global_epochs ? machine_cores() : 0);
+    };
     dopts.end_evaluation = [&](int round) { return evaluator->end_evaluation(round); };
   }
   dopts.on_round = [&](const RoundMetrics& m) {

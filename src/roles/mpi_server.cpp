@@ -89,8 +89,12 @@ Status run_mpi_server(const ExperimentConfig& cfg, int world, const std::string&
   if (cfg.server.do_server_eval && !is_spec_only(cfg)) {
     MEMFL_ASSIGN_OR_RETURN(evaluator,
                            ModelWorker::start(dir + "/config.yaml", layout, chunk, dir + "/model_worker.log"));
-    // The worker evaluates round r while round r+1 goes on (RoundDriverOptions).
-    dopts.begin_evaluation = [&](int round, const Arena& g) { return evaluator->begin_evaluation(round, g); };
+    // The worker evaluates round r while round r+1 goes on (RoundDriverOptions),
+    // on the clients' thread count (they may share this host: memfl launch);
+    // the last round's evaluation has the cores to itself.
+    dopts.begin_evaluation = [&](int round, const Arena& g) {
+      return evaluator->begin_evaluation(round, g, round == cfg.server.num_global_epochs ? machine_cores() : 0);
+    };
     dopts.end_evaluation = [&](int round) { return evaluator->end_evaluation(round); };
   }
   dopts.on_round = [&](const RoundMetrics& m) {

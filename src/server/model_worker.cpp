@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <fstream>
 #include <numeric>
+#include <thread>
 #include <vector>
 
 #include <spdlog/spdlog.h>
@@ -31,6 +32,8 @@ struct EvalBegin {
   int64_t round = 0;
   uint64_t layout_hash = 0;
   uint64_t total_bytes = 0;
+  int32_t threads = 0;  // > 0: evaluate on this many threads from now on
+  int32_t pad = 0;
 };
 struct EvalReply {
   uint64_t magic = kBeginMagic;
@@ -133,14 +136,17 @@ ModelWorker::~ModelWorker() {
   }
 }
 
+int machine_cores() { return static_cast<int>(std::max(1u, std::thread::hardware_concurrency())); }
+
 StatusOr<EvalResult> ModelWorker::evaluate(int round, const Arena& global) {
   MEMFL_RETURN_IF_ERROR(begin_evaluation(round, global));
   return end_evaluation(round);
 }
 
-Status ModelWorker::begin_evaluation(int round, const Arena& global) {
+Status ModelWorker::begin_evaluation(int round, const Arena& global, int threads) {
   EvalBegin b;
   b.round = round;
+  b.threads = threads;
   b.layout_hash = layout_.hash();
   b.total_bytes = layout_.total_bytes();
   if (Status s = write_all(to_worker_, &b, sizeof b, "the model header"); !s.ok()) return with_log(s);
@@ -213,6 +219,10 @@ Status run_model_worker(const std::string& config_path, const std::string& write
     MEMFL_RETURN_IF_ERROR(into.finish());
     EvalReply r;
     r.round = b.round;
+    if (b.threads > 0) {
+      MEMFL_ASSIGN_OR_RETURN(TrainerBackend * backend, load_trainer_backend());
+      backend->set_num_threads(b.threads);
+    }
     auto ev = model.replica()->evaluate(data.test, idx, cfg.server.eval_batch_size);
     std::string err;
     if (ev.ok()) {

@@ -32,6 +32,9 @@ namespace memfl {
 // Runs `memfl model-worker CONFIG --write-initial OUT` and waits for it.
 Status write_initial_model(const std::string& config_path, const std::string& out_path, const std::string& log_path);
 
+// This machine's cores (what an evaluation that has the machine to itself uses).
+int machine_cores();
+
 class ModelWorker {
  public:
   // Starts the evaluation worker for the experiment in `config_path`; its
@@ -45,8 +48,9 @@ class ModelWorker {
   StatusOr<EvalResult> evaluate(int round, const Arena& global);
   // The same in two halves: begin returns once the model has gone down the
   // pipe (the worker evaluates its own copy; `global` may change after), end
-  // waits for the answer. One evaluation at a time.
-  Status begin_evaluation(int round, const Arena& global);
+  // waits for the answer. One evaluation at a time. `threads` > 0: the
+  // worker evaluates on that many threads from now on.
+  Status begin_evaluation(int round, const Arena& global, int threads = 0);
   StatusOr<EvalResult> end_evaluation(int round);
 
  private:
