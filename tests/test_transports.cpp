@@ -280,8 +280,7 @@ TEST(CheckpointPolicyRun, KeepOneLeavesOneCommit) {
   const std::string cfg = write_config(tmp, "c", "", 1000);
   Result r = memfl_cli("run " + cfg + " -q --set server_configs.checkpoint_keep=1 --out " + tmp.file("r"));
   ASSERT_EQ(r.exit_code, 0) << r.output;
-  EXPECT_EQ(state_files(tmp.file("r")),
-            (std::vector<std::string>{"round-000003.json", "round-000003.safetensors"}));
+  EXPECT_EQ(state_files(tmp.file("r")), (std::vector<std::string>{"round-000003.json", "round-000003.safetensors"}));
   EXPECT_TRUE(equals_expected(tmp.file("r/state/round-000003.safetensors")));
 }
 
@@ -299,8 +298,8 @@ TEST(CheckpointPolicyRun, EveryKCommitsRoundsKAndTheLastAndResumeReplaysTheRest)
   const auto five = expected_model(std::vector<std::vector<int>>(5, std::vector<int>{0, 1, 2, 3}));
   EXPECT_TRUE(equals_expected(tmp.file("r/global_model.safetensors"), five));
   // Killed in round 3 (not committed): --resume continues after round 2.
-  Result killed = run_shell(std::string("MEMFL_CRASH_AT=3:aggregate ") + MEMFL_BINARY + " run " + cfg + " -q" +
-                            policy + " --out " + tmp.file("k"));
+  Result killed = run_shell(std::string("MEMFL_CRASH_AT=3:aggregate ") + MEMFL_BINARY + " run " + cfg + " -q" + policy +
+                            " --out " + tmp.file("k"));
   ASSERT_NE(killed.exit_code, 0) << killed.output;
   Result resumed = memfl_cli("run -q --resume " + tmp.file("k"));
   ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
@@ -315,8 +314,7 @@ TEST(CheckpointPolicyRun, FinalOnlyCommitsTheLastRoundAndAResumeBeforeItIsRefuse
   const std::string policy = " --set server_configs.checkpoint_final_only=true";
   Result r = memfl_cli("run " + cfg + " -q" + policy + " --out " + tmp.file("r"));
   ASSERT_EQ(r.exit_code, 0) << r.output;
-  EXPECT_EQ(state_files(tmp.file("r")),
-            (std::vector<std::string>{"round-000003.json", "round-000003.safetensors"}));
+  EXPECT_EQ(state_files(tmp.file("r")), (std::vector<std::string>{"round-000003.json", "round-000003.safetensors"}));
   EXPECT_TRUE(equals_expected(tmp.file("r/state/round-000003.safetensors")));
   Result killed = run_shell(std::string("MEMFL_CRASH_AT=2:upload ") + MEMFL_BINARY + " run " + cfg + " -q" + policy +
                             " --out " + tmp.file("k"));

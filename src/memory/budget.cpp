@@ -81,9 +81,9 @@ RamSize choose_ram_size(const std::optional<std::string>& cgroup_v2_max,
 
 int64_t total_ram_bytes() {
   const int64_t pages = static_cast<int64_t>(sysconf(_SC_PHYS_PAGES)) * static_cast<int64_t>(sysconf(_SC_PAGESIZE));
-  const RamSize size = choose_ram_size(read_text("/sys/fs/cgroup/memory.max"),
-                                       read_text("/sys/fs/cgroup/memory/memory.limit_in_bytes"),
-                                       read_text("/proc/meminfo"), pages);
+  const RamSize size =
+      choose_ram_size(read_text("/sys/fs/cgroup/memory.max"), read_text("/sys/fs/cgroup/memory/memory.limit_in_bytes"),
+                      read_text("/proc/meminfo"), pages);
   static std::once_flag logged;
   std::call_once(logged, [&] {
     spdlog::info("memory: sizing from {} = {} bytes (a budget in % is of this)", size.source, size.bytes);

@@ -113,12 +113,16 @@ StatusOr<std::unique_ptr<GlobalModel>> GlobalModel::create(const ExperimentConfi
   AggregatorContext ctx;
   ctx.layout = &layout;
   ctx.weights = mode;
-  // A mapped global model is the checkpoint file: each round folds a running
-  // mean into the next one (no second model-sized buffer, no f32 sum).
-  ctx.accumulation = g->mapped_ ? Accumulation::kRunningMean : resolve_accumulation(cfg, layout);
   // naive keeps whole client copies elsewhere and averages them at the end
   // of the upload phase into a sum of its own.
   ctx.in_place = naive || !sum_in_place ? nullptr : &g->model_.arena();
+  // A mapped global model is the checkpoint file: each round folds a running
+  // mean into the next one (no second model-sized buffer, no f32 sum). An
+  // aggregator that does not share the global arena keeps a sum of its own
+  // whatever the accumulator, so only one that does resolves (and logs) it.
+  ctx.accumulation = g->mapped_                ? Accumulation::kRunningMean
+                     : ctx.in_place != nullptr ? resolve_accumulation(cfg, layout)
+                                               : Accumulation::kSum;
   ctx.server_opt = {cfg.server.server_learning_rate, cfg.server.server_momentum_param_1,
                     cfg.server.server_momentum_param_2, cfg.server.server_adapt_param};
   ctx.previous_model = g->checkpoint_;

@@ -52,9 +52,7 @@ struct CheckpointPolicy {
   // Model checkpoints on disk at the policy's peak: the kept commits + the
   // file being written; + the undo checkpoint of a round that did not
   // commit (it holds a model no commit links) when rounds are skipped.
-  uint64_t peak_model_files() const {
-    return static_cast<uint64_t>(keep) + 1 + (final_only || every > 1 ? 1 : 0);
-  }
+  uint64_t peak_model_files() const { return static_cast<uint64_t>(keep) + 1 + (final_only || every > 1 ? 1 : 0); }
 };
 
 // Commits round `state.round`: links `checkpoint` (already written and
