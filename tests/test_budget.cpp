@@ -43,5 +43,44 @@ TEST(Budget, GovernorWarnsOncePerCrossingAndShedsAtNinetyPercent) {
   EXPECT_EQ(g.active(), 1);
 }
 
+// The memory a budget in % is of: the cgroup's limit where there is one,
+// else MemTotal. The inputs are written by hand as the kernel writes them.
+TEST(Budget, RamSizeComesFromTheCgroupLimitWhereThereIsOne) {
+  const std::string meminfo = "MemTotal:        4194304 kB\nMemFree:         1000000 kB\n";  // 4 GiB
+  const std::optional<std::string> none;
+  // cgroup v2 with a limit: 8 GiB, although MemTotal says 4 GiB (it grows).
+  RamSize r = choose_ram_size(std::string("8589934592\n"), none, meminfo, 1);
+  EXPECT_EQ(r.bytes, int64_t{8} << 30);
+  EXPECT_EQ(r.source, "cgroup v2 memory.max");
+  // cgroup v2 without one ("max"): MemTotal.
+  r = choose_ram_size(std::string("max\n"), none, meminfo, 1);
+  EXPECT_EQ(r.bytes, int64_t{4} << 30);
+  EXPECT_EQ(r.source, "MemTotal");
+  // cgroup v1 with a limit of 1 GiB.
+  r = choose_ram_size(none, std::string("1073741824\n"), meminfo, 1);
+  EXPECT_EQ(r.bytes, int64_t{1} << 30);
+  EXPECT_EQ(r.source, "cgroup v1 memory.limit_in_bytes");
+  // cgroup v1's "no limit" is PAGE_COUNTER_MAX pages: absurdly large, so none.
+  r = choose_ram_size(none, std::string("9223372036854771712\n"), meminfo, 1);
+  EXPECT_EQ(r.source, "MemTotal");
+  // More than int64 holds, garbage, zero: none either.
+  EXPECT_FALSE(parse_cgroup_memory_limit("99999999999999999999999"));
+  EXPECT_FALSE(parse_cgroup_memory_limit("12 GiB"));
+  EXPECT_FALSE(parse_cgroup_memory_limit("0"));
+  EXPECT_EQ(parse_cgroup_memory_limit(" 536870912 \n"), int64_t{512} << 20);
+  // Nothing readable: the fallback.
+  r = choose_ram_size(none, none, std::string("MemFree: 5 kB\n"), 12345);
+  EXPECT_EQ(r.bytes, 12345);
+  EXPECT_EQ(r.source, "sysconf(_SC_PHYS_PAGES)");
+  EXPECT_EQ(parse_meminfo_total("MemTotal:       16384 kB\n"), int64_t{16} << 20);
+}
+
+TEST(Budget, PercentIsOfTheCgroupLimitAndAnExplicitBudgetIgnoresIt) {
+  const RamSize r = choose_ram_size(std::string("2147483648"), std::nullopt, "MemTotal: 1048576 kB\n", 1);
+  EXPECT_EQ(*parse_memory_budget("50%", r.bytes), int64_t{1} << 30);
+  EXPECT_EQ(*parse_memory_budget("3GiB", r.bytes), int64_t{3} << 30) << "a stated budget is taken as stated";
+  EXPECT_GT(total_ram_bytes(), 0);
+}
+
 }  // namespace
 }  // namespace memfl

@@ -21,6 +21,7 @@
 #include "config/config.h"
 #include "comm/chunk.h"
 #include "schedule/scheduler.h"
+#include "server/global_model.h"
 #include "server/server_state.h"
 #include "tensor/safetensors.h"
 #include "test_util.h"
@@ -467,7 +468,7 @@ struct StateFixture {
   testing::TempDir tmp;
   Layout layout = f32_layout();
   Arena model{layout.total_bytes(), MemoryCategory::kModel};
-  Status commit(int round, uint64_t seed) {
+  Status commit(int round, uint64_t seed, int keep = 2) {
     testing::fill_random(layout, model, seed);
     const std::string ckpt = tmp.file("global_model.safetensors");
     MEMFL_RETURN_IF_ERROR(write_safetensors(ckpt, layout, model, {{"round", std::to_string(round)}}));
@@ -475,7 +476,21 @@ struct StateFixture {
     st.round = round;
     st.scheduler = {{"round", round}};
     st.extra = {{"metrics", {round * 10}}};
-    return commit_state(tmp.path.string(), ckpt, layout, model, st);
+    return commit_state(tmp.path.string(), ckpt, layout, model, st, keep);
+  }
+  // The rounds whose files are under state/, by kind.
+  std::vector<int> rounds_with(const std::string& suffix) const {
+    std::vector<int> out;
+    for (const auto& e : fs::directory_iterator(tmp.path / "state")) {
+      const std::string name = e.path().filename().string();
+      int r = 0;
+      if (name.size() > suffix.size() && name.ends_with(suffix) &&
+          std::sscanf(name.c_str() + name.find("round-"), "round-%d", &r) == 1) {
+        out.push_back(r);
+      }
+    }
+    std::sort(out.begin(), out.end());
+    return out;
   }
 };
 
@@ -546,6 +561,115 @@ TEST(ServerState, NoCommitIsAClearError) {
   auto st = load_committed_state(f.tmp.path.string(), f.layout, loaded);
   ASSERT_FALSE(st.ok());
   EXPECT_NE(st.status().message().find("no committed server state"), std::string::npos) << st.status().message();
+}
+
+// server_configs.checkpoint_keep: the newest N commits stay, counted as
+// commits (rounds with a JSON), not as round numbers.
+TEST(CheckpointPolicy, KeepOneLeavesExactlyOneCheckpointFile) {
+  StateFixture f;
+  for (int r = 1; r <= 3; ++r) ASSERT_TRUE(f.commit(r, r, /*keep=*/1).ok());
+  EXPECT_EQ(f.rounds_with(".safetensors"), std::vector<int>{3});
+  EXPECT_EQ(f.rounds_with(".json"), std::vector<int>{3});
+  Arena loaded(f.layout.total_bytes(), MemoryCategory::kModel);
+  auto st = load_committed_state(f.tmp.path.string(), f.layout, loaded);
+  ASSERT_TRUE(st.ok()) << st.status().to_string();
+  EXPECT_EQ(st->round, 3);
+}
+
+TEST(CheckpointPolicy, KeepCountsCommitsNotRoundNumbers) {
+  StateFixture f;
+  // checkpoint_every: 3 commits rounds 3, 6, 9; a server optimizer's state
+  // file of each round sits beside them and goes with its commit.
+  for (int r : {3, 6, 9}) {
+    std::ofstream(f.tmp.file(fmt::format("state/aggregator-round-{:06d}.bin", r))) << "m";
+    ASSERT_TRUE(f.commit(r, r, /*keep=*/2).ok());
+  }
+  EXPECT_EQ(f.rounds_with(".safetensors"), (std::vector<int>{6, 9})) << "round 6 is the previous commit";
+  EXPECT_EQ(f.rounds_with(".json"), (std::vector<int>{6, 9}));
+  EXPECT_EQ(f.rounds_with(".bin"), (std::vector<int>{6, 9}));
+}
+
+TEST(CheckpointPolicy, EveryKCommitsRoundsKTwoKAndTheLast) {
+  const auto committed = [](CheckpointPolicy p, int last) {
+    std::vector<int> out;
+    for (int r = 1; r <= last; ++r) {
+      if (p.commits(r, last)) out.push_back(r);
+    }
+    return out;
+  };
+  EXPECT_EQ(committed({2, 1, false}, 4), (std::vector<int>{1, 2, 3, 4}));
+  EXPECT_EQ(committed({2, 3, false}, 10), (std::vector<int>{3, 6, 9, 10}));
+  EXPECT_EQ(committed({2, 5, false}, 10), (std::vector<int>{5, 10}));
+  EXPECT_EQ(committed({2, 3, true}, 10), std::vector<int>{10});
+}
+
+// Before a byte is written: model bytes x (kept + 1 being written [+ 1
+// undo of an uncommitted round]) less what is already there, against the
+// free bytes, which the test states.
+TEST(CheckpointPolicy, TooLittleFreeDiskIsRefusedNamingTheDirectoryAndTheBytes) {
+  const std::string dir = "/runs/exp-7";
+  // keep 2, every round: 3 files of 1000 bytes, 1000 already there → 2000.
+  EXPECT_TRUE(check_checkpoint_disk(dir, {2, 1, false}, 1000, 1000, 2000).ok());
+  Status s = check_checkpoint_disk(dir, {2, 1, false}, 1000, 1000, 1999);
+  ASSERT_FALSE(s.ok());
+  EXPECT_EQ(s.code(), StatusCode::kResourceExhausted);
+  EXPECT_NE(s.message().find(dir), std::string::npos) << s.message();
+  EXPECT_NE(s.message().find("2000 bytes"), std::string::npos) << s.message();
+  EXPECT_NE(s.message().find("1999 bytes are free"), std::string::npos) << s.message();
+  // keep 1, every 4th round: 1 kept + 1 written + 1 undo = 3000, none there.
+  s = check_checkpoint_disk(dir, {1, 4, false}, 1000, 0, 2999);
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.message().find("3000 bytes"), std::string::npos) << s.message();
+  EXPECT_TRUE(check_checkpoint_disk(dir, {1, 4, false}, 1000, 0, 3000).ok());
+  // keep 5: 6000.
+  EXPECT_FALSE(check_checkpoint_disk(dir, {5, 1, false}, 1000, 0, 5999).ok());
+  EXPECT_TRUE(check_checkpoint_disk(dir, {5, 1, false}, 1000, 0, 6000).ok());
+}
+
+TEST(CheckpointPolicy, CheckpointBytesOnDiskCountAHardLinkOnce) {
+  testing::TempDir tmp;
+  fs::create_directories(tmp.path / "state");
+  std::ofstream(tmp.file("global_model.safetensors")) << std::string(8192, 'x');
+  fs::create_hard_link(tmp.file("global_model.safetensors"), tmp.file("state/round-000001.safetensors"));
+  std::ofstream(tmp.file("state/round-000000.safetensors")) << std::string(8192, 'y');
+  // Allocated blocks: at least the bytes, at most a few blocks more each.
+  const uint64_t on_disk = checkpoint_bytes_on_disk(tmp.path.string());
+  EXPECT_GE(on_disk, 2u * 8192);
+  EXPECT_LT(on_disk, 3u * 8192);
+}
+
+// accumulator: auto for a bf16 model in memory: the f32 running sum (2 x the
+// model) when the budget holds global + sum + the spool block, else a
+// running mean in the model's bytes.
+TEST(Accumulator, AutoPicksF32WhenTheBudgetHoldsThreeModelsElseModelDtype) {
+  LayoutBuilder b;
+  b.add("w", DType::kBF16, {int64_t{16} << 20});  // 16 Mi elements: M = 32 MiB, f32 sum 64 MiB
+  const Layout layout = std::move(b).build().value();
+  const int64_t MiB = int64_t{1} << 20;
+  ASSERT_EQ(static_cast<int64_t>(layout.total_bytes()), 32 * MiB);
+  ExperimentConfig cfg;
+  ASSERT_EQ(cfg.server.accumulator, "auto");
+  // 3 x M + the 4 MiB spool block = 100 MiB fits in 104 MiB.
+  cfg.server.memory_budget = "104MiB";
+  EXPECT_EQ(resolve_accumulation(cfg, layout), Accumulation::kSum);
+  AccumulationChoice c = choose_accumulation(cfg, layout, 104 * MiB);
+  EXPECT_EQ(c.accumulation, Accumulation::kSum);
+  EXPECT_NE(c.reason.find("fits"), std::string::npos) << c.reason;
+  // ~1.5 x M: a running mean in the model's dtype.
+  cfg.server.memory_budget = "48MiB";
+  EXPECT_EQ(resolve_accumulation(cfg, layout), Accumulation::kRunningMean);
+  c = choose_accumulation(cfg, layout, 48 * MiB);
+  EXPECT_NE(c.reason.find("does not fit"), std::string::npos) << c.reason;
+  // Just below 100 MiB: does not fit.
+  EXPECT_EQ(choose_accumulation(cfg, layout, 100 * MiB - 1).accumulation, Accumulation::kRunningMean);
+  EXPECT_EQ(choose_accumulation(cfg, layout, 100 * MiB).accumulation, Accumulation::kSum);
+  // A stated accumulator is not second-guessed.
+  cfg.server.accumulator = "f32";
+  EXPECT_EQ(resolve_accumulation(cfg, layout), Accumulation::kSum);
+  // Under file backing auto stays model_dtype, whatever the budget.
+  cfg.server.accumulator = "auto";
+  cfg.memory.arena_backing = "file";
+  EXPECT_EQ(choose_accumulation(cfg, layout, int64_t{1} << 40).accumulation, Accumulation::kRunningMean);
 }
 
 // The config's schema lists the names a config may give; the registries

@@ -6,6 +6,7 @@
 // each phase of a round, and --resume.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -263,6 +264,65 @@ TEST_P(KillAndResume, InProcessFinishesWithTheSameModel) {
   EXPECT_NE(resumed.output.find("continuing after round 1"), std::string::npos) << resumed.output;
   EXPECT_TRUE(same_model(tmp.file("whole/global_model.safetensors"), tmp.file("killed/global_model.safetensors")));
   EXPECT_EQ(read_csv(tmp.file("killed/metrics.csv")).size(), static_cast<size_t>(kRounds + 1));
+}
+
+// The checkpoint policy through `memfl run`: which commits are on disk, and
+// --resume from the newest (rounds after it replayed) or a clear refusal.
+std::vector<std::string> state_files(const std::string& run_dir) {
+  std::vector<std::string> out;
+  for (const auto& e : fs::directory_iterator(fs::path(run_dir) / "state")) out.push_back(e.path().filename().string());
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+TEST(CheckpointPolicyRun, KeepOneLeavesOneCommit) {
+  testing::TempDir tmp;
+  const std::string cfg = write_config(tmp, "c", "", 1000);
+  Result r = memfl_cli("run " + cfg + " -q --set server_configs.checkpoint_keep=1 --out " + tmp.file("r"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(state_files(tmp.file("r")), (std::vector<std::string>{"round-000003.json", "round-000003.safetensors"}));
+  EXPECT_TRUE(equals_expected(tmp.file("r/state/round-000003.safetensors")));
+}
+
+TEST(CheckpointPolicyRun, EveryKCommitsRoundsKAndTheLastAndResumeReplaysTheRest) {
+  testing::TempDir tmp;
+  const std::string cfg = write_config(tmp, "c", "", 1000);
+  const std::string policy =
+      " --set server_configs.num_global_epochs=5 --set server_configs.checkpoint_every=2"
+      " --set server_configs.checkpoint_keep=10";
+  Result r = memfl_cli("run " + cfg + " -q" + policy + " --out " + tmp.file("r"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(state_files(tmp.file("r")),
+            (std::vector<std::string>{"round-000002.json", "round-000002.safetensors", "round-000004.json",
+                                      "round-000004.safetensors", "round-000005.json", "round-000005.safetensors"}));
+  const auto five = expected_model(std::vector<std::vector<int>>(5, std::vector<int>{0, 1, 2, 3}));
+  EXPECT_TRUE(equals_expected(tmp.file("r/global_model.safetensors"), five));
+  // Killed in round 3 (not committed): --resume continues after round 2.
+  Result killed = run_shell(std::string("MEMFL_CRASH_AT=3:aggregate ") + MEMFL_BINARY + " run " + cfg + " -q" + policy +
+                            " --out " + tmp.file("k"));
+  ASSERT_NE(killed.exit_code, 0) << killed.output;
+  Result resumed = memfl_cli("run -q --resume " + tmp.file("k"));
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+  EXPECT_NE(resumed.output.find("continuing after round 2"), std::string::npos) << resumed.output;
+  EXPECT_TRUE(equals_expected(tmp.file("k/global_model.safetensors"), five));
+  EXPECT_EQ(read_csv(tmp.file("k/metrics.csv")).size(), 6u);
+}
+
+TEST(CheckpointPolicyRun, FinalOnlyCommitsTheLastRoundAndAResumeBeforeItIsRefused) {
+  testing::TempDir tmp;
+  const std::string cfg = write_config(tmp, "c", "", 1000);
+  const std::string policy = " --set server_configs.checkpoint_final_only=true";
+  Result r = memfl_cli("run " + cfg + " -q" + policy + " --out " + tmp.file("r"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(state_files(tmp.file("r")), (std::vector<std::string>{"round-000003.json", "round-000003.safetensors"}));
+  EXPECT_TRUE(equals_expected(tmp.file("r/state/round-000003.safetensors")));
+  Result killed = run_shell(std::string("MEMFL_CRASH_AT=2:upload ") + MEMFL_BINARY + " run " + cfg + " -q" + policy +
+                            " --out " + tmp.file("k"));
+  ASSERT_NE(killed.exit_code, 0) << killed.output;
+  Result resumed = memfl_cli("run -q --resume " + tmp.file("k"));
+  ASSERT_NE(resumed.exit_code, 0) << resumed.output;
+  EXPECT_NE(resumed.output.find("--resume " + tmp.file("k") + ": no committed server state"), std::string::npos)
+      << resumed.output;
 }
 
 // A server optimizer's moments are committed state: kill -9 in round 3's

@@ -142,9 +142,8 @@ Status ServerOptAggregator::save_state(const std::string& state_dir, int round, 
   j["bytes"] = m_.size() + v_.size();
   j["checksum"] = moments_checksum(m_, v_);
   *record = j.dump();
-  // The commit keeps the last two rounds; so does this.
-  std::error_code ec;
-  fs::remove(fs::path(state_dir) / state_file(round - 2), ec);
+  // Older rounds' files are dropped by the commit (server/server_state.cpp),
+  // which knows which commits server_configs.checkpoint_keep keeps.
   return Status::Ok();
 }
 

@@ -612,8 +612,37 @@ const std::vector<KeySpec>& schema() {
        {},
        -kInf,
        kInf,
-       "simulation memory budget: 80%, 12GiB, 512MiB or bytes; warns at 85 %, sheds workers at 90 %",
+       "memory budget: 80% (of the cgroup's memory limit where there is one, else MemTotal), 12GiB, 512MiB or "
+       "bytes; the server's bound and accumulator: auto are checked against it; the simulator warns at 85 %, "
+       "sheds workers at 90 %",
        S(server.memory_budget)},
+      {"server_configs.checkpoint_keep",
+       Type::kInt,
+       "2",
+       {},
+       1,
+       1e6,
+       "committed server states (model checkpoint + state JSON under RUN_DIR/state) kept on disk; --resume uses "
+       "the newest that checks out, so 1 leaves no fallback for a torn newest commit; disk needed: model bytes x "
+       "(this + 1), + 1 more when rounds are skipped (checkpoint_every > 1 or checkpoint_final_only)",
+       I(server.checkpoint_keep)},
+      {"server_configs.checkpoint_every",
+       Type::kInt,
+       "1",
+       {},
+       1,
+       1e7,
+       "commit the server state (resumable) every K rounds: rounds K, 2K, ... and always the last; --resume "
+       "replays the rounds after the newest commit",
+       I(server.checkpoint_every)},
+      {"server_configs.checkpoint_final_only",
+       Type::kBool,
+       "false",
+       {},
+       -kInf,
+       kInf,
+       "commit only the last round (overrides checkpoint_every): a run stopped before its end cannot be resumed",
+       B(server.checkpoint_final_only)},
       {"server_configs.client_selection",
        Type::kString,
        "random",
@@ -793,7 +822,7 @@ const std::vector<KeySpec>& schema() {
       {"server_configs.aggregator_kwargs.dp_fedavg_clip_norm", Type::kFloat, "0", {}, 0, 1e12, "client-level DP-FedAvg: clip each client's update to this L2 norm (0 = off)", F(server.dp_fedavg_clip_norm)},
       {"server_configs.aggregator_kwargs.dp_fedavg_noise_multiplier", Type::kFloat, "1.0", {}, 0, 1e6, "client-level DP-FedAvg: server noise std = this × clip norm ÷ clients", F(server.dp_fedavg_noise_multiplier)},
       {"server_configs.aggregator_kwargs.dp_fedavg_delta", Type::kFloat, "1e-5", {}, 1e-300, 0.999999, "client-level DP-FedAvg: δ of the reported ε", F(server.dp_fedavg_delta)},
-      {"server_configs.aggregator_kwargs.accumulator", Type::kString, "auto", {"auto", "f32", "model_dtype"}, -kInf, kInf, "FedAvg state for bf16/f16 models: f32 running sum (2x the model), model_dtype running mean in the model's own bytes (1x); auto = model_dtype when arena_backing is file", S(server.accumulator)},
+      {"server_configs.aggregator_kwargs.accumulator", Type::kString, "auto", {"auto", "f32", "model_dtype"}, -kInf, kInf, "FedAvg state for bf16/f16 models: f32 running sum (2x the model), model_dtype running mean in the model's own bytes (1x); auto = model_dtype when arena_backing is file, else f32 when server_configs.memory_budget holds the model + the f32 sum + 4 MiB, else model_dtype (logged)", S(server.accumulator)},
       // clang-format on
       {"memory_configs.sample_interval_ms",
        Type::kInt,
@@ -1242,9 +1271,10 @@ std::string first_config_difference(const std::string& resolved_here, const std:
 }
 
 bool may_change_on_resume(std::string_view key) {
-  // How long the run goes on, how long it waits, where it listens and what
-  // it logs or profiles: none of them changes what a round computes, so a
-  // resumed run ends where one uninterrupted run with them would have.
+  // How long the run goes on, how long it waits, where it listens, what it
+  // logs or profiles and which rounds it commits: none of them changes what
+  // a round computes, so a resumed run ends where one uninterrupted run with
+  // them would have.
   static const char* const kMayChange[] = {
       "server_configs.num_global_epochs",
       "server_configs.round_timeout_s",
@@ -1254,6 +1284,9 @@ bool may_change_on_resume(std::string_view key) {
       "server_configs.comm_configs.grpc_configs.server_uri",
       "server_configs.comm_configs.grpc_configs.data_channel_port",
       "server_configs.logging_output_dirname",
+      "server_configs.checkpoint_keep",
+      "server_configs.checkpoint_every",
+      "server_configs.checkpoint_final_only",
   };
   for (const char* k : kMayChange) {
     if (key == k) return true;

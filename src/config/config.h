@@ -151,6 +151,12 @@ struct ServerConfig {
   // FedAvg accumulator for 16-bit models: f32 (a running sum, 2× a bf16
   // model), model_dtype (a running mean in the model's bytes, 1×), or auto.
   std::string accumulator = "auto";
+  // Checkpoint policy (server/server_state.h): how many committed model
+  // checkpoints stay on disk, and which rounds commit (every K-th and the
+  // last; only the last with checkpoint_final_only).
+  int checkpoint_keep = 2;
+  int checkpoint_every = 1;
+  bool checkpoint_final_only = false;
   // Client-level DP-FedAvg (aggregator_kwargs.dp_fedavg_*): clip norm C of
   // each client's update (0 = off), server noise multiplier σ, δ for ε.
   double dp_fedavg_clip_norm = 0;

@@ -4,11 +4,91 @@
 
 #include <algorithm>
 #include <cctype>
+#include <charconv>
+#include <fstream>
+#include <mutex>
+#include <sstream>
+
+#include <spdlog/spdlog.h>
 
 namespace memfl {
 
+namespace {
+
+// Above this a cgroup "limit" is the kernel's way of saying none (v1 writes
+// PAGE_COUNTER_MAX × page size, about 2^63); no machine has an exbibyte.
+constexpr int64_t kNoLimitAbove = int64_t{1} << 60;
+
+std::string_view trim(std::string_view s) {
+  while (!s.empty() && std::isspace(static_cast<unsigned char>(s.front()))) s.remove_prefix(1);
+  while (!s.empty() && std::isspace(static_cast<unsigned char>(s.back()))) s.remove_suffix(1);
+  return s;
+}
+
+std::optional<std::string> read_text(const char* path) {
+  std::ifstream in(path);
+  if (!in) return std::nullopt;
+  std::ostringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+}  // namespace
+
+std::optional<int64_t> parse_cgroup_memory_limit(std::string_view text) {
+  text = trim(text);
+  if (text.empty() || text == "max") return std::nullopt;
+  int64_t v = 0;
+  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
+  // An overflow of int64 is "absurdly large" too.
+  if (ec == std::errc::result_out_of_range) return std::nullopt;
+  if (ec != std::errc() || end != text.data() + text.size()) return std::nullopt;
+  if (v <= 0 || v >= kNoLimitAbove) return std::nullopt;
+  return v;
+}
+
+std::optional<int64_t> parse_meminfo_total(std::string_view meminfo) {
+  std::istringstream in{std::string(meminfo)};
+  for (std::string line; std::getline(in, line);) {
+    if (line.rfind("MemTotal:", 0) != 0) continue;
+    std::istringstream fields(line.substr(9));
+    int64_t kib = 0;
+    std::string unit;
+    if (!(fields >> kib) || kib <= 0) return std::nullopt;
+    fields >> unit;  // always "kB" (KiB) in /proc/meminfo
+    return kib * 1024;
+  }
+  return std::nullopt;
+}
+
+RamSize choose_ram_size(const std::optional<std::string>& cgroup_v2_max,
+                        const std::optional<std::string>& cgroup_v1_limit, const std::optional<std::string>& meminfo,
+                        int64_t fallback) {
+  // The cgroup's limit first: it is what the kernel enforces on this
+  // process, and, unlike MemTotal on hosts whose memory is added while they
+  // run, it does not start small.
+  if (cgroup_v2_max) {
+    if (auto v = parse_cgroup_memory_limit(*cgroup_v2_max)) return {*v, "cgroup v2 memory.max"};
+  }
+  if (cgroup_v1_limit) {
+    if (auto v = parse_cgroup_memory_limit(*cgroup_v1_limit)) return {*v, "cgroup v1 memory.limit_in_bytes"};
+  }
+  if (meminfo) {
+    if (auto v = parse_meminfo_total(*meminfo)) return {*v, "MemTotal"};
+  }
+  return {fallback, "sysconf(_SC_PHYS_PAGES)"};
+}
+
 int64_t total_ram_bytes() {
-  return static_cast<int64_t>(sysconf(_SC_PHYS_PAGES)) * static_cast<int64_t>(sysconf(_SC_PAGESIZE));
+  const int64_t pages = static_cast<int64_t>(sysconf(_SC_PHYS_PAGES)) * static_cast<int64_t>(sysconf(_SC_PAGESIZE));
+  const RamSize size =
+      choose_ram_size(read_text("/sys/fs/cgroup/memory.max"), read_text("/sys/fs/cgroup/memory/memory.limit_in_bytes"),
+                      read_text("/proc/meminfo"), pages);
+  static std::once_flag logged;
+  std::call_once(logged, [&] {
+    spdlog::info("memory: sizing from {} = {} bytes (a budget in % is of this)", size.source, size.bytes);
+  });
+  return size.bytes;
 }
 
 StatusOr<int64_t> parse_memory_budget(const std::string& text, int64_t total_ram) {

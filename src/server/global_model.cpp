@@ -3,8 +3,11 @@
 #include <cstdio>
 #include <filesystem>
 
+#include <spdlog/spdlog.h>
+
 #include "aggregate/dp_fedavg.h"
 #include "aggregate/registry.h"
+#include "memory/budget.h"
 #include "model/llama.h"
 #include "model/synthetic.h"
 #include "server/model_worker.h"
@@ -15,14 +18,41 @@ namespace memfl {
 
 namespace fs = std::filesystem;
 
-Accumulation resolve_accumulation(const ExperimentConfig& cfg, const Layout& layout) {
-  if (cfg.server.accumulator == "model_dtype") return Accumulation::kRunningMean;
-  if (cfg.server.accumulator == "f32") return Accumulation::kSum;
-  // auto: a 16-bit model under file backing is one that does not fit twice.
-  if (cfg.memory.arena_backing == "file" && !FedAvgAggregator::can_sum_in_place(layout)) {
-    return Accumulation::kRunningMean;
+AccumulationChoice choose_accumulation(const ExperimentConfig& cfg, const Layout& layout, int64_t budget) {
+  if (cfg.server.accumulator == "model_dtype") return {Accumulation::kRunningMean, "accumulator: model_dtype"};
+  if (cfg.server.accumulator == "f32") return {Accumulation::kSum, "accumulator: f32"};
+  if (FedAvgAggregator::can_sum_in_place(layout)) return {Accumulation::kSum, "the model's dtypes sum in place"};
+  // A 16-bit model under file backing is one that does not fit twice: its
+  // sum would be another model-sized file beside the mapped checkpoint.
+  if (cfg.memory.arena_backing == "file") {
+    return {Accumulation::kRunningMean, "memory_configs.arena_backing is file"};
   }
-  return Accumulation::kSum;
+  // The f32 sum is exact up to one rounding at the end, so it is the choice
+  // whenever it fits; what it needs is what check_server_memory_bound will
+  // hold it to: the global arena + the sum + the aggregator's working bytes.
+  const size_t model = layout.total_bytes();
+  const size_t sum = FedAvgAggregator::sum_bytes(layout);
+  const size_t need = model + sum + FedAvgAggregator::kSpoolBlock;
+  const std::string numbers =
+      fmt::format("global {} + f32 sum {} + {} working = {} against server_configs.memory_budget {}",
+                  format_bytes(static_cast<double>(model)), format_bytes(static_cast<double>(sum)),
+                  format_bytes(static_cast<double>(FedAvgAggregator::kSpoolBlock)),
+                  format_bytes(static_cast<double>(need)), format_bytes(static_cast<double>(budget)));
+  if (static_cast<int64_t>(need) <= budget) return {Accumulation::kSum, numbers + ": fits"};
+  return {Accumulation::kRunningMean, numbers + ": does not fit"};
+}
+
+Accumulation resolve_accumulation(const ExperimentConfig& cfg, const Layout& layout) {
+  // The budget's syntax was checked with the config; a bad one here means
+  // "no room known": the choice that needs the least.
+  auto budget = parse_memory_budget(cfg.server.memory_budget, total_ram_bytes());
+  const AccumulationChoice c = choose_accumulation(cfg, layout, budget.ok() ? *budget : 0);
+  if (cfg.server.accumulator == "auto" && !FedAvgAggregator::can_sum_in_place(layout)) {
+    spdlog::info("server: accumulator auto → {} ({})",
+                 c.accumulation == Accumulation::kSum ? "f32 running sum" : "running mean in the model's dtype",
+                 c.reason);
+  }
+  return c.accumulation;
 }
 
 StatusOr<std::unique_ptr<GlobalModel>> GlobalModel::create(const ExperimentConfig& cfg, const InputSpec& input,
@@ -83,12 +113,16 @@ StatusOr<std::unique_ptr<GlobalModel>> GlobalModel::create(const ExperimentConfi
   AggregatorContext ctx;
   ctx.layout = &layout;
   ctx.weights = mode;
-  // A mapped global model is the checkpoint file: each round folds a running
-  // mean into the next one (no second model-sized buffer, no f32 sum).
-  ctx.accumulation = g->mapped_ ? Accumulation::kRunningMean : resolve_accumulation(cfg, layout);
   // naive keeps whole client copies elsewhere and averages them at the end
   // of the upload phase into a sum of its own.
   ctx.in_place = naive || !sum_in_place ? nullptr : &g->model_.arena();
+  // A mapped global model is the checkpoint file: each round folds a running
+  // mean into the next one (no second model-sized buffer, no f32 sum). An
+  // aggregator that does not share the global arena keeps a sum of its own
+  // whatever the accumulator, so only one that does resolves (and logs) it.
+  ctx.accumulation = g->mapped_                ? Accumulation::kRunningMean
+                     : ctx.in_place != nullptr ? resolve_accumulation(cfg, layout)
+                                               : Accumulation::kSum;
   ctx.server_opt = {cfg.server.server_learning_rate, cfg.server.server_momentum_param_1,
                     cfg.server.server_momentum_param_2, cfg.server.server_adapt_param};
   ctx.previous_model = g->checkpoint_;

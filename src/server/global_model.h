@@ -71,7 +71,20 @@ class GlobalModel {
   std::optional<Arena> next_;  // mapped: the next round's file, being folded into
 };
 
-// Which accumulation a config asks of the aggregator (see the table above).
+// Which accumulation a config asks of the aggregator (see the table above),
+// `auto` decided against server_configs.memory_budget; logs the choice and
+// why when the config says auto and the layout has 16-bit tensors.
 Accumulation resolve_accumulation(const ExperimentConfig& cfg, const Layout& layout);
+
+struct AccumulationChoice {
+  Accumulation accumulation = Accumulation::kSum;
+  std::string reason;  // for the log line
+};
+
+// resolve_accumulation's decision with the budget (bytes) given, so a test
+// can state it. `auto` on a layout that needs a wider sum (bf16/f16): f32
+// when the global model (anonymous) + that sum + the aggregator's working
+// bytes fit the budget, else a running mean in the model's dtype.
+AccumulationChoice choose_accumulation(const ExperimentConfig& cfg, const Layout& layout, int64_t budget);
 
 }  // namespace memfl

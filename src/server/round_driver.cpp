@@ -83,9 +83,26 @@ Status RoundDriver::resume() {
   return Status::Ok();
 }
 
+Status RoundDriver::check_disk() const {
+  const auto& sc = cfg_.server;
+  MEMFL_ASSIGN_OR_RETURN(const uint64_t free_bytes, free_disk_bytes(opts_.run_dir));
+  return check_checkpoint_disk(opts_.run_dir, CheckpointPolicy::from(sc), global_.layout().total_bytes(),
+                               checkpoint_bytes_on_disk(opts_.run_dir), free_bytes);
+}
+
 Status RoundDriver::commit(int round) {
   sampler_.mark(round, "commit");
+  const CheckpointPolicy policy = CheckpointPolicy::from(cfg_.server);
+  // Refused with the numbers before a byte is written, not by a write that
+  // fails half way; the commits already on disk stay resumable.
+  MEMFL_RETURN_IF_ERROR(check_disk());
+  // Written after every round, committed or not: the checkpoint file is the
+  // next round's undo (GlobalModel::restore reloads it when a round's
+  // aggregate cannot be trusted, the in-place modes having overwritten the
+  // global arena). The policy thins out the commits kept under state/, not
+  // this file.
   MEMFL_RETURN_IF_ERROR(global_.write_checkpoint(round));
+  if (!policy.commits(round, cfg_.server.num_global_epochs)) return Status::Ok();
   CommittedState st;
   st.round = round;
   st.scheduler = scheduler_.save();
@@ -100,7 +117,8 @@ Status RoundDriver::commit(int round) {
   extra["metrics"] = nlohmann::json::array();
   for (const auto& m : rounds_) extra["metrics"].push_back(round_metrics_to_json(m));
   st.extra = std::move(extra);
-  return commit_state(opts_.run_dir, global_.checkpoint_path(), global_.layout(), global_.arena(), std::move(st));
+  return commit_state(opts_.run_dir, global_.checkpoint_path(), global_.layout(), global_.arena(), std::move(st),
+                      policy.keep);
 }
 
 Status RoundDriver::play_round(int round, RoundMetrics* m, bool* redo) {
@@ -248,6 +266,8 @@ Status RoundDriver::finish_evaluation() {
 
 Status RoundDriver::run() {
   MEMFL_RETURN_IF_ERROR(check_server_memory_bound(cfg_, global_));
+  // The checkpoint policy's disk, before any client waits on a round.
+  MEMFL_RETURN_IF_ERROR(check_disk());
   if (opts_.resume) MEMFL_RETURN_IF_ERROR(resume());
   MEMFL_ASSIGN_OR_RETURN(metrics_, MetricsWriter::open((fs::path(opts_.run_dir) / "metrics.csv").string()));
   for (const auto& m : rounds_) MEMFL_RETURN_IF_ERROR(metrics_->append(m));  // the committed rounds, again
@@ -258,7 +278,9 @@ Status RoundDriver::run() {
     MEMFL_RETURN_IF_ERROR(play_round(round, &m, &redo));
     if (redo) continue;
     // Committed first (with this round's metrics), then the metrics row: a
-    // kill in between loses nothing, --resume rewrites metrics.csv from the commit.
+    // kill in between loses nothing, --resume rewrites metrics.csv from the
+    // commit. A round the checkpoint policy does not commit is replayed by
+    // --resume from the newest commit (same selection, same model).
     rounds_.push_back(m);
     const auto t_commit = Clock::now();
     MEMFL_RETURN_IF_ERROR(commit(round));

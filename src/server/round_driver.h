@@ -3,7 +3,8 @@
 //
 //   select (Scheduler) → broadcast (transport) → collect: each update folds
 //   into the aggregator as it arrives → aggregate (finalize, DP-FedAvg noise)
-//   → evaluate (optional hook) → commit the server's state (resumable)
+//   → evaluate (optional hook) → commit the server's state (resumable; which
+//   rounds, and how many commits stay, is server_configs.checkpoint_*)
 //
 // A round whose aggregate cannot be trusted (an update broke after some of
 // its bytes were counted) is redone from the pre-round model with the clients
@@ -73,7 +74,11 @@ class RoundDriver {
   Status finish_evaluation();
   // Round `m`'s metrics are final: the row, and on_round.
   Status publish(const RoundMetrics& m);
+  // Writes the round's checkpoint (the next round's undo) and, on the rounds
+  // the checkpoint policy names, commits the state.
   Status commit(int round);
+  // The checkpoint policy's disk need against the run directory's free bytes.
+  Status check_disk() const;
 
   const ExperimentConfig& cfg_;
   GlobalModel& global_;

@@ -2,6 +2,8 @@
 
 #include <fcntl.h>
 #include <signal.h>
+#include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -66,7 +68,7 @@ void crash_point(int round, const char* point) {
 }
 
 Status commit_state(const std::string& run_dir, const std::string& checkpoint, const Layout& layout, const Arena& model,
-                    CommittedState state) {
+                    CommittedState state, int keep) {
   const fs::path dir = fs::path(run_dir) / "state";
   std::error_code ec;
   fs::create_directories(dir, ec);
@@ -101,13 +103,74 @@ Status commit_state(const std::string& run_dir, const std::string& checkpoint, c
   crash_point(state.round, "commit");  // model linked, state not yet written: the previous commit must win
   MEMFL_RETURN_IF_ERROR(write_durably((dir / (stem(state.round) + ".json")).string(), outer.dump(1) + "\n"));
   MEMFL_RETURN_IF_ERROR(fsync_path(dir.string(), true));
-  // Keep this commit and the one before; older ones go.
+  // Keep the newest `keep` commits (this one among them: it is durable
+  // now); files of older rounds go — their model, their JSON, and the
+  // aggregator's state file (aggregator-round-NNNNNN.bin). Rounds are
+  // counted by their JSON, not by number: with checkpoint_every > 1 the
+  // committed rounds are not consecutive.
+  std::vector<int> committed;
   for (const auto& entry : fs::directory_iterator(dir, ec)) {
-    const std::string name = entry.path().filename().string();
     int r = 0;
-    if (std::sscanf(name.c_str(), "round-%d.", &r) == 1 && r < state.round - 1) fs::remove(entry.path(), ec);
+    char tail[8] = {};
+    const std::string name = entry.path().filename().string();
+    if (std::sscanf(name.c_str(), "round-%d.%7s", &r, tail) == 2 && std::string(tail) == "json") committed.push_back(r);
+  }
+  std::sort(committed.rbegin(), committed.rend());
+  if (static_cast<int>(committed.size()) > keep) {
+    const int oldest_kept = committed[static_cast<size_t>(keep) - 1];
+    std::vector<fs::path> drop;
+    for (const auto& entry : fs::directory_iterator(dir, ec)) {
+      const std::string name = entry.path().filename().string();
+      const size_t at = name.find("round-");
+      int r = 0;
+      if ((at == 0 || name.rfind("aggregator-round-", 0) == 0) &&
+          std::sscanf(name.c_str() + at, "round-%d.", &r) == 1 && r < oldest_kept) {
+        drop.push_back(entry.path());
+      }
+    }
+    for (const auto& path : drop) fs::remove(path, ec);
   }
   return Status::Ok();
+}
+
+uint64_t checkpoint_bytes_on_disk(const std::string& run_dir) {
+  std::vector<fs::path> files = {fs::path(run_dir) / "global_model.safetensors",
+                                 fs::path(run_dir) / "global_model.safetensors.next"};
+  std::error_code ec;
+  for (const auto& entry : fs::directory_iterator(fs::path(run_dir) / "state", ec)) {
+    if (entry.path().extension() == ".safetensors") files.push_back(entry.path());
+  }
+  std::vector<std::pair<dev_t, ino_t>> seen;
+  uint64_t bytes = 0;
+  for (const auto& f : files) {
+    struct stat st {};
+    if (::stat(f.c_str(), &st) != 0) continue;
+    const std::pair<dev_t, ino_t> id{st.st_dev, st.st_ino};
+    if (std::find(seen.begin(), seen.end(), id) != seen.end()) continue;  // a commit's hard link
+    seen.push_back(id);
+    bytes += static_cast<uint64_t>(st.st_blocks) * 512;  // allocated, not apparent, size
+  }
+  return bytes;
+}
+
+Status check_checkpoint_disk(const std::string& run_dir, const CheckpointPolicy& policy, uint64_t model_bytes,
+                             uint64_t already_on_disk, uint64_t free_bytes) {
+  const uint64_t peak = model_bytes * policy.peak_model_files();
+  const uint64_t need = peak > already_on_disk ? peak - already_on_disk : 0;
+  if (need <= free_bytes) return Status::Ok();
+  return resource_exhausted(
+      "{}: the checkpoint policy needs {} bytes more disk ({} bytes of model x {} checkpoint files: "
+      "server_configs.checkpoint_keep = {} kept + 1 being written{}, less {} already there) but {} bytes are free; "
+      "free space there, lower checkpoint_keep, or start the run elsewhere (--out)",
+      run_dir, need, model_bytes, policy.peak_model_files(), policy.keep,
+      policy.peak_model_files() > static_cast<uint64_t>(policy.keep) + 1 ? " + 1 undo of an uncommitted round" : "",
+      already_on_disk, free_bytes);
+}
+
+StatusOr<uint64_t> free_disk_bytes(const std::string& dir) {
+  struct statvfs vfs {};
+  if (::statvfs(dir.c_str(), &vfs) != 0) return not_found("{}: statvfs failed: {}", dir, std::strerror(errno));
+  return static_cast<uint64_t>(vfs.f_bavail) * static_cast<uint64_t>(vfs.f_frsize);
 }
 
 StatusOr<CommittedState> load_committed_state(const std::string& run_dir, const Layout& layout, Arena& model) {
@@ -123,8 +186,10 @@ StatusOr<CommittedState> load_committed_state(const std::string& run_dir, const 
     }
   }
   if (commits.empty()) {
-    return not_found("--resume {}: no committed server state in {} (a run commits one after every round)", run_dir,
-                     dir.string());
+    return not_found(
+        "--resume {}: no committed server state in {} (a run commits after every server_configs.checkpoint_every "
+        "rounds and after its last; with checkpoint_final_only only after its last)",
+        run_dir, dir.string());
   }
   std::sort(commits.rbegin(), commits.rend());
   for (const auto& [r, path] : commits) {

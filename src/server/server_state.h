@@ -8,9 +8,10 @@
 // aggregator's state between rounds, and the round's metrics. Each commit is
 // `state/round-NNNNNN.json` + `state/round-NNNNNN.safetensors`, written new,
 // fsynced and renamed; the JSON carries the xxh3 of the model bytes and of
-// its own text. The last two commits are kept: a torn or corrupt newest one
-// is detected by checksum and the one before is used, with a warning naming
-// the file.
+// its own text. The newest `checkpoint_keep` commits (2 by default) are
+// kept: a torn or corrupt newest one is detected by checksum and the one
+// before is used, with a warning naming the file. Which rounds commit is a
+// CheckpointPolicy (every round by default).
 #pragma once
 
 #include <string>
@@ -18,6 +19,7 @@
 #include <nlohmann/json.hpp>
 
 #include "common/status.h"
+#include "config/config.h"
 #include "tensor/arena.h"
 #include "tensor/layout.h"
 
@@ -32,11 +34,47 @@ struct CommittedState {
   nlohmann::json extra;       // per-transport (e.g. client-level DP ε)
 };
 
+// Which rounds commit, and how many commits stay on disk
+// (server_configs.checkpoint_keep / checkpoint_every / checkpoint_final_only).
+struct CheckpointPolicy {
+  int keep = 2;
+  int every = 1;
+  bool final_only = false;
+  static CheckpointPolicy from(const ServerConfig& sc) {
+    return {sc.checkpoint_keep, sc.checkpoint_every, sc.checkpoint_final_only};
+  }
+  // Round `round` of a run of `last` rounds commits: every `every`-th, and
+  // always the last (a finished run can always be read back).
+  bool commits(int round, int last) const {
+    if (round == last) return true;
+    return !final_only && round % every == 0;
+  }
+  // Model checkpoints on disk at the policy's peak: the kept commits + the
+  // file being written; + the undo checkpoint of a round that did not
+  // commit (it holds a model no commit links) when rounds are skipped.
+  uint64_t peak_model_files() const { return static_cast<uint64_t>(keep) + 1 + (final_only || every > 1 ? 1 : 0); }
+};
+
 // Commits round `state.round`: links `checkpoint` (already written and
-// fsynced) as the round's model file, writes the JSON, and drops commits
-// older than the previous one. `model` is the arena the checkpoint holds.
+// fsynced) as the round's model file, writes the JSON, and drops all but the
+// newest `keep` commits. `model` is the arena the checkpoint holds.
 Status commit_state(const std::string& run_dir, const std::string& checkpoint, const Layout& layout, const Arena& model,
-                    CommittedState state);
+                    CommittedState state, int keep = 2);
+
+// Bytes of model checkpoints already in `run_dir` (global_model.safetensors
+// and its .next, state/*.safetensors; a file hard-linked twice counts once):
+// the policy's peak is reached partly with them.
+uint64_t checkpoint_bytes_on_disk(const std::string& run_dir);
+
+// Refuses, naming `run_dir` and the bytes needed and free, when the policy's
+// peak (model_bytes × peak_model_files(), less `already_on_disk`) exceeds
+// `free_bytes`. A function of the free bytes, not of the disk, so that it
+// can be tested with any number.
+Status check_checkpoint_disk(const std::string& run_dir, const CheckpointPolicy& policy, uint64_t model_bytes,
+                             uint64_t already_on_disk, uint64_t free_bytes);
+
+// Bytes an unprivileged writer may still use on `dir`'s file system (statvfs).
+StatusOr<uint64_t> free_disk_bytes(const std::string& dir);
 
 // The newest commit in `run_dir` whose JSON and model bytes check out,
 // with its model loaded into `model` (whose layout must match the file's).
