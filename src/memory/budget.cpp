@@ -79,15 +79,18 @@ RamSize choose_ram_size(const std::optional<std::string>& cgroup_v2_max,
   return {fallback, "sysconf(_SC_PHYS_PAGES)"};
 }
 
-int64_t total_ram_bytes() {
+int64_t total_ram_bytes(bool log_source) {
   const int64_t pages = static_cast<int64_t>(sysconf(_SC_PHYS_PAGES)) * static_cast<int64_t>(sysconf(_SC_PAGESIZE));
   const RamSize size =
       choose_ram_size(read_text("/sys/fs/cgroup/memory.max"), read_text("/sys/fs/cgroup/memory/memory.limit_in_bytes"),
                       read_text("/proc/meminfo"), pages);
+  // Said once, by a role that sizes itself from it (not by every command
+  // that validates a config: their stdout may be JSON).
   static std::once_flag logged;
-  std::call_once(logged, [&] {
-    spdlog::info("memory: sizing from {} = {} bytes (a budget in % is of this)", size.source, size.bytes);
-  });
+  if (log_source)
+    std::call_once(logged, [&] {
+      spdlog::info("memory: sizing from {} = {} bytes (a budget in % is of this)", size.source, size.bytes);
+    });
   return size.bytes;
 }
 

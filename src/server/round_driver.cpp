@@ -230,7 +230,7 @@ Status check_server_memory_bound(const ExperimentConfig& cfg_, GlobalModel& glob
   // The server's stated bound: the global model (anonymous unless
   // file-backed) + what the aggregator keeps between rounds + what it may
   // hold during one. Refused before any round, naming the key.
-  MEMFL_ASSIGN_OR_RETURN(const int64_t budget, parse_memory_budget(cfg_.server.memory_budget, total_ram_bytes()));
+  MEMFL_ASSIGN_OR_RETURN(const int64_t budget, parse_memory_budget(cfg_.server.memory_budget, total_ram_bytes(/*log_source=*/true)));
   const Aggregator& agg = global_.aggregator();
   const size_t model = global_.arena().file_backed() ? 0 : global_.layout().total_bytes();
   const size_t need = model + agg.state_bytes() + agg.working_bytes();

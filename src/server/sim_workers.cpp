@@ -55,7 +55,7 @@ StatusOr<std::unique_ptr<SimWorkers>> SimWorkers::create(const ExperimentConfig&
                                                          const std::string& run_dir, MemorySampler& sampler) {
   const auto& sc = cfg.server;
   const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  MEMFL_ASSIGN_OR_RETURN(const int64_t budget, parse_memory_budget(sc.memory_budget, total_ram_bytes()));
+  MEMFL_ASSIGN_OR_RETURN(const int64_t budget, parse_memory_budget(sc.memory_budget, total_ram_bytes(/*log_source=*/true)));
   std::unique_ptr<SimWorkers> w(new SimWorkers(cfg, clients, run_dir, sampler, budget, cores));
   w->workers_.reserve(static_cast<size_t>(sc.parallel_clients > 0 ? sc.parallel_clients : cores));
   MEMFL_ASSIGN_OR_RETURN(LocalModel first, make_local_model(cfg, clients.input, /*fill=*/true, sc.seed, run_dir));
