@@ -20,8 +20,8 @@ StatusOr<int64_t> parse_memory_budget(const std::string& text, int64_t total_ram
 
 // The memory this process may use: the cgroup's limit where there is one,
 // else MemTotal. With log_source, says (once per process) which source it
-// used. Not cached:
-// on hosts whose MemTotal starts small and grows, a later call sees more.
+// used. Not cached: on hosts whose MemTotal starts small and grows, a later
+// call sees more.
 int64_t total_ram_bytes(bool log_source = false);
 
 // What total_ram_bytes() decided, and from where.
