@@ -40,6 +40,16 @@ std::vector<std::vector<std::string>> privacy_rows(const std::string& dir) {
   return rows;
 }
 
+// DP-SGD with noise on a small slice of Fashion-MNIST, one thread per
+// process, a server on a free port: what every path below runs.
+constexpr const char* kSmallDpRun =
+    " --set client_configs.train_configs.dp.noise_multiplier=0.8"
+    " --set client_configs.train_configs.train_batch_size=64"
+    " --set client_configs.data_configs.dataset_kwargs.max_train_samples=640"
+    " --set client_configs.data_configs.dataset_kwargs.max_test_samples=200"
+    " --set client_configs.train_configs.num_threads=1"
+    " --set server_configs.comm_configs.grpc_configs.server_uri=127.0.0.1:0";
+
 class EveryClientPath : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(EveryClientPath, GivesTheSameModelAndPrivacyLedger) {
@@ -47,12 +57,7 @@ TEST_P(EveryClientPath, GivesTheSameModelAndPrivacyLedger) {
   const std::string cfg = std::string(MEMFL_SOURCE_DIR) + "/configs/dp_fmnist_cnn_gn.yaml";
   const std::string sets =
       std::string(" -q --set server_configs.num_clients=2 --set server_configs.num_global_epochs=2") +
-      " --set server_configs.aggregator=" + GetParam() + " --set client_configs.train_configs.dp.noise_multiplier=0.8" +
-      " --set client_configs.train_configs.train_batch_size=64" +
-      " --set client_configs.data_configs.dataset_kwargs.max_train_samples=640" +
-      " --set client_configs.data_configs.dataset_kwargs.max_test_samples=200" +
-      " --set client_configs.train_configs.num_threads=1" +
-      " --set server_configs.comm_configs.grpc_configs.server_uri=127.0.0.1:0";
+      " --set server_configs.aggregator=" + GetParam() + kSmallDpRun;
   const std::string g = " --set server_configs.comm_configs.grpc_configs.";
   struct Path {
     std::string name, command, model;
@@ -107,13 +112,7 @@ TEST(EveryClientPathAsync, FedAsyncGivesTheSameModelAndPrivacyLedger) {
   const std::string cfg = std::string(MEMFL_SOURCE_DIR) + "/configs/dp_fmnist_cnn_gn.yaml";
   const std::string sets =
       std::string(" -q --set server_configs.num_clients=1 --set server_configs.num_global_epochs=3") +
-      " --set server_configs.scheduler=AsyncScheduler --set server_configs.aggregator=FedAsyncAggregator" +
-      " --set client_configs.train_configs.dp.noise_multiplier=0.8" +
-      " --set client_configs.train_configs.train_batch_size=64" +
-      " --set client_configs.data_configs.dataset_kwargs.max_train_samples=640" +
-      " --set client_configs.data_configs.dataset_kwargs.max_test_samples=200" +
-      " --set client_configs.train_configs.num_threads=1" +
-      " --set server_configs.comm_configs.grpc_configs.server_uri=127.0.0.1:0";
+      " --set server_configs.scheduler=AsyncScheduler --set server_configs.aggregator=FedAsyncAggregator" + kSmallDpRun;
   const std::string g = " --set server_configs.comm_configs.grpc_configs.";
   Result sim = memfl_cli("run " + cfg + sets + " --out " + tmp.file("in-process"));
   ASSERT_EQ(sim.exit_code, 0) << sim.output;
