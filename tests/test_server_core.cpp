@@ -624,6 +624,21 @@ TEST(CheckpointPolicy, TooLittleFreeDiskIsRefusedNamingTheDirectoryAndTheBytes) 
   // keep 5: 6000.
   EXPECT_FALSE(check_checkpoint_disk(dir, {5, 1, false}, 1000, 0, 5999).ok());
   EXPECT_TRUE(check_checkpoint_disk(dir, {5, 1, false}, 1000, 0, 6000).ok());
+  // A run of few rounds keeps no more than it commits before its last round:
+  // 1 round → the file being written only; 2 rounds, keep 5 → 1 kept + 1.
+  EXPECT_TRUE(check_checkpoint_disk(dir, {2, 1, false}, 1000, 0, 1000, /*last_round=*/1).ok());
+  s = check_checkpoint_disk(dir, {2, 1, false}, 1000, 0, 999, /*last_round=*/1);
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.message().find("x 1 checkpoint files: 0 kept"), std::string::npos) << s.message();
+  EXPECT_FALSE(check_checkpoint_disk(dir, {5, 1, false}, 1000, 0, 1999, /*last_round=*/2).ok());
+  EXPECT_TRUE(check_checkpoint_disk(dir, {5, 1, false}, 1000, 0, 2000, /*last_round=*/2).ok());
+  // Every 3rd of 10 rounds, keep 2: commits 3, 6, 9 come before the last →
+  // 2 kept + 1 written + 1 undo = 4000; over 3 rounds only round 3 commits
+  // (none before it) → 1 written + 1 undo.
+  EXPECT_FALSE(check_checkpoint_disk(dir, {2, 3, false}, 1000, 0, 3999, /*last_round=*/10).ok());
+  EXPECT_TRUE(check_checkpoint_disk(dir, {2, 3, false}, 1000, 0, 4000, /*last_round=*/10).ok());
+  EXPECT_TRUE(check_checkpoint_disk(dir, {2, 3, false}, 1000, 0, 2000, /*last_round=*/3).ok());
+  EXPECT_FALSE(check_checkpoint_disk(dir, {2, 3, false}, 1000, 0, 1999, /*last_round=*/3).ok());
 }
 
 TEST(CheckpointPolicy, CheckpointBytesOnDiskCountAHardLinkOnce) {

@@ -108,6 +108,8 @@ class FedAvgAggregator final : public Aggregator {
   // One 4 MiB block while a parked update folds from the spool.
   size_t working_bytes() const override { return kSpoolBlock; }
   static constexpr size_t kSpoolBlock = 4 << 20;
+  // Whole-element runs of at least twice this fold on several threads.
+  static constexpr size_t kParallelFoldBytes = 1 << 20;
   // Whether a stream broke after some of its bytes were folded this round.
   bool tainted() const;
   // Bytes this round's updates wrote to the spool (parked).

@@ -48,7 +48,8 @@ struct SharedOptions {
   std::string config_path, out_dir, resume_dir;
   std::vector<std::string> sets;
   bool quiet = false;
-  bool profile = false;  // main turns it into --set memory_configs.profile=true
+  bool profile = false;       // main turns it into --set memory_configs.profile=true
+  int colocated_clients = 0;  // `memfl server`: client processes on this host (launch passes it)
 };
 
 inline constexpr const char* kResumeDoc =

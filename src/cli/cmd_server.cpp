@@ -39,6 +39,7 @@ int server(SharedOptions& o) {
   spdlog::set_pattern("[%H:%M:%S.%e] [server] [%l] %v");
   memfl::Status st = memfl::write_text_file(dir + "/config.yaml", cfg->resolved_yaml);
   start_profiler(*cfg, dir, "server");
+  cfg->colocated_model_copies = o.colocated_clients;
   if (st.ok()) st = memfl::run_grpc_server(*cfg, {dir, !o.quiet, !o.resume_dir.empty()});
   memfl::alloc_tracker_stop();
   if (!st.ok()) return fail(st);
@@ -54,6 +55,10 @@ CommandFn add_server(CLI::App& cmd, SharedOptions& shared) {
   cmd.add_flag("-q,--quiet", shared.quiet, "no per-round progress lines");
   cmd.add_option("--resume", shared.resume_dir, kResumeDoc);
   cmd.add_flag("--profile", shared.profile, "record allocations with stacks (profile.bin)");
+  cmd.add_option("--colocated-clients", shared.colocated_clients,
+                 "client processes on this host, each holding a model (memfl launch passes it): the "
+                 "accumulator's auto choice leaves room for them")
+      ->check(CLI::NonNegativeNumber);
   return [&shared](int&, char**&) { return server(shared); };
 }
 

@@ -184,6 +184,11 @@ struct ExperimentConfig {
   MemoryConfig memory;
   std::string source;         // file name (or "embedded default")
   std::string resolved_yaml;  // every key with its effective value
+  // Not a key: client processes on this host that each hold a model-sized
+  // arena, set by the role that knows (`memfl launch` through `memfl server
+  // --colocated-clients`, rank 0 of `memfl mpi` from the ranks on its node).
+  // The accumulator's `auto` leaves room for them in the memory budget.
+  int colocated_model_copies = 0;
 };
 
 // Loads YAML text (named `source` in messages), applies `overrides`

@@ -66,6 +66,8 @@ Status run_launch(const std::string& config_path, const std::vector<std::string>
   }
   const fs::path server_dir = fs::path(run_dir) / "server";
   server_argv.insert(server_argv.end(), {"--out", server_dir.string()});
+  // Every client runs here beside the server, a model each.
+  server_argv.insert(server_argv.end(), {"--colocated-clients", std::to_string(num_clients)});
   MEMFL_ASSIGN_OR_RETURN(pid_t server,
                          spawn_process(server_argv, {.log_path = (fs::path(run_dir) / "server.log").string()}));
 

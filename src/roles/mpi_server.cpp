@@ -42,7 +42,11 @@ Status run_mpi_server(const ExperimentConfig& cfg, int world, const std::string&
   if (cfg.server.is_async()) {
     MEMFL_ASSIGN_OR_RETURN(global, make_async_global_model(cfg, dir));
   } else {
-    MEMFL_ASSIGN_OR_RETURN(global, GlobalModel::create(cfg, InputSpec{}, dir, /*naive=*/false));
+    // Client ranks on this node hold a model each (two with several clients
+    // per rank: the round's model kept aside) out of the same memory.
+    ExperimentConfig here = cfg;
+    here.colocated_model_copies = (shm.ranks_on_node - 1) * (cfg.server.clients_per_rank > 1 ? 2 : 1);
+    MEMFL_ASSIGN_OR_RETURN(global, GlobalModel::create(here, InputSpec{}, dir, /*naive=*/false));
   }
   LocalModel& model = global->model();
   const Layout& layout = model.layout();

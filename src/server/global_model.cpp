@@ -33,11 +33,18 @@ AccumulationChoice choose_accumulation(const ExperimentConfig& cfg, const Layout
   const size_t model = layout.total_bytes();
   const size_t sum = FedAvgAggregator::sum_bytes(layout);
   const size_t need = model + sum + FedAvgAggregator::kSpoolBlock;
-  const std::string numbers =
-      fmt::format("global {} + f32 sum {} + {} working = {} against server_configs.memory_budget {}",
-                  format_bytes(static_cast<double>(model)), format_bytes(static_cast<double>(sum)),
-                  format_bytes(static_cast<double>(FedAvgAggregator::kSpoolBlock)),
-                  format_bytes(static_cast<double>(need)), format_bytes(static_cast<double>(budget)));
+  // Clients on this host hold a model each out of the same memory.
+  const int64_t others = static_cast<int64_t>(cfg.colocated_model_copies) * static_cast<int64_t>(model);
+  std::string against = fmt::format("server_configs.memory_budget {}", format_bytes(static_cast<double>(budget)));
+  if (others > 0) {
+    against += fmt::format(" less {} for the {} clients on this host", format_bytes(static_cast<double>(others)),
+                           cfg.colocated_model_copies);
+    budget -= others;
+  }
+  const std::string numbers = fmt::format(
+      "global {} + f32 sum {} + {} working = {} against {}", format_bytes(static_cast<double>(model)),
+      format_bytes(static_cast<double>(sum)), format_bytes(static_cast<double>(FedAvgAggregator::kSpoolBlock)),
+      format_bytes(static_cast<double>(need)), against);
   if (static_cast<int64_t>(need) <= budget) return {Accumulation::kSum, numbers + ": fits"};
   return {Accumulation::kRunningMean, numbers + ": does not fit"};
 }
@@ -140,7 +147,14 @@ StatusOr<std::unique_ptr<GlobalModel>> GlobalModel::create(const ExperimentConfi
   if (file) g->description_ += ", file-backed";
   // Updates that arrive before their turn to fold wait in a spool file here.
   g->aggregator_->set_spool_dir(cfg.memory.scratch_dir.empty() ? run_dir : cfg.memory.scratch_dir);
-  if (!g->mapped_) MEMFL_RETURN_IF_ERROR(write_safetensors(g->checkpoint_, layout, g->model_.arena(), meta));
+  // Round 0 on disk is the undo of round 1 (and the server optimizers' pre-round
+  // model). Weights drawn from the seed need no file to come back: the plain
+  // FedAvg family regenerates them instead.
+  g->seeded_start_ = !g->mapped_ && !naive && is_spec_only(cfg) && cfg.model.initial_model.empty() &&
+                     g->aggregator_->name() == "FedAvgAggregator";
+  if (!g->mapped_ && !g->seeded_start_) {
+    MEMFL_RETURN_IF_ERROR(write_safetensors(g->checkpoint_, layout, g->model_.arena(), meta));
+  }
   return g;
 }
 
@@ -164,6 +178,7 @@ Status GlobalModel::restore() {
     std::remove((checkpoint_ + ".next").c_str());
     return aggregator_->retarget(model_.arena());
   }
+  if (seeded_start_) return fill_initial_model(cfg_.model, model_.layout(), model_.arena(), cfg_.server.seed);
   MEMFL_ASSIGN_OR_RETURN(auto file, SafetensorsFile::open(checkpoint_));
   return file->load_into(model_.layout(), model_.arena());
 }
@@ -198,6 +213,7 @@ Status GlobalModel::finish_round(int round) {
 
 Status GlobalModel::write_checkpoint(int round) {
   if (mapped_) return Status::Ok();
+  seeded_start_ = false;
   return write_safetensors(
       checkpoint_, model_.layout(), model_.arena(),
       {{"format", "memfl"}, {"round", std::to_string(round)}, {"model_name", cfg_.model.model_name}});

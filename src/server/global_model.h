@@ -67,7 +67,11 @@ class GlobalModel {
   std::unique_ptr<Aggregator> aggregator_;
   std::string checkpoint_;
   std::string description_;
-  bool mapped_ = false;        // the global arena is the checkpoint file's data
+  bool mapped_ = false;  // the global arena is the checkpoint file's data
+  // The pre-round model is the seed's initial one, not yet on disk: a failed
+  // first round regenerates it (writing a 141 GB round 0 cost minutes and a
+  // second model's worth of disk beside round 1's file).
+  bool seeded_start_ = false;
   std::optional<Arena> next_;  // mapped: the next round's file, being folded into
 };
 

@@ -87,7 +87,7 @@ Status RoundDriver::check_disk() const {
   const auto& sc = cfg_.server;
   MEMFL_ASSIGN_OR_RETURN(const uint64_t free_bytes, free_disk_bytes(opts_.run_dir));
   return check_checkpoint_disk(opts_.run_dir, CheckpointPolicy::from(sc), global_.layout().total_bytes(),
-                               checkpoint_bytes_on_disk(opts_.run_dir), free_bytes);
+                               checkpoint_bytes_on_disk(opts_.run_dir), free_bytes, sc.num_global_epochs);
 }
 
 Status RoundDriver::commit(int round) {
@@ -230,7 +230,8 @@ Status check_server_memory_bound(const ExperimentConfig& cfg_, GlobalModel& glob
   // The server's stated bound: the global model (anonymous unless
   // file-backed) + what the aggregator keeps between rounds + what it may
   // hold during one. Refused before any round, naming the key.
-  MEMFL_ASSIGN_OR_RETURN(const int64_t budget, parse_memory_budget(cfg_.server.memory_budget, total_ram_bytes(/*log_source=*/true)));
+  MEMFL_ASSIGN_OR_RETURN(const int64_t budget,
+                         parse_memory_budget(cfg_.server.memory_budget, total_ram_bytes(/*log_source=*/true)));
   const Aggregator& agg = global_.aggregator();
   const size_t model = global_.arena().file_backed() ? 0 : global_.layout().total_bytes();
   const size_t need = model + agg.state_bytes() + agg.working_bytes();

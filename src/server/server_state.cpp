@@ -154,16 +154,17 @@ uint64_t checkpoint_bytes_on_disk(const std::string& run_dir) {
 }
 
 Status check_checkpoint_disk(const std::string& run_dir, const CheckpointPolicy& policy, uint64_t model_bytes,
-                             uint64_t already_on_disk, uint64_t free_bytes) {
-  const uint64_t peak = model_bytes * policy.peak_model_files();
+                             uint64_t already_on_disk, uint64_t free_bytes, int last_round) {
+  const uint64_t files = policy.peak_model_files(last_round);
+  const uint64_t kept = std::min<uint64_t>(static_cast<uint64_t>(policy.keep), files - 1);
+  const uint64_t peak = model_bytes * files;
   const uint64_t need = peak > already_on_disk ? peak - already_on_disk : 0;
   if (need <= free_bytes) return Status::Ok();
   return resource_exhausted(
-      "{}: the checkpoint policy needs {} bytes more disk ({} bytes of model x {} checkpoint files: "
-      "server_configs.checkpoint_keep = {} kept + 1 being written{}, less {} already there) but {} bytes are free; "
+      "{}: the checkpoint policy needs {} bytes more disk ({} bytes of model x {} checkpoint files: {} kept "
+      "(server_configs.checkpoint_keep = {}) + 1 being written{}, less {} already there) but {} bytes are free; "
       "free space there, lower checkpoint_keep, or start the run elsewhere (--out)",
-      run_dir, need, model_bytes, policy.peak_model_files(), policy.keep,
-      policy.peak_model_files() > static_cast<uint64_t>(policy.keep) + 1 ? " + 1 undo of an uncommitted round" : "",
+      run_dir, need, model_bytes, files, kept, policy.keep, files > kept + 1 ? " + 1 undo of an uncommitted round" : "",
       already_on_disk, free_bytes);
 }
 

@@ -14,6 +14,7 @@
 // CheckpointPolicy (every round by default).
 #pragma once
 
+#include <algorithm>
 #include <string>
 
 #include <nlohmann/json.hpp>
@@ -49,10 +50,21 @@ struct CheckpointPolicy {
     if (round == last) return true;
     return !final_only && round % every == 0;
   }
-  // Model checkpoints on disk at the policy's peak: the kept commits + the
-  // file being written; + the undo checkpoint of a round that did not
-  // commit (it holds a model no commit links) when rounds are skipped.
-  uint64_t peak_model_files() const { return static_cast<uint64_t>(keep) + 1 + (final_only || every > 1 ? 1 : 0); }
+  // Model checkpoints on disk at the policy's peak in a run of `last`
+  // rounds (0: unknown): the kept commits (no more than the commits before
+  // the last one) + the file being written; + the undo checkpoint of a round
+  // that did not commit (it holds a model no commit links) when rounds are
+  // skipped. A one-round run needs one file, whatever `keep` says.
+  uint64_t peak_model_files(int last = 0) const {
+    int commits_before_last = keep;
+    if (last > 0) {
+      int n = 0;
+      for (int r = 1; r < last; ++r) n += commits(r, last) ? 1 : 0;
+      commits_before_last = std::min(keep, n);
+    }
+    const bool skips = last > 0 ? (final_only || every > 1) && last > 1 : (final_only || every > 1);
+    return static_cast<uint64_t>(commits_before_last) + 1 + (skips ? 1 : 0);
+  }
 };
 
 // Commits round `state.round`: links `checkpoint` (already written and
@@ -71,7 +83,7 @@ uint64_t checkpoint_bytes_on_disk(const std::string& run_dir);
 // `free_bytes`. A function of the free bytes, not of the disk, so that it
 // can be tested with any number.
 Status check_checkpoint_disk(const std::string& run_dir, const CheckpointPolicy& policy, uint64_t model_bytes,
-                             uint64_t already_on_disk, uint64_t free_bytes);
+                             uint64_t already_on_disk, uint64_t free_bytes, int last_round = 0);
 
 // Bytes an unprivileged writer may still use on `dir`'s file system (statvfs).
 StatusOr<uint64_t> free_disk_bytes(const std::string& dir);

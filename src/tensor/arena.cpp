@@ -1,5 +1,6 @@
 #include "tensor/arena.h"
 
+#include "common/parallel.h"
 #include "memory/alloc_tracker.h"
 
 #include <fcntl.h>
@@ -9,6 +10,7 @@
 
 #include <cerrno>
 
+#include <algorithm>
 #include <cassert>
 #include <cstdlib>
 #include <cstring>
@@ -39,9 +41,19 @@ Arena::Arena(size_t size, MemoryCategory category, bool populate) : size_(size),
     // throughput. After the advice, so that the pages come huge
     // (MAP_POPULATE would fault them in small pages first); kernels before
     // 5.14 lack MADV_POPULATE_WRITE, and a write per page does the same.
-    if (populate && madvise(p, size, MADV_POPULATE_WRITE) != 0) {
-      const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
-      for (size_t at = 0; at < size; at += page) static_cast<volatile char*>(p)[at] = 0;
+    // In pieces on several threads: the kernel zeroes each page it hands
+    // out, and one thread zeroing a 141 GB arena took minutes.
+    if (populate) {
+      constexpr size_t kPiece = size_t{64} << 20;  // whole huge pages
+      auto* base = static_cast<char*>(p);
+      parallel_for((size + kPiece - 1) / kPiece, 1, [&](size_t i0, size_t i1) {
+        char* from = base + i0 * kPiece;
+        const size_t len = std::min(size, i1 * kPiece) - i0 * kPiece;
+        if (madvise(from, len, MADV_POPULATE_WRITE) != 0) {
+          const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+          for (size_t at = 0; at < len; at += page) static_cast<volatile char*>(from)[at] = 0;
+        }
+      });
     }
     data_ = static_cast<std::byte*>(p);
     mapped_ = size;

@@ -106,6 +106,7 @@ struct SharedRing {
   MPI_Win win = MPI_WIN_NULL;
   std::byte* base = nullptr;
   size_t slot_bytes = 0, slots = 0;
+  int ranks_on_node = 1;  // ranks sharing this rank's node, itself included (ring on or off)
   bool enabled() const { return base != nullptr; }
   std::byte* slot(size_t i) const { return base + i * slot_bytes; }
   // The unified memory model's fence between the slot's bytes and the

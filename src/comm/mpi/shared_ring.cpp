@@ -20,6 +20,7 @@ SharedRing open_shared_ring(const ExperimentConfig& cfg, int rank) {
   int here = rank == 0 ? 1 : 0, server_here = 0, everywhere = 0;
   MPI_Allreduce(&here, &server_here, 1, MPI_INT, MPI_MAX, node);
   MPI_Allreduce(&server_here, &everywhere, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
+  MPI_Comm_size(node, &ring.ranks_on_node);
   if (!cfg.server.mpi_shared_memory || !everywhere || !cfg.server.use_model_chunking || chunk > kMaxSharedSlot) {
     MPI_Comm_free(&node);
     return ring;
