@@ -12,7 +12,7 @@ export CCACHE_DIR ?= $(HOME)/.cache/ccache
 export CCACHE_BASEDIR ?= $(CURDIR)
 export CCACHE_NOHASHDIR ?= 1
 
-.PHONY: deps configure build python demo test test-unit test-asan bench fuzz profile-demo check-guides format clean
+.PHONY: deps configure build python demo test test-unit test-asan bench fuzz profile-demo check-guides devkit format clean
 
 # Debian packages, then the report's front-end libraries (pinned in
 # report-assets/package-lock.json; inlined into memfl at build time).
@@ -132,6 +132,22 @@ fuzz: deps
 	  ./build-fuzz/$$name -max_total_time=$(FUZZ_SECONDS) -artifact_prefix=fuzz/$$corpus/crash- \
 	    build-fuzz/$$corpus fuzz/$$corpus; \
 	done
+
+# memfl and the Debian shared libraries it needs beyond glibc and libstdc++,
+# stripped, in build-devkit/ (≈ 30 MB): carried to a lent host that lacks
+# them (gRPC) for bench/llm_round_kit.sh. OpenMPI's go to fallback/: the
+# host's own are used where it has them.
+devkit: build
+	rm -rf build-devkit && mkdir -p build-devkit/lib build-devkit/fallback
+	cp $(BUILD)/memfl build-devkit/ && cp $(BUILD)/libmemfl_core.so build-devkit/lib/
+	strip --strip-debug build-devkit/memfl build-devkit/lib/libmemfl_core.so
+	ldd $(BUILD)/memfl | awk '$$3 ~ /^\// {print $$3}' | while read -r l; do \
+	  case $$(basename $$l) in \
+	    libc.so*|libm.so*|libstdc++*|libgcc_s*|ld-linux*|libmemfl_core*) ;; \
+	    libmpi*|libopen-*|libhwloc*|libevent*|libudev*|libpmix*) cp -L $$l build-devkit/fallback/ ;; \
+	    *) cp -L $$l build-devkit/lib/ ;; \
+	  esac; done
+	@du -sh build-devkit
 
 # Every ```sh block of docs/guide/*.md, run as written (scripts/check-guides.sh).
 check-guides: build

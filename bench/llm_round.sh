@@ -16,7 +16,7 @@ rm -rf "$RUN"
 mkdir -p "$OUT"
 SETS=(--set "client_configs.model_configs.model_name=$MODEL" --set memory_configs.arena_backing=memory "$@")
 disk_before=$(df -B1 --output=used "$OUT" | tail -1)
-start=$(date +%s.%N)
+start=$(date +%s%N)
 if [ "$TRANSPORT" = mpi ]; then
   root=()
   [ "$(id -u)" = 0 ] && root=(--allow-run-as-root)
@@ -27,7 +27,7 @@ else
   "$MEMFL" launch "$CFG" --clients 2 --out "$RUN" "${SETS[@]}" > "$RUN.log" 2>&1
 fi
 rc=$?
-wall=$(echo "$(date +%s.%N) - $start" | bc)
+wall=$(awk -v a="$start" -v b="$(date +%s%N)" 'BEGIN { printf "%.1f", (b - a) / 1e9 }')
 disk_after=$(df -B1 --output=used "$OUT" | tail -1)
 run_bytes=$(du -sb "$RUN" | cut -f1)
 tail -5 "$RUN.log"
