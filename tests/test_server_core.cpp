@@ -18,7 +18,9 @@
 #include "aggregate/fedavg_aggregator.h"
 #include "aggregate/registry.h"
 #include "aggregate/server_optimizer.h"
+#include "common/parallel.h"
 #include "config/config.h"
+#include "model/synthetic.h"
 #include "comm/chunk.h"
 #include "schedule/scheduler.h"
 #include "server/global_model.h"
@@ -687,6 +689,23 @@ TEST(Accumulator, AutoPicksF32WhenTheBudgetHoldsThreeModelsElseModelDtype) {
   EXPECT_EQ(choose_accumulation(cfg, layout, int64_t{1} << 40).accumulation, Accumulation::kRunningMean);
 }
 
+// Clients on the server's host (memfl launch, MPI ranks on one node) hold a
+// model each out of the same memory: 2 clients of 32 MiB leave 104 - 64 =
+// 40 MiB, less than the 100 MiB the f32 sum needs; 164 MiB leaves 100.
+TEST(Accumulator, AutoLeavesRoomForTheClientsOnTheServersHost) {
+  LayoutBuilder b;
+  b.add("w", DType::kBF16, {int64_t{16} << 20});
+  const Layout layout = std::move(b).build().value();
+  const int64_t MiB = int64_t{1} << 20;
+  ExperimentConfig cfg;
+  cfg.colocated_model_copies = 2;
+  AccumulationChoice c = choose_accumulation(cfg, layout, 104 * MiB);
+  EXPECT_EQ(c.accumulation, Accumulation::kRunningMean);
+  EXPECT_NE(c.reason.find("for the 2 clients on this host"), std::string::npos) << c.reason;
+  EXPECT_EQ(choose_accumulation(cfg, layout, 164 * MiB - 1).accumulation, Accumulation::kRunningMean);
+  EXPECT_EQ(choose_accumulation(cfg, layout, 164 * MiB).accumulation, Accumulation::kSum);
+}
+
 // The config's schema lists the names a config may give; the registries
 // build them. The two lists are written apart (config/ depends on nothing
 // above model/), so this keeps them equal.
@@ -925,6 +944,172 @@ TEST(Scheduler, ARestoredSchedulerSelectsAsTheUninterruptedOne) {
     feed(*b, r, sa);
   }
 }
+
+namespace parallel_tests {
+
+// Every index once, whoever calls: four threads at once (as four client
+// streams folding), each over its own array, with pieces small enough that
+// the pool's workers and the callers share the work.
+TEST(ParallelFor, EveryIndexOnceFromConcurrentCallers) {
+  constexpr size_t n = 1'000'003;
+  std::vector<std::vector<int>> hits(4, std::vector<int>(n, 0));
+  std::vector<std::thread> callers;
+  for (int c = 0; c < 4; ++c) {
+    callers.emplace_back([&, c] {
+      parallel_for(n, 1000, [&](size_t a, size_t b) {
+        for (size_t i = a; i < b; ++i) hits[c][i] += 1;
+      });
+    });
+  }
+  for (auto& t : callers) t.join();
+  for (int c = 0; c < 4; ++c) {
+    EXPECT_EQ(std::count(hits[c].begin(), hits[c].end(), 1), static_cast<std::ptrdiff_t>(n)) << "caller " << c;
+  }
+  // Below two pieces' worth: one call on the caller's thread.
+  int calls = 0;
+  parallel_for(1999, 1000, [&](size_t a, size_t b) {
+    ++calls;
+    EXPECT_EQ(a, 0u);
+    EXPECT_EQ(b, 1999u);
+  });
+  EXPECT_EQ(calls, 1);
+}
+
+// The seeded values, worked out here from their definition (model/synthetic.cpp):
+// tensor t's seed s_t = splitmix64(seed · φ + t) << 20 (φ = 0x9e3779b97f4a7c15);
+// block b of 4096 elements starts xorshift64 (13, 7, 17) from
+// splitmix64(s_t + b) | 1; each step gives (x >> 40) − 2^23, over 2^23. The
+// first tensor spans 600 blocks, enough for the fill to split it over threads.
+uint64_t splitmix(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ULL;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+  return x ^ (x >> 31);
+}
+
+float seeded_value(uint64_t seed, size_t tensor, size_t i) {
+  const uint64_t ts = splitmix(seed * 0x9e3779b97f4a7c15ULL + tensor) << 20;
+  uint64_t s = splitmix(ts + i / 4096) | 1;
+  float v = 0;
+  for (size_t k = 0; k <= i % 4096; ++k) {
+    s ^= s << 13;
+    s ^= s >> 7;
+    s ^= s << 17;
+    v = static_cast<float>(static_cast<int64_t>(s >> 40) - (1 << 23)) / static_cast<float>(1 << 23);
+  }
+  return v;
+}
+
+TEST(Synthetic, ValuesFollowTheSeededBlockGeneratorWhateverTheSplit) {
+  LayoutBuilder b;
+  b.add("big", DType::kF32, {600 * 4096 + 17});
+  b.add("small", DType::kBF16, {5000});
+  const Layout layout = std::move(b).build().value();
+  Arena arena(layout.total_bytes(), MemoryCategory::kModel);
+  fill_synthetic(layout, arena, 7);
+  const auto& big = layout.entries()[0];
+  const auto* f = reinterpret_cast<const float*>(arena.data() + big.offset);
+  for (size_t i : {size_t{0}, size_t{1}, size_t{4095}, size_t{4096}, size_t{300 * 4096 + 5}, big.numel() - 1}) {
+    EXPECT_EQ(f[i], seeded_value(7, 0, i)) << "element " << i;
+  }
+  const auto& small = layout.entries()[1];
+  const auto* h = reinterpret_cast<const uint16_t*>(arena.data() + small.offset);
+  for (size_t i : {size_t{0}, size_t{4097}, small.numel() - 1}) {
+    EXPECT_EQ(h[i], f32_to_bf16(seeded_value(7, 1, i))) << "element " << i;
+  }
+  // In (-1, 1), and another seed gives other values.
+  EXPECT_TRUE(std::all_of(f, f + big.numel(), [](float v) { return v > -1.0f && v < 1.0f; }));
+  Arena other(layout.total_bytes(), MemoryCategory::kModel);
+  fill_synthetic(layout, other, 8);
+  EXPECT_NE(std::memcmp(arena.data(), other.data(), big.nbytes()), 0);
+}
+
+// A 4 MiB chunk of bf16 folds on several threads; the running mean of two
+// equal-weight updates is, element by element, bf16(a + ½ (b − a)) with a
+// the first update (copied) and b the second — the same bits as 64 KiB
+// chunks, which fold on one thread.
+TEST(FedAvgRunningMean, LargeChunksFoldInParallelToTheElementWiseMean) {
+  LayoutBuilder b;
+  b.add("w", DType::kBF16, {3 << 20});  // 6 MiB
+  const Layout layout = std::move(b).build().value();
+  const size_t n = layout.entries()[0].numel();
+  Arena u1(layout.total_bytes(), MemoryCategory::kModel), u2(layout.total_bytes(), MemoryCategory::kModel);
+  auto* p1 = reinterpret_cast<uint16_t*>(u1.data());
+  auto* p2 = reinterpret_cast<uint16_t*>(u2.data());
+  for (size_t i = 0; i < n; ++i) {
+    p1[i] = f32_to_bf16(static_cast<float>(i % 1000) * 0.01f - 5.0f);
+    p2[i] = f32_to_bf16(static_cast<float>((i * 7) % 997) * -0.02f + 3.0f);
+  }
+  std::vector<uint16_t> want(n);
+  for (size_t i = 0; i < n; ++i) {
+    const float a = bf16_to_f32(p1[i]);
+    want[i] = f32_to_bf16(a + 0.5f * (bf16_to_f32(p2[i]) - a));
+  }
+  for (size_t chunk : {size_t{4} << 20, size_t{64} << 10}) {
+    Arena global(layout.total_bytes(), MemoryCategory::kModel);
+    FedAvgAggregator agg(layout, ClientWeightsMode::kSampleSize, global, Accumulation::kRunningMean);
+    ASSERT_TRUE(agg.begin_round(1, {"a", "b"}).ok());
+    for (auto [id, u] : {std::pair<const char*, Arena*>{"a", &u1}, {"b", &u2}}) {
+      auto up = agg.open_update(id, 50);
+      ASSERT_TRUE(up.ok());
+      ASSERT_TRUE(stream_arena(layout, *u, chunk, **up).ok());
+      ASSERT_TRUE((*up)->commit().ok());
+    }
+    ASSERT_TRUE(agg.finalize(global).ok());
+    const auto* got = reinterpret_cast<const uint16_t*>(global.data());
+    size_t wrong = 0;
+    for (size_t i = 0; i < n; ++i) wrong += got[i] != want[i] ? 1 : 0;
+    EXPECT_EQ(wrong, 0u) << "chunk " << chunk;
+  }
+}
+
+// A synthetic model's first round needs no round-0 file: none is written,
+// and a round that breaks after folding part of an update gets the seed's
+// model back.
+TEST(GlobalModelSeededStart, NoRoundZeroFileAndABrokenFirstRoundRegeneratesTheSeedsModel) {
+  testing::TempDir tmp;
+  auto cfg = load_config_text(R"(
+client_configs:
+  train_configs: {trainer: DummyTrainer}
+  model_configs: {model_name: synthetic, model_kwargs: {num_params: 300000, dtype: bf16}}
+server_configs:
+  num_clients: 2
+  seed: 5
+  aggregator: FedAvgAggregator
+  aggregator_kwargs: {accumulator: model_dtype}
+)",
+                              "test");
+  ASSERT_TRUE(cfg.ok()) << cfg.status().message();
+  auto global = GlobalModel::create(*cfg, InputSpec{}, tmp.path.string(), /*naive=*/false);
+  ASSERT_TRUE(global.ok()) << global.status().message();
+  EXPECT_FALSE(fs::exists(tmp.file("global_model.safetensors")));
+  const Layout& layout = (*global)->layout();
+  Arena seeded(layout.total_bytes(), MemoryCategory::kModel);
+  fill_synthetic(layout, seeded, 5);
+  ASSERT_EQ(std::memcmp((*global)->arena().data(), seeded.data(), layout.total_bytes()), 0);
+  // Client a's first chunk folds (the running mean copies it over the
+  // global model), then its stream breaks.
+  Arena update(layout.total_bytes(), MemoryCategory::kModel);
+  std::memset(update.data(), 0x3c, update.size());
+  ASSERT_TRUE((*global)->begin_round(1, {"a", "b"}).ok());
+  {
+    auto up = (*global)->aggregator().open_update("a", 10);
+    ASSERT_TRUE(up.ok());
+    const std::span<const std::byte> part(update.data(), 65536);
+    const std::span<const std::byte> pieces[] = {part};
+    ChunkHeader h{layout.hash(), 0, part.size(), chunk_checksum(part)};
+    ASSERT_TRUE((*up)->accept(h, Payload(pieces)).ok());
+    ASSERT_NE(std::memcmp((*global)->arena().data(), seeded.data(), 65536), 0);
+  }  // dropped uncommitted: the stream breaks
+  Status s = (*global)->finish_round(1);
+  EXPECT_FALSE(s.ok());
+  EXPECT_EQ(std::memcmp((*global)->arena().data(), seeded.data(), layout.total_bytes()), 0);
+  // After a committed round the file is the undo, as for any model.
+  ASSERT_TRUE((*global)->write_checkpoint(1).ok());
+  EXPECT_TRUE(fs::exists(tmp.file("global_model.safetensors")));
+}
+
+}  // namespace parallel_tests
 
 }  // namespace
 }  // namespace memfl
