@@ -53,13 +53,18 @@ int inspect_model(const std::string& name, const std::string& dtype, int64_t chu
   row("client (DummyTrainer), arena_backing: file", "base + 2·chunk; disk M", client_base + 2 * c, model, model);
   const double f32_model = static_cast<double>(layout->num_params()) * 4;
   row("client training, f32 weights + Adam", "4·M(f32) + activations", client_base + 4 * f32_model, 0, 0);
-  // Per-byte costs measured here with 2 clients (docs/BENCHMARKS.md): memory
-  // 0.92 GB/s down, 0.76 GB/s up (llama-1b); files 0.80 / 0.28 GB/s (llama-8b).
-  const double mem_round = 2 * model / 0.92e9 + 2 * model / 0.76e9;
+  // Rates measured with 2 DummyTrainer clients (docs/BENCHMARKS.md, "LLM
+  // scale"). In memory, server and clients on one 32-core host over the MPI
+  // ring, a 36B model (72.7 GB): setup (first touch of every arena + the
+  // seeded fill) 2.26 GB of model a second, broadcast 8.47 GB/s and upload
+  // 2.92 GB/s (both clients' bytes), the commit 1.22 GB/s (the disk).
+  // File-backed, on the 2-core / 24 GiB machine (llama-8b over gRPC):
+  // 0.80 GB/s down, 0.28 up.
+  const double mem_round = model / 2.26e9 + 2 * model / 8.47e9 + 2 * model / 2.92e9 + model / 1.22e9;
   const double file_round = 2 * model / 0.80e9 + 2 * model / 0.28e9;
   fmt::print(
-      "predicted round time with 2 DummyTrainer clients at the rates measured here: {:.0f} s in memory, "
-      "{:.0f} s file-backed\n",
+      "predicted job time with 2 DummyTrainer clients, one round and its commit: {:.0f} s with every model in "
+      "one many-core host's memory (MPI); {:.0f} s file-backed on a 2-core machine\n",
       mem_round, file_round);
   return 0;
 }
