@@ -82,6 +82,23 @@ TEST(UpdateCheck, ANonFiniteElementIsFoundAndNamedWhereverChunkEdgesCutIt) {
   }
 }
 
+// A 16 MiB run is checked in pieces (of at least 1 MiB, one a thread) at
+// once: the element named is still the first bad one (here a NaN that ends
+// the first half and an Inf early in the second, in a later piece whatever
+// the number of threads, which a pool thread may find first).
+TEST(UpdateCheck, AParallelCheckNamesTheFirstBadElement) {
+  constexpr size_t n = size_t{8} << 20;  // bf16: 16 MiB
+  std::vector<uint16_t> v(n, 0x3f80);    // 1.0
+  EXPECT_EQ(first_non_finite_parallel(DType::kBF16, reinterpret_cast<const std::byte*>(v.data()), n), n);
+  v[n - 1] = 0x7f80;  // +Inf, the last element
+  EXPECT_EQ(first_non_finite_parallel(DType::kBF16, reinterpret_cast<const std::byte*>(v.data()), n), n - 1);
+  v[n / 2 + 5] = 0xff80;  // -Inf
+  v[n / 2 - 1] = 0x7fc0;  // NaN
+  EXPECT_EQ(first_non_finite_parallel(DType::kBF16, reinterpret_cast<const std::byte*>(v.data()), n), n / 2 - 1);
+  // The serial check agrees.
+  EXPECT_EQ(first_non_finite(DType::kBF16, reinterpret_cast<const std::byte*>(v.data()), n), n / 2 - 1);
+}
+
 TEST(UpdateCheck, IntegerTensorsAndPaddingAreNotReadAsFloats) {
   const Layout layout = mixed_layout();
   Arena a(layout.total_bytes(), MemoryCategory::kModel);

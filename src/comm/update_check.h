@@ -56,6 +56,8 @@ class FiniteValueCheck {
 // Index of the first non-finite element of `n` elements of `dtype` at `p`,
 // or n when all are finite (always n for integer dtypes).
 size_t first_non_finite(DType dtype, const std::byte* p, size_t n);
+// The same, on several threads when the run is ≥ 2 MiB (common/parallel.h).
+size_t first_non_finite_parallel(DType dtype, const std::byte* p, size_t n);
 
 // Wraps the round's aggregator: refuses an update whose sample count is out
 // of bounds before it is opened, and checks every chunk's values before the
