@@ -101,6 +101,8 @@ struct LossyCase {
   double tolerance;
 };
 
+void PrintTo(const LossyCase& c, std::ostream* os) { *os << lossy_codec_name(c.codec) << " at " << c.tolerance; }
+
 class LossyCodecs : public ::testing::TestWithParam<LossyCase> {};
 
 // Values of very different ranges: small deltas, unit noise, large values,

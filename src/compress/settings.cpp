@@ -37,4 +37,20 @@ std::string describe_compression(const CompressionSettings& s) {
   return fmt::format("{}; lossless {}{}", lossy, lossless_name(s.lossless), s.error_feedback ? "; error feedback" : "");
 }
 
+nlohmann::ordered_json compression_summary(const CompressionSettings& s) {
+  nlohmann::ordered_json j;
+  j["enabled"] = s.enabled;
+  if (!s.enabled) return j;
+  j["lossy_compressor"] = s.lossy_name;
+  j["lossy_codec"] = std::string(lossy_codec_name(s.lossy));
+  j["lossless_compressor"] = std::string(lossless_name(s.lossless));
+  if (s.lossy != Lossy::kNone) {
+    j["error_bounding_mode"] = s.relative ? "REL" : "ABS";
+    j["error_bound"] = s.error_bound;
+    j["param_cutoff"] = s.param_cutoff;
+    j["error_feedback"] = s.error_feedback;
+  }
+  return j;
+}
+
 }  // namespace memfl

@@ -26,6 +26,8 @@
 
 #include <string>
 
+#include <nlohmann/json.hpp>
+
 #include "compress/lossless.h"
 #include "compress/lossy.h"
 #include "config/config.h"
@@ -49,5 +51,7 @@ struct CompressionSettings {
 CompressionSettings compression_settings(const ExperimentConfig& cfg);
 // "ZFPCompressor → zfp, REL 0.001, zstd, error feedback", for the log.
 std::string describe_compression(const CompressionSettings& s);
+// The same for summary.json: the configured names and the codecs that ran.
+nlohmann::ordered_json compression_summary(const CompressionSettings& s);
 
 }  // namespace memfl
