@@ -180,6 +180,14 @@ INSTANTIATE_TEST_SUITE_P(
                                      "      lossless_compressor: zstd\n      error_bounding_mode: REL\n"
                                      "      error_bound: 0.01\n",
                                      kRounds * 0.01 * kRange},
+                      // Error feedback: what each round lost comes back in the
+                      // next, so the final model is off by the last round's
+                      // residuals only — one round's bound, not kRounds' (its
+                      // range grows by the residual: 1 + 2 × 0.01, rounded up).
+                      CompressedCase{"sz3_rel_feedback",
+                                     "      enable_compression: true\n      lossy_compressor: SZ3Compressor\n"
+                                     "      error_bound: 0.01\n      error_feedback: true\n",
+                                     1.05 * 0.01 * kRange},
                       CompressedCase{"zfp_abs",
                                      "      enable_compression: true\n      lossy_compressor: ZFPCompressor\n"
                                      "      lossless_compressor: blosc\n      error_bounding_mode: ABS\n"
