@@ -114,13 +114,14 @@ profile-demo: build
 	@cat $(PROFILE_DEMO)/compare/comparison.txt
 	@echo "open $(PROFILE_DEMO)/compare/index.html"
 
-# Fuzz the wire decoder, the config loader and the safetensors reader for
-# FUZZ_SECONDS each (clang + libFuzzer, ASan+UBSan), each on its own corpus:
-# fuzz/corpus, fuzz/corpus_config, fuzz/corpus_safetensors. Crashing inputs
-# land in that corpus as crash-* (rename them bad_*, fix, commit: the tests
-# replay all three). What the fuzzers add lies in build-fuzz/corpus*.
+# Fuzz the wire decoder, the config loader, the safetensors reader and the
+# compressed-frame decoder for FUZZ_SECONDS each (clang + libFuzzer,
+# ASan+UBSan), each on its own corpus: fuzz/corpus, fuzz/corpus_config,
+# fuzz/corpus_safetensors, fuzz/corpus_frames. Crashing inputs land in that
+# corpus as crash-* (rename them bad_*, fix, commit: the tests replay them). What the fuzzers add lies in build-fuzz/corpus*.
 FUZZ_SECONDS ?= 60
-FUZZERS = chunk_decoder_fuzzer:corpus config_loader_fuzzer:corpus_config safetensors_header_fuzzer:corpus_safetensors
+FUZZERS = chunk_decoder_fuzzer:corpus config_loader_fuzzer:corpus_config safetensors_header_fuzzer:corpus_safetensors \
+  frame_decoder_fuzzer:corpus_frames
 fuzz: deps
 	CC=clang CXX=clang++ cmake -S . -B build-fuzz -G Ninja -DCMAKE_BUILD_TYPE=Debug -DMEMFL_SANITIZE=ON \
 	  -DMEMFL_FUZZ=ON -DMEMFL_WITH_TORCH=OFF -DMEMFL_WITH_TESTS=OFF -DMEMFL_WITH_BENCH=OFF

@@ -4,6 +4,7 @@
 //
 //   fuzz/config_loader_fuzzer.cpp       run_config_input
 //   fuzz/safetensors_header_fuzzer.cpp  run_safetensors_input
+//   fuzz/frame_decoder_fuzzer.cpp       run_frame_input
 #pragma once
 
 #include <sys/mman.h>
@@ -16,6 +17,7 @@
 #include <vector>
 
 #include "common/status.h"
+#include "compress/frame.h"
 #include "config/config.h"
 #include "tensor/arena.h"
 #include "tensor/safetensors.h"
@@ -103,6 +105,48 @@ inline SafetensorsOutcome run_safetensors_input(const uint8_t* data, size_t size
       out.copied_exactly = false;
     }
   }
+  return out;
+}
+
+// The model every frame input is decoded into: lossy-eligible f32 and bf16
+// weights around an i64 counter, with padding between them.
+inline const Layout& frame_fuzz_layout() {
+  static const Layout layout = [] {
+    LayoutBuilder b;
+    b.add("a.weight", DType::kF32, {1500}).add("n", DType::kI64, {1}).add("b.weight", DType::kBF16, {999});
+    return std::move(b).build().value();
+  }();
+  return layout;
+}
+
+// A base model of the layout, fixed values (what the server reads deltas against).
+class FuzzBase final : public BaseModel {
+ public:
+  Status read(uint64_t offset, std::span<std::byte> into) const override {
+    for (size_t i = 0; i < into.size(); ++i) into[i] = static_cast<std::byte>((offset + i) * 37 % 251);
+    return Status::Ok();
+  }
+};
+
+struct FrameOutcome {
+  Status at_start = Status::Ok();  // the input as the frame of the chunk at offset 0, against the base
+  Status no_base = Status::Ok();   // the same against no base
+  uint64_t raw_bytes = 0;          // what the first decode rebuilt
+};
+
+// Errors are expected; a crash, a read out of bounds or an allocation sized
+// by the input beyond the chunk limit is not.
+inline FrameOutcome run_frame_input(const uint8_t* data, size_t size) {
+  const Layout& layout = frame_fuzz_layout();
+  static const FuzzBase base;
+  const std::span<const std::byte> frame(reinterpret_cast<const std::byte*>(data), size);
+  FrameOutcome out;
+  FrameDecoder with_base(layout, &base, "fuzz");
+  auto raw = with_base.decode(0, Payload(&frame, 1));
+  out.at_start = raw.status();
+  if (raw.ok()) out.raw_bytes = raw->size();
+  FrameDecoder without(layout, nullptr, "fuzz");
+  out.no_base = without.decode(0, Payload(&frame, 1)).status();
   return out;
 }
 

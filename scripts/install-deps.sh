@@ -17,7 +17,8 @@ PACKAGES=(
   libfmt-dev libspdlog-dev     # formatting and logging
   libxxhash-dev           # chunk checksums (xxh3)
   libunwind-dev           # allocation-site stacks (profiler)
-  zlib1g-dev              # reading the gzipped Fashion-MNIST IDX files
+  zlib1g-dev              # reading the gzipped Fashion-MNIST IDX files; gzip/zlib update compression
+  libzfp-dev libzstd-dev liblzma-dev libblosc-dev  # compressed updates: ZFP, zstd, lzma, blosc
   libgtest-dev libgmock-dev libbenchmark-dev   # tests and micro-benchmarks
   pybind11-dev python3-dev  # `import memfl`: the Python client (make python)
   python3-torch python3-pytest  # the Python client's tests and examples/ (PyTorch models)

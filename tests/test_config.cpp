@@ -94,6 +94,57 @@ TEST(Config, AppflPythonPathKeysAreRefusedWithWhatToUseInstead) {
 
 // The TCP data channel carries the model in the clear: with TLS asked for,
 // the config is refused, naming both keys and what to set instead.
+// APPFL writes its compressor block in the client's config, with Python's
+// booleans and exponent floats: it loads as written.
+TEST(Config, AppflsCompressorBlockLoadsAsWritten) {
+  auto c = load_config_text(
+      "client_configs:\n  comm_configs:\n    compressor_configs:\n      enable_compression: True\n"
+      "      lossy_compressor: SZ2Compressor\n      lossless_compressor: blosc\n      error_bounding_mode: REL\n"
+      "      error_bound: 1e-3\n      param_cutoff: 1024\n",
+      "exp.yaml");
+  ASSERT_TRUE(c.ok()) << c.status().to_string();
+  EXPECT_TRUE(c->compressor.enable_compression);
+  EXPECT_EQ(c->compressor.lossy_compressor, "SZ2Compressor");
+  EXPECT_EQ(c->compressor.lossless_compressor, "blosc");
+  EXPECT_EQ(c->compressor.error_bounding_mode, "REL");
+  EXPECT_DOUBLE_EQ(c->compressor.error_bound, 1e-3);
+  EXPECT_EQ(c->compressor.param_cutoff, 1024);
+  EXPECT_FALSE(c->compressor.error_feedback);
+  // An unknown codec name is refused naming the key and the choices.
+  const std::string e = error_of("", {"client_configs.comm_configs.compressor_configs.lossy_compressor=SZ4"});
+  EXPECT_HAS(e, "lossy_compressor");
+  EXPECT_HAS(e, "ZFPCompressor");
+  // A misspelt key inside the block is named with a suggestion.
+  EXPECT_HAS(error_of("client_configs:\n  comm_configs:\n    compressor_configs:\n      error_bund: 1\n"),
+             "did you mean 'client_configs.comm_configs.compressor_configs.error_bound'");
+}
+
+TEST(Config, CompressionThatCannotHoldItsPromiseIsRefusedNamingTheKeys) {
+  const std::string k = "client_configs.comm_configs.compressor_configs.";
+  const std::vector<std::string> on = {k + "enable_compression=true"};
+  auto with = [&](std::vector<std::string> more) {
+    more.insert(more.begin(), on.begin(), on.end());
+    return more;
+  };
+  EXPECT_HAS(error_of("", with({k + "lossy_compressor=none", k + "error_feedback=true"})),
+             "error_feedback: true' needs a lossy_compressor");
+  EXPECT_HAS(error_of("", with({"server_configs.aggregator_kwargs.dp_fedavg_clip_norm=1"})), "dp_fedavg_clip_norm");
+  EXPECT_HAS(
+      error_of("", with({"server_configs.scheduler=AsyncScheduler", "server_configs.aggregator=FedAsyncAggregator"})),
+      "gradient_based: true");
+  EXPECT_HAS(error_of("", with({"server_configs.memory_mode=naive"})), "memory_mode: naive");
+  // What they ask for instead loads.
+  EXPECT_TRUE(
+      load_config_text("", "exp.yaml",
+                       with({"server_configs.scheduler=AsyncScheduler", "server_configs.aggregator=FedAsyncAggregator",
+                             "server_configs.aggregator_kwargs.gradient_based=true"}))
+          .ok());
+  EXPECT_TRUE(
+      load_config_text("", "exp.yaml",
+                       with({"server_configs.aggregator_kwargs.dp_fedavg_clip_norm=1", k + "lossy_compressor=none"}))
+          .ok());
+}
+
 TEST(Config, TheTcpDataChannelWithTlsIsRefusedNamingBothKeys) {
   const std::string tls =
       "server_configs:\n  comm_configs:\n    grpc_configs:\n      use_ssl: true\n      server_cert: s.pem\n"

@@ -1,5 +1,6 @@
-// Replays the corpora of the config and safetensors fuzzers (fuzz/corpus_config,
-// fuzz/corpus_safetensors: seeds and every input that once crashed) through
+// Replays the corpora of the config, safetensors and frame fuzzers
+// (fuzz/corpus_config, fuzz/corpus_safetensors, fuzz/corpus_frames: seeds and
+// every input that once crashed) through
 // the fuzzers' own entry code (fuzz/fuzz_entries.h). valid_* files must load;
 // bad_* files must be refused with a status that says what is wrong; no file
 // may crash (the ASan+UBSan build runs this too).
@@ -130,6 +131,35 @@ TEST(FuzzCorpus, SafetensorsReaderReplaysItsCorpus) {
   }
   EXPECT_GE(valid, 3);
   EXPECT_GE(bad, 20);
+}
+
+// valid_* frames (written by memfl's encoder against the fuzz base) rebuild
+// the chunk they stand for; bad_* ones (each with one field broken) are
+// refused naming the peer and the chunk's offset.
+TEST(FuzzCorpus, FrameDecoderReplaysItsCorpus) {
+  int valid = 0, bad = 0;
+  for (const auto& [name, bytes] : corpus("corpus_frames")) {
+    SCOPED_TRACE(name);
+    const auto out = fuzz::run_frame_input(bytes.data(), bytes.size());
+    for (const Status* s : {&out.at_start, &out.no_base}) {
+      if (!s->ok()) {
+        EXPECT_HAS(s->message(), "compressed frame from fuzz for the chunk at model offset 0");
+      }
+    }
+    if (starts_with(name, "valid_")) {
+      ASSERT_TRUE(out.at_start.ok()) << out.at_start.to_string();
+      EXPECT_GT(out.raw_bytes, 0u);
+      EXPECT_LE(out.raw_bytes, fuzz::frame_fuzz_layout().total_bytes());
+      ++valid;
+    } else {
+      ASSERT_TRUE(starts_with(name, "bad_")) << "corpus files are valid_* or bad_* (rename crash-* files)";
+      ASSERT_FALSE(out.at_start.ok());
+      EXPECT_FALSE(out.no_base.ok());
+      ++bad;
+    }
+  }
+  EXPECT_GE(valid, 5);
+  EXPECT_GE(bad, 6);
 }
 
 }  // namespace

@@ -2,6 +2,10 @@
 
 #include <cstring>
 
+#include <spdlog/spdlog.h>
+
+#include "compress/update_encoder.h"
+
 namespace memfl {
 
 ClientDriver::ClientDriver(const ExperimentConfig& cfg, std::string run_dir, const DatasetSplits* data,
@@ -11,13 +15,43 @@ ClientDriver::ClientDriver(const ExperimentConfig& cfg, std::string run_dir, con
       data_(data),
       parts_(parts),
       record_privacy_(record_privacy),
-      keep_base_(keep_base) {}
+      keep_base_(keep_base),
+      compression_(compression_settings(cfg)) {
+  if (compression_.enabled) spdlog::info("client updates compressed: {}", describe_compression(compression_));
+}
+
+StatusOr<std::unique_ptr<ModelPlace>> ClientDriver::upload_place(const TripUpdate& up, int client, const Arena* base) {
+  std::unique_ptr<ModelPlace> raw;
+  if (up.shards != nullptr) {
+    raw = std::make_unique<ShardsPlace>(*up.shards);
+  } else {
+    raw = std::make_unique<ArenaPlace>(*up.upload);
+  }
+  if (!compression_.enabled) return raw;
+  const Layout& layout = *up.layout;
+  Arena* residual = nullptr;
+  if (compression_.error_feedback) {
+    std::lock_guard lock(mu_);
+    auto it = residuals_.find(client);
+    if (it == residuals_.end()) {
+      // Zeros at first; model-sized, file-backed when the model is.
+      MEMFL_ASSIGN_OR_RETURN(Arena r,
+                             make_model_arena(cfg_, layout.total_bytes(), run_dir_, MemoryCategory::kCommBuffers));
+      it = residuals_.emplace(client, std::move(r)).first;
+    }
+    residual = &it->second;
+  }
+  auto framed = std::make_unique<EncodingPlace>(std::move(raw), layout, compression_);
+  MEMFL_RETURN_IF_ERROR(framed->begin(base, residual));
+  return std::unique_ptr<ModelPlace>(std::move(framed));
+}
 
 ShardedModelIo* ClientDriver::receive_shards(LocalModel& model) {
   return model.replica() != nullptr ? model.replica()->sharded_io() : nullptr;
 }
 
-StatusOr<TripUpdate> ClientDriver::train(LocalModel& model, int client, int round, int local_steps) {
+StatusOr<TripUpdate> ClientDriver::train(LocalModel& model, int client, int round, int local_steps,
+                                         const Arena* received) {
   const Layout& layout = model.layout();
   const ClientPartition* part = parts_.empty() ? nullptr : &parts_[static_cast<size_t>(client)];
   // Asynchronous: the round is the model's version, which repeats; each trip
@@ -28,6 +62,14 @@ StatusOr<TripUpdate> ClientDriver::train(LocalModel& model, int client, int roun
   const ExperimentConfig trip_cfg = with_local_steps(cfg_, async ? local_steps : 0);
   const bool send_change = async && cfg_.server.gradient_based && keep_base_;
   if (send_change) keep_base(layout, base_, model.arena());
+  // Lossy compression sends the change from the model received: keep it
+  // (one more model here) unless the caller does.
+  const bool keep_for_deltas = !async && keep_base_ && compression_.enabled && compression_.lossy != Lossy::kNone;
+  const Arena* delta_base = received;
+  if (keep_for_deltas && delta_base == nullptr) {
+    keep_base(layout, base_, model.arena());
+    delta_base = &base_;
+  }
   int seed_round = round;
   if (async) {
     std::lock_guard lock(mu_);
@@ -44,6 +86,8 @@ StatusOr<TripUpdate> ClientDriver::train(LocalModel& model, int client, int roun
     up.upload = &base_;
     up.shards = nullptr;
   }
+  up.layout = &layout;
+  if (keep_for_deltas) up.delta_base = delta_base;
   up.local_steps = local_steps_taken(trip_cfg.train, part, up.trained.num_steps);
   up.sample_count = update_sample_count(cfg_, part, client);
   if (cfg_.train.dp.enabled && record_privacy_) {
@@ -81,20 +125,15 @@ StatusOr<bool> ClientDriver::play_round(ClientTransport& transport, LocalModel& 
   for (int c : offer.clients) {
     if (round_model != nullptr) std::memcpy(model.arena().data(), round_model->data(), model.layout().total_bytes());
     mark(round, "train");
-    MEMFL_ASSIGN_OR_RETURN(TripUpdate up, train(model, c, round, offer.local_steps));
+    MEMFL_ASSIGN_OR_RETURN(TripUpdate up, train(model, c, round, offer.local_steps, round_model));
     mark(round, "upload");
     UpdateMeta meta{.round = round, .client = c, .sample_count = up.sample_count, .metrics = {}};
     meta.metrics["train_loss"] = up.trained.train_loss;
     meta.metrics["val_accuracy"] = up.trained.val_accuracy;
     meta.metrics["local_steps"] = static_cast<double>(up.local_steps);
     if (up.has_epsilon) meta.metrics["epsilon"] = up.epsilon;
-    if (up.shards != nullptr) {
-      ShardsPlace from(*up.shards);
-      MEMFL_RETURN_IF_ERROR(transport.send(meta, from));
-    } else {
-      ArenaPlace from(*up.upload);
-      MEMFL_RETURN_IF_ERROR(transport.send(meta, from));
-    }
+    MEMFL_ASSIGN_OR_RETURN(std::unique_ptr<ModelPlace> from, upload_place(up, c, up.delta_base));
+    MEMFL_RETURN_IF_ERROR(transport.send(meta, *from));
   }
   mark(round, "idle");
   return false;

@@ -9,7 +9,8 @@
 //   received → [async, gradient_based: keep the base] → local training
 //   (TrainerBackend; a non-finite loss refuses the update) → privacy record
 //   (DP-SGD: privacy.csv) → encode (the change from the base when
-//   gradient_based) → what to send (TripUpdate)
+//   gradient_based) → what to send (TripUpdate) → upload_place (compressed
+//   frames when compressor_configs say so)
 //
 // The stages that act on every client's update (compression, secure
 // aggregation masks) belong in encode, here, once.
@@ -26,6 +27,7 @@
 
 #include "client/client_work.h"
 #include "comm/client_transport.h"
+#include "compress/settings.h"
 #include "memory/sampler.h"
 
 namespace memfl {
@@ -37,9 +39,13 @@ struct TripUpdate {
   // shards — the shards (upload is then null).
   Arena* upload = nullptr;
   ShardedModelIo* shards = nullptr;
-  double sample_count = 0;  // FedAvg's weight
-  TrainResult trained;      // losses, accuracies, DP steps and rate
-  int64_t local_steps = 0;  // what the trip took (a DummyTrainer's as configured)
+  // The model the trip started from, kept for lossy compression's deltas
+  // (null: none kept — the update is a change already, or no lossy codec).
+  const Arena* delta_base = nullptr;
+  const Layout* layout = nullptr;  // the model's
+  double sample_count = 0;         // FedAvg's weight
+  TrainResult trained;             // losses, accuracies, DP steps and rate
+  int64_t local_steps = 0;         // what the trip took (a DummyTrainer's as configured)
   bool has_epsilon = false;
   double epsilon = 0;  // DP-SGD: the client's ε over all its steps so far
 };
@@ -74,7 +80,17 @@ class ClientDriver {
   // is the trip's own step count, FedCompass). Trains client `client` on
   // it and returns what to send. The update's arena lives in `model` or in
   // this driver until the next call.
-  StatusOr<TripUpdate> train(LocalModel& model, int client, int round, int local_steps = 0);
+  // `received`: the model the trip started from when the caller keeps it
+  // anyway (an MPI rank's round model), so that no copy is made for
+  // compression's deltas.
+  StatusOr<TripUpdate> train(LocalModel& model, int client, int round, int local_steps = 0,
+                             const Arena* received = nullptr);
+
+  // Where `up` is sent from: its arena or shards, or — compressor_configs'
+  // enable_compression — its frames (compress/update_encoder.h), lossy
+  // tensors as their change from `base` (null: from zero), with client
+  // `client`'s error-feedback residual added and kept.
+  StatusOr<std::unique_ptr<ModelPlace>> upload_place(const TripUpdate& up, int client, const Arena* base);
 
   // Plays rounds over `transport` until the server says the run is over;
   // a round that fails is handed to transport.recover (a new session, or
@@ -91,7 +107,10 @@ class ClientDriver {
   std::mutex mu_;                    // the per-client counters below
   std::map<int, int64_t> trips_;     // asynchronous: each trip trains with its own seed
   std::map<int, int64_t> dp_steps_;  // DP-SGD steps over every round, per client
-  Arena base_;                       // gradient_based: the model received, then the change sent
+  Arena base_;                       // gradient_based: the model received, then the change sent;
+                                     // lossy compression: the model received
+  CompressionSettings compression_;
+  std::map<int, Arena> residuals_;  // error feedback: one per client this process plays
 
   // One round; true when the server said the run is over.
   StatusOr<bool> play_round(ClientTransport& transport, LocalModel& model, Arena* round_model, MemorySampler* sampler);

@@ -60,6 +60,12 @@ inline uint64_t grpc_chunk_bytes(bool use_model_chunking, int64_t model_chunk_si
   return c < kMaxGrpcChunk ? c : kMaxGrpcChunk;
 }
 
+// What a compressed frame (compress/frame.h) may hold beyond the model bytes
+// it carries: its header and, for a chunk that does not compress, one raw
+// segment's header. Transports that size a buffer or a message from the
+// chunk add this much when updates are compressed; the encoder never exceeds it.
+inline constexpr uint64_t kMaxFrameOverhead = 256;
+
 uint64_t chunk_checksum(std::span<const std::byte> payload);
 uint64_t chunk_checksum(Payload payload);
 size_t payload_size(Payload payload);

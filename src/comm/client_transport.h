@@ -14,6 +14,7 @@
 //   }
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -42,6 +43,15 @@ class ModelPlace {
   virtual std::unique_ptr<ModelWriter> writer(const Layout& layout, std::string peer) = 0;
   // Bytes [offset, offset + into.size()) of the model.
   virtual Status read(uint64_t offset, std::span<std::byte> into) = 0;
+  // Whether the model leaves as compressed frames (compress/frame.h): then a
+  // transport sends, for each chunk of its grid in order, frame(offset,
+  // length) in place of the chunk's bytes — at most length +
+  // kMaxFrameOverhead bytes, in a buffer the place reuses at the next call
+  // (so a transport lets go of one frame before it asks for the next).
+  virtual bool framed() const { return false; }
+  virtual StatusOr<std::span<const std::byte>> frame(uint64_t offset, size_t length) {
+    return failed_precondition("this place sends its model's bytes as they are, not as frames");
+  }
 };
 
 class ArenaPlace final : public ModelPlace {
@@ -71,6 +81,30 @@ class ShardsPlace final : public ModelPlace {
  private:
   ShardedModelIo& io_;
 };
+
+// Sends the model in `from` to `sink` in chunks of at most `chunk` bytes:
+// from its arena in place, through one staging buffer, or — a framed place —
+// as its frames. Returns the bytes handed to the sink (the wire's bytes).
+inline StatusOr<uint64_t> stream_place(const Layout& layout, ModelPlace& from, size_t chunk, ChunkSink& sink) {
+  if (chunk == 0) return invalid_argument("model_chunk_size must be at least 1 byte");
+  if (!from.framed() && from.arena() != nullptr) return stream_arena(layout, *from.arena(), chunk, sink);
+  std::vector<std::byte> staging;
+  uint64_t sent = 0;
+  for (uint64_t off = 0; off < layout.total_bytes(); off += chunk) {
+    const size_t len = std::min<uint64_t>(chunk, layout.total_bytes() - off);
+    std::span<const std::byte> bytes;
+    if (from.framed()) {
+      MEMFL_ASSIGN_OR_RETURN(bytes, from.frame(off, len));
+    } else {
+      staging.resize(len);
+      MEMFL_RETURN_IF_ERROR(from.read(off, staging));
+      bytes = staging;
+    }
+    MEMFL_RETURN_IF_ERROR(sink.accept(ChunkHeader{layout.hash(), off, bytes.size(), chunk_checksum(bytes)}, bytes));
+    sent += bytes.size();
+  }
+  return sent;
+}
 
 // The server has begun a round for this process: which of its clients train
 // (one for a gRPC client; an MPI rank may run several virtual clients), on

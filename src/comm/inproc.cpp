@@ -70,7 +70,13 @@ Status InProcessTransport::collect(int round, const std::vector<int>& selected, 
           st = update.status();
         } else {
           CountingSink counted(**update);
-          auto up = stream_arena(layout_, arena, chunk_, counted);
+          StatusOr<uint64_t> up = uint64_t{0};
+          if (upload_) {
+            auto place = upload_(w, c, global);
+            up = place.ok() ? stream_place(layout_, **place, chunk_, counted) : StatusOr<uint64_t>(place.status());
+          } else {
+            up = stream_arena(layout_, arena, chunk_, counted);
+          }
           st = up.ok() ? (*update)->commit()
                        : up.status().with_context(fmt::format("round {}, upload from {}", round, peer));
           up_bytes = counted.bytes();

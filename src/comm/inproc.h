@@ -10,6 +10,7 @@
 #include <functional>
 #include <vector>
 
+#include "comm/client_transport.h"
 #include "comm/transport.h"
 #include "tensor/layout.h"
 
@@ -27,14 +28,19 @@ class InProcessTransport final : public ServerTransport {
   // Before a worker takes another client: false sheds the worker (memory
   // governor), whose clients the others take.
   using KeepWorker = std::function<bool(int worker)>;
+  // What worker `worker` sends for `client` once its local update is done,
+  // the round's model being `global`: compressed frames, say
+  // (ClientDriver::upload_place). None: the worker's arena as it is.
+  using Upload = std::function<StatusOr<std::unique_ptr<ModelPlace>>(int worker, int client, const Arena& global)>;
 
   InProcessTransport(const Layout& layout, size_t chunk, std::vector<Worker> workers, LocalUpdate local_update,
-                     KeepWorker keep_worker = {})
+                     KeepWorker keep_worker = {}, Upload upload = {})
       : layout_(layout),
         chunk_(chunk),
         workers_(std::move(workers)),
         local_update_(std::move(local_update)),
-        keep_worker_(std::move(keep_worker)) {}
+        keep_worker_(std::move(keep_worker)),
+        upload_(std::move(upload)) {}
 
   std::string_view name() const override { return "inproc"; }
   // Workers copy the global model while others' updates fold.
@@ -52,6 +58,7 @@ class InProcessTransport final : public ServerTransport {
   std::vector<Worker> workers_;
   LocalUpdate local_update_;
   KeepWorker keep_worker_;
+  Upload upload_;
   size_t active_ = 0;
 };
 

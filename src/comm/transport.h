@@ -141,6 +141,9 @@ struct AsyncServeOptions {
   // Called with the model unchanged while it runs: the evaluation number,
   // updates so far, seconds since the start.
   std::function<Status(int evaluation, int64_t updates, double seconds)> on_eval;
+  // Wraps each update's stream into its spool slot before a chunk is read
+  // (compressed updates are decoded there); none: the chunks go as they are.
+  std::function<std::unique_ptr<UpdateStream>(std::unique_ptr<UpdateStream> slot, const std::string& peer)> wrap_update;
   bool eval_due(int64_t arrivals) const { return async_eval_due(arrivals, eval_every, total); }
 };
 

@@ -264,6 +264,14 @@ const std::vector<KeySpec>& schema() {
       {"client_configs.train_configs.dp.clipping", Type::kString, "fused", {"naive", "ghost", "fused"}, -kInf, kInf, "DP-SGD: how per-sample norms are computed", S(train.dp.clipping)},
       {"client_configs.train_configs.dp.accountant", Type::kString, "rdp", {"rdp"}, -kInf, kInf, "DP-SGD: privacy accountant", S(train.dp.accountant)},
       {"client_configs.train_configs.dp.delta", Type::kFloat, "1e-5", {}, 1e-300, 0.999999, "DP-SGD: δ of the reported (ε, δ)", F(train.dp.delta)},
+      // client_configs.comm_configs.compressor_configs: APPFL's keys (compress/settings.h)
+      {"client_configs.comm_configs.compressor_configs.enable_compression", Type::kBool, "false", {}, -kInf, kInf, "compress each client update chunk by chunk (frames; broadcasts stay uncompressed)", B(compressor.enable_compression)},
+      {"client_configs.comm_configs.compressor_configs.lossy_compressor", Type::kString, "ZFPCompressor", {"ZFPCompressor", "SZ2Compressor", "SZ3Compressor", "SZxCompressor", "none"}, -kInf, kInf, "lossy codec for the update's change from the global model: ZFPCompressor (libzfp, fixed accuracy); the SZ names run memfl's error-bounded quantiser (Debian has no SZ); none: lossless only", S(compressor.lossy_compressor)},
+      {"client_configs.comm_configs.compressor_configs.lossless_compressor", Type::kString, "zstd", {"zstd", "gzip", "zlib", "lzma", "blosc", "none"}, -kInf, kInf, "lossless stage of every frame", S(compressor.lossless_compressor)},
+      {"client_configs.comm_configs.compressor_configs.error_bounding_mode", Type::kString, "REL", {"ABS", "REL"}, -kInf, kInf, "ABS: every element within error_bound; REL: within error_bound × the tensor's value range (of its change this round)", S(compressor.error_bounding_mode)},
+      {"client_configs.comm_configs.compressor_configs.error_bound", Type::kFloat, "1e-3", {}, 1e-30, 1e30, "the lossy codecs' bound (see error_bounding_mode)", F(compressor.error_bound)},
+      {"client_configs.comm_configs.compressor_configs.param_cutoff", Type::kInt, "1024", {}, 0, 9.2e18, "tensors with at most this many elements, and tensors whose name lacks 'weight', go lossless", I(compressor.param_cutoff)},
+      {"client_configs.comm_configs.compressor_configs.error_feedback", Type::kBool, "false", {}, -kInf, kInf, "the client keeps what lossy compression lost (a model-sized residual, file-backed when the model is) and adds it to its next update", B(compressor.error_feedback)},
       // clang-format on
       // client_configs.model_configs
       {"client_configs.model_configs.model_name", Type::kString, "CNN", known_model_names(), -kInf, kInf,
@@ -1058,6 +1066,68 @@ void assign(YAML::Node& root, const std::string& path, const YAML::Node& value) 
   rec(root, 0);
 }
 
+// What compressor_configs can do with the rest of the experiment, and with
+// the libraries this build has (each codec's library is optional in CMake).
+Status check_compressor(const ExperimentConfig& c, const std::string& source) {
+  const CompressorConfig& z = c.compressor;
+  if (!z.enable_compression) return Status::Ok();
+  const std::string key = "client_configs.comm_configs.compressor_configs.";
+  const bool lossy = z.lossy_compressor != "none";
+  auto missing = [&](const std::string& name, bool built, const char* package) -> Status {
+    if (built) return Status::Ok();
+    return invalid_argument("{}: '{}{}: {}' needs {}, which this memfl was built without (install it and rebuild)",
+                            source, key, name == z.lossy_compressor ? "lossy_compressor" : "lossless_compressor", name,
+                            package);
+  };
+#if !defined(MEMFL_HAVE_ZFP)
+  if (z.lossy_compressor == "ZFPCompressor") MEMFL_RETURN_IF_ERROR(missing(z.lossy_compressor, false, "libzfp-dev"));
+#endif
+#if !defined(MEMFL_HAVE_ZSTD)
+  if (z.lossless_compressor == "zstd") MEMFL_RETURN_IF_ERROR(missing("zstd", false, "libzstd-dev"));
+#endif
+#if !defined(MEMFL_HAVE_LZMA)
+  if (z.lossless_compressor == "lzma") MEMFL_RETURN_IF_ERROR(missing("lzma", false, "liblzma-dev"));
+#endif
+#if !defined(MEMFL_HAVE_BLOSC)
+  if (z.lossless_compressor == "blosc") MEMFL_RETURN_IF_ERROR(missing("blosc", false, "libblosc-dev"));
+#endif
+  (void)missing;
+  if (z.error_feedback && !lossy) {
+    return invalid_argument("{}: '{}error_feedback: true' needs a lossy_compressor: lossless compression loses nothing",
+                            source, key);
+  }
+  if (c.server.memory_mode == "naive") {
+    return invalid_argument(
+        "{}: '{}enable_compression' streams frames into the aggregator; server_configs.memory_mode: naive holds "
+        "serialised copies instead — use one or the other",
+        source, key);
+  }
+  if (lossy && c.server.dp_fedavg_clip_norm > 0) {
+    // DP-FedAvg's noise is calibrated to updates clipped to norm C; a lossy
+    // code (and its residual) can carry an update past C.
+    return invalid_argument(
+        "{}: '{}lossy_compressor: {}' with client-level DP-FedAvg (server_configs.aggregator_kwargs."
+        "dp_fedavg_clip_norm): a lossy update is no longer clipped to the norm the noise is calibrated to; use "
+        "lossy_compressor: none",
+        source, key, z.lossy_compressor);
+  }
+  if (lossy && c.server.is_async() && !c.server.gradient_based) {
+    // The server rebuilds a lossy delta against the model the client started
+    // from, and an asynchronous server has moved on from it.
+    return invalid_argument(
+        "{}: '{}lossy_compressor: {}' in an asynchronous run needs server_configs.aggregator_kwargs.gradient_based: "
+        "true (the update is then a change, compressed as it is), or lossy_compressor: none",
+        source, key, z.lossy_compressor);
+  }
+  if (lossy && c.train.num_gpus > 1) {
+    return invalid_argument(
+        "{}: '{}lossy_compressor: {}' needs the client's model in one arena to take its change from the global "
+        "model; a model sharded over train_configs.num_gpus ranks takes lossy_compressor: none",
+        source, key, z.lossy_compressor);
+  }
+  return Status::Ok();
+}
+
 Status cross_checks(const ExperimentConfig& c, const std::string& source) {
   // The budget's syntax is checked here, before any work, not when the
   // simulator first needs it.
@@ -1167,6 +1237,7 @@ Status cross_checks(const ExperimentConfig& c, const std::string& source) {
         "server's model; remove the key or set it to true",
         source);
   }
+  MEMFL_RETURN_IF_ERROR(check_compressor(c, source));
   if (c.server.clients_per_round > c.server.num_clients) {
     return invalid_argument("{}: key 'server_configs.clients_per_round' ({}) exceeds server_configs.num_clients ({})",
                             source, c.server.clients_per_round, c.server.num_clients);

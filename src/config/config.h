@@ -166,6 +166,20 @@ struct ServerConfig {
   int eval_batch_size = 64;
 };
 
+// APPFL's client_configs.comm_configs.compressor_configs, as APPFL writes
+// them (compress/settings.h says what each does here), plus error_feedback.
+struct CompressorConfig {
+  bool enable_compression = false;
+  // ZFPCompressor (libzfp); SZ2Compressor, SZ3Compressor, SZxCompressor run
+  // memfl's own error-bounded quantiser (Debian has no SZ); none: lossless only.
+  std::string lossy_compressor = "ZFPCompressor";
+  std::string lossless_compressor = "zstd";  // zstd | gzip | zlib | lzma | blosc | none
+  std::string error_bounding_mode = "REL";   // ABS: the bound; REL: bound × each tensor's value range
+  double error_bound = 1e-3;
+  int64_t param_cutoff = 1024;  // tensors with at most this many elements (and non-weights) go lossless
+  bool error_feedback = false;  // the client adds what compression lost to its next update
+};
+
 struct MemoryConfig {
   int sample_interval_ms = 5;
   bool profile = false;                  // allocation tracker (also --profile)
@@ -182,6 +196,7 @@ struct ExperimentConfig {
   DataConfig data;
   ServerConfig server;
   MemoryConfig memory;
+  CompressorConfig compressor;
   std::string source;         // file name (or "embedded default")
   std::string resolved_yaml;  // every key with its effective value
   // Not a key: client processes on this host that each hold a model-sized

@@ -40,7 +40,7 @@ StatusOr<std::unique_ptr<MetricsWriter>> MetricsWriter::open(const std::string& 
   std::fputs(
       "round,clients,train_loss,train_accuracy,val_loss,val_accuracy,test_loss,test_accuracy,bytes_moved,"
       "round_seconds,peak_rss_bytes,download_seconds,upload_seconds,bytes_down,bytes_up,rss_bytes,commit_seconds,"
-      "threads,open_fds,virtual_seconds\n",
+      "threads,open_fds,virtual_seconds,bytes_up_raw\n",
       f);
   std::fflush(f);
   return std::unique_ptr<MetricsWriter>(new MetricsWriter(f));
@@ -49,14 +49,14 @@ StatusOr<std::unique_ptr<MetricsWriter>> MetricsWriter::open(const std::string& 
 MetricsWriter::~MetricsWriter() { std::fclose(f_); }
 
 Status MetricsWriter::append(const RoundMetrics& m) {
-  std::fputs(
-      fmt::format(
-          "{},{},{:.6f},{:.6f},{:.6f},{:.6f},{:.6f},{:.6f},{},{:.3f},{},{:.6f},{:.6f},{},{},{},{:.3f},{},{},{:.3f}\n",
-          m.round, m.clients, m.train_loss, m.train_accuracy, m.val_loss, m.val_accuracy, m.test_loss, m.test_accuracy,
-          m.bytes_moved, m.round_seconds, m.peak_rss_bytes, m.download_seconds, m.upload_seconds, m.bytes_down,
-          m.bytes_up, m.rss_bytes, m.commit_seconds, m.threads, m.open_fds, m.virtual_seconds)
-          .c_str(),
-      f_);
+  std::fputs(fmt::format("{},{},{:.6f},{:.6f},{:.6f},{:.6f},{:.6f},{:.6f},{},{:.3f},{},{:.6f},{:.6f},{},{},{},{:.3f},{}"
+                         ",{},{:.3f},{}\n",
+                         m.round, m.clients, m.train_loss, m.train_accuracy, m.val_loss, m.val_accuracy, m.test_loss,
+                         m.test_accuracy, m.bytes_moved, m.round_seconds, m.peak_rss_bytes, m.download_seconds,
+                         m.upload_seconds, m.bytes_down, m.bytes_up, m.rss_bytes, m.commit_seconds, m.threads,
+                         m.open_fds, m.virtual_seconds, m.bytes_up_raw)
+                 .c_str(),
+             f_);
   if (std::fflush(f_) != 0) return internal_error("writing metrics.csv failed: {}", std::strerror(errno));
   return Status::Ok();
 }

@@ -26,8 +26,9 @@ struct RoundMetrics {
   // Transfer phases: wall seconds from the first byte to the last of all
   // clients' downloads (broadcast) and uploads, and the bytes each moved.
   double download_seconds = 0, upload_seconds = 0;
-  uint64_t bytes_down = 0, bytes_up = 0;
-  int64_t rss_bytes = 0;  // RSS when the round ended (flat memory is checked on this)
+  uint64_t bytes_down = 0, bytes_up = 0;  // on the wire (compressed updates: their frames)
+  uint64_t bytes_up_raw = 0;              // the updates' model bytes (bytes_up uncompressed)
+  int64_t rss_bytes = 0;                  // RSS when the round ended (flat memory is checked on this)
   int64_t peak_rss_bytes = 0;
   // Committing the server's state after the round (checkpoint written and
   // fsynced, state file): not part of round_seconds.

@@ -6,6 +6,8 @@
 
 #include "aggregate/async_aggregator.h"
 #include "client/client_work.h"
+#include "compress/decoding_opener.h"
+#include "compress/settings.h"
 #include "io/run_dir.h"
 #include "server/async_common.h"
 #include "server/async_core.h"
@@ -54,6 +56,15 @@ Status run_async_server(const ExperimentConfig& cfg, const std::string& run_dir,
   so.total = sc.num_global_epochs;
   so.eval_every = async_eval_every(sc);
   so.spool_dir = cfg.memory.scratch_dir.empty() ? run_dir : cfg.memory.scratch_dir;
+  if (cfg.compressor.enable_compression) {
+    // An asynchronous update is a change already when it is lossy (the config
+    // asks gradient_based), so its frames decode against no base.
+    const CompressionSettings cs = compression_settings(cfg);
+    spdlog::info("server: client updates arrive compressed: {}", describe_compression(cs));
+    so.wrap_update = [&layout](std::unique_ptr<UpdateStream> slot, const std::string& peer) {
+      return decoding_stream(std::move(slot), layout, nullptr, peer);
+    };
+  }
   so.on_eval = [&](int k, int64_t updates, double seconds) -> Status {
     RoundMetrics m;
     m.round = k;
@@ -86,6 +97,7 @@ Status run_async_server(const ExperimentConfig& cfg, const std::string& run_dir,
   summary["peak_rss_bytes"] = std::max(sampler.peak_rss(), read_peak_rss_bytes());
   summary["aggregator_state_bytes"] = aggregator->state_bytes();
   summary["maps_libtorch"] = maps_library("libtorch");
+  summary["compression"] = compression_summary(compression_settings(cfg));
   const auto& evals = metrics.rows();
   summary["final_test_accuracy"] = evals.empty() ? 0.0 : evals.back().test_accuracy;
   summary["status"] = result.ok() ? "ok" : result.message();

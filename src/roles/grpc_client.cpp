@@ -15,6 +15,7 @@
 #include "memory/malloc_policy.h"
 #include "memory/sampler.h"
 #include "roles/grpc_roles.h"
+#include "compress/settings.h"
 
 namespace memfl {
 
@@ -80,6 +81,7 @@ Status run_grpc_client(const ExperimentConfig& local, int client_id, const RoleO
   summary["role"] = role;
   summary["rounds"] = rounds;
   summary["malloc_policy"] = malloc_policy();
+  summary["compression"] = compression_summary(compression_settings(cfg));
   summary["model_bytes"] = layout.payload_bytes();
   summary["baseline_rss_bytes"] = baseline_rss;
   summary["before_model_rss_bytes"] = before_model_rss;

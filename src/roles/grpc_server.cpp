@@ -20,6 +20,7 @@
 #include "server/global_model.h"
 #include "server/model_worker.h"
 #include "server/round_driver.h"
+#include "compress/settings.h"
 
 namespace memfl {
 
@@ -132,6 +133,7 @@ Status run_grpc_server(const ExperimentConfig& cfg, const RoleOptions& opts) {
   summary["peak_rss_bytes"] = std::max(sampler.peak_rss(), read_peak_rss_bytes());
   summary["sum_in_place"] = global->aggregator().sums_in_place();
   summary["maps_libtorch"] = maps_library("libtorch");
+  summary["compression"] = compression_summary(compression_settings(cfg));
   summary["memory_mode"] = sc.memory_mode;
   summary["final_test_accuracy"] = rounds.empty() ? 0.0 : rounds.back().test_accuracy;
   summary["status"] = result.ok() ? "ok" : result.message();

@@ -18,6 +18,7 @@
 #include "server/global_model.h"
 #include "server/model_worker.h"
 #include "server/round_driver.h"
+#include "compress/settings.h"
 
 namespace memfl {
 
@@ -67,7 +68,7 @@ Status run_mpi_server(const ExperimentConfig& cfg, int world, const std::string&
                             cfg.server.clients_per_rank));
     }
   }
-  ServerStreams streams(layout, chunk, shm);
+  ServerStreams streams(layout, chunk, shm, cfg.compressor.enable_compression);
   MpiServerTransport transport(cfg, layout, streams, world);
   if (const char* hold = std::getenv("MEMFL_HOLD_COLLECT_MS"))
     transport.set_collect_hold(std::chrono::milliseconds(std::atoi(hold)));
@@ -120,6 +121,7 @@ Status run_mpi_server(const ExperimentConfig& cfg, int world, const std::string&
   summary["peak_rss_bytes"] = std::max(st.sampler.peak_rss(), read_peak_rss_bytes());
   summary["sum_in_place"] = global->aggregator().sums_in_place();
   summary["maps_libtorch"] = maps_library("libtorch");
+  summary["compression"] = compression_summary(compression_settings(cfg));
   summary["chunk_path"] = shm.enabled() ? "shared_ring" : "point_to_point";
   summary["excluded_ranks"] = excluded;
   summary["updates_received_together"] = transport.most_received_together();

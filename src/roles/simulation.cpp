@@ -16,6 +16,7 @@
 #include "server/global_model.h"
 #include "server/round_driver.h"
 #include "server/sim_workers.h"
+#include "compress/settings.h"
 
 namespace memfl {
 
@@ -162,6 +163,7 @@ StatusOr<SimulationResult> run_simulation(const ExperimentConfig& cfg, const Sim
 
   nlohmann::ordered_json summary;
   summary["role"] = "simulation";
+  summary["compression"] = compression_summary(compression_settings(cfg));
   if (sc.dp_fedavg_clip_norm > 0) {
     summary["dp_fedavg"] = {{"clip_norm", sc.dp_fedavg_clip_norm},
                             {"noise_multiplier", sc.dp_fedavg_noise_multiplier},

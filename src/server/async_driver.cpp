@@ -169,7 +169,7 @@ Status AsyncDriver::run() {
       m.test_loss = ev2->loss;
       m.test_accuracy = ev2->accuracy;
     }
-    m.bytes_down = m.bytes_up = static_cast<uint64_t>(window_updates) * s.layout.payload_bytes();
+    m.bytes_down = m.bytes_up = m.bytes_up_raw = static_cast<uint64_t>(window_updates) * s.layout.payload_bytes();
     m.bytes_moved = m.bytes_down + m.bytes_up;
     m.virtual_seconds = clock;
     MEMFL_RETURN_IF_ERROR(s.metrics.append(m));

@@ -39,6 +39,11 @@ StatusOr<AsyncSimulationResult> simulate_async(const ExperimentConfig& cfg, cons
   // The clients' side, as every transport's; the driver (AsyncDriver) still
   // holds the global model each trip started from and writes a
   // gradient_based change against it into the spool, so no base is kept.
+  if (cfg.compressor.enable_compression) {
+    spdlog::warn(
+        "compressor_configs: the asynchronous simulator hands each update to its spool in memory, uncompressed; "
+        "compression applies over gRPC and MPI, and in synchronous simulations");
+  }
   ClientDriver client_driver(cfg, run_dir, clients.splits(), clients.parts, /*record_privacy=*/true,
                              /*keep_base=*/false);
   dopts.train = [&](int c, int local_steps, const Arena& g, AsyncTrip* trip) -> StatusOr<const Arena*> {

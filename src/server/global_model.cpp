@@ -7,6 +7,7 @@
 
 #include "aggregate/dp_fedavg.h"
 #include "aggregate/registry.h"
+#include "compress/decoding_opener.h"
 #include "memory/budget.h"
 #include "model/llama.h"
 #include "model/synthetic.h"
@@ -217,6 +218,15 @@ Status GlobalModel::write_checkpoint(int round) {
   return write_safetensors(
       checkpoint_, model_.layout(), model_.arena(),
       {{"format", "memfl"}, {"round", std::to_string(round)}, {"model_name", cfg_.model.model_name}});
+}
+
+StatusOr<std::unique_ptr<BaseModel>> GlobalModel::round_base() {
+  // A mapped model folds into the next file; a sum of its own leaves the arena.
+  if (mapped_ || !aggregator_->sums_in_place()) {
+    return std::unique_ptr<BaseModel>(std::make_unique<ArenaBaseModel>(model_.arena()));
+  }
+  MEMFL_ASSIGN_OR_RETURN(auto file, FileBaseModel::open(checkpoint_, layout()));
+  return std::unique_ptr<BaseModel>(std::move(file));
 }
 
 std::string GlobalModel::description() const { return description_; }

@@ -27,6 +27,7 @@
 
 #include "aggregate/fedavg_aggregator.h"
 #include "client/client_work.h"
+#include "compress/frame.h"
 
 namespace memfl {
 
@@ -56,6 +57,11 @@ class GlobalModel {
   // Writes the checkpoint after a round (nothing to do when the global model
   // is the checkpoint file).
   Status write_checkpoint(int round);
+  // Where this round's global model can be read while updates fold (the
+  // base of compressed updates' deltas): the arena when the round does not
+  // overwrite it, else the checkpoint file, which holds it until the round
+  // commits. Call after begin_round.
+  StatusOr<std::unique_ptr<BaseModel>> round_base();
   // "in-place streaming", ... for the log line.
   std::string description() const;
 

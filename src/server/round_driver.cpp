@@ -4,10 +4,12 @@
 #include <chrono>
 #include <filesystem>
 #include <limits>
+#include <optional>
 
 #include <spdlog/spdlog.h>
 
 #include "comm/update_check.h"
+#include "compress/decoding_opener.h"
 #include "dp/rdp_accountant.h"
 #include "memory/budget.h"
 #include "server/server_state.h"
@@ -18,10 +20,10 @@ namespace fs = std::filesystem;
 using Clock = std::chrono::steady_clock;
 
 nlohmann::json round_metrics_to_json(const RoundMetrics& m) {
-  return {m.round,      m.clients,        m.train_loss,  m.train_accuracy, m.val_loss,         m.val_accuracy,
-          m.test_loss,  m.test_accuracy,  m.bytes_moved, m.round_seconds,  m.download_seconds, m.upload_seconds,
-          m.bytes_down, m.bytes_up,       m.rss_bytes,   m.peak_rss_bytes, m.commit_seconds,   m.threads,
-          m.open_fds,   m.virtual_seconds};
+  return {m.round,      m.clients,         m.train_loss,  m.train_accuracy, m.val_loss,         m.val_accuracy,
+          m.test_loss,  m.test_accuracy,   m.bytes_moved, m.round_seconds,  m.download_seconds, m.upload_seconds,
+          m.bytes_down, m.bytes_up,        m.rss_bytes,   m.peak_rss_bytes, m.commit_seconds,   m.threads,
+          m.open_fds,   m.virtual_seconds, m.bytes_up_raw};
 }
 
 RoundMetrics round_metrics_from_json(const nlohmann::json& j) {
@@ -48,6 +50,7 @@ RoundMetrics round_metrics_from_json(const nlohmann::json& j) {
     m.open_fds = j[18];
   }
   if (j.size() > 19) m.virtual_seconds = j[19];
+  m.bytes_up_raw = j.size() > 20 ? j[20].get<uint64_t>() : m.bytes_up;
   return m;
 }
 
@@ -58,7 +61,11 @@ RoundDriver::RoundDriver(const ExperimentConfig& cfg, GlobalModel& global, Serve
       transport_(transport),
       scheduler_(scheduler),
       sampler_(sampler),
-      opts_(std::move(opts)) {}
+      opts_(std::move(opts)),
+      compression_(compression_settings(cfg)) {
+  if (compression_.enabled)
+    spdlog::info("{}: client updates arrive compressed: {}", opts_.role, describe_compression(compression_));
+}
 
 Status RoundDriver::resume() {
   MEMFL_ASSIGN_OR_RETURN(CommittedState st, load_committed_state(opts_.run_dir, global_.layout(), global_.arena()));
@@ -147,7 +154,19 @@ Status RoundDriver::play_round(int round, RoundMetrics* m, bool* redo) {
   CollectResult up;
   // Every update's sample count and values are checked before they count.
   CheckedUpdateOpener checked(global_.aggregator(), global_.layout(), round, UpdateLimits{cfg_.server.max_num_samples});
-  MEMFL_RETURN_IF_ERROR(transport_.collect(round, selected, global_.arena(), checked, &up));
+  // Compressed updates are decoded first, frame by frame, so the checks and
+  // the fold see the model's chunks; lossy deltas are rebuilt against the
+  // round's global model.
+  std::unique_ptr<BaseModel> base;
+  std::optional<DecodingUpdateOpener> decoded;
+  if (compression_.enabled) {
+    if (compression_.lossy != Lossy::kNone) {
+      MEMFL_ASSIGN_OR_RETURN(base, global_.round_base());
+    }
+    decoded.emplace(checked, global_.layout(), base.get());
+  }
+  UpdateOpener& opener = decoded ? static_cast<UpdateOpener&>(*decoded) : checked;
+  MEMFL_RETURN_IF_ERROR(transport_.collect(round, selected, global_.arena(), opener, &up));
   // The previous round's evaluation has had this round's training to run in.
   MEMFL_RETURN_IF_ERROR(finish_evaluation());
   for (int c : up.failed) {
@@ -201,6 +220,7 @@ Status RoundDriver::play_round(int round, RoundMetrics* m, bool* redo) {
   }
   m->bytes_down = down.bytes + up.bytes_down;
   m->bytes_up = up.bytes_up;
+  m->bytes_up_raw = static_cast<uint64_t>(up.committed.size()) * global_.layout().total_bytes();
   m->bytes_moved = m->bytes_down + m->bytes_up;
   m->download_seconds = down.seconds + up.download_seconds;
   m->upload_seconds = up.upload_seconds;

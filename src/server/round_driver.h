@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "compress/settings.h"
 #include "config/config.h"
 #include "memory/sampler.h"
 #include "io/run_dir.h"
@@ -86,6 +87,7 @@ class RoundDriver {
   Scheduler& scheduler_;
   MemorySampler& sampler_;
   RoundDriverOptions opts_;
+  CompressionSettings compression_;  // how client updates arrive
   int first_round_ = 1;
   std::vector<RoundMetrics> rounds_;
   std::unique_ptr<MetricsWriter> metrics_;

@@ -55,7 +55,8 @@ StatusOr<std::unique_ptr<SimWorkers>> SimWorkers::create(const ExperimentConfig&
                                                          const std::string& run_dir, MemorySampler& sampler) {
   const auto& sc = cfg.server;
   const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  MEMFL_ASSIGN_OR_RETURN(const int64_t budget, parse_memory_budget(sc.memory_budget, total_ram_bytes(/*log_source=*/true)));
+  MEMFL_ASSIGN_OR_RETURN(const int64_t budget,
+                         parse_memory_budget(sc.memory_budget, total_ram_bytes(/*log_source=*/true)));
   std::unique_ptr<SimWorkers> w(new SimWorkers(cfg, clients, run_dir, sampler, budget, cores));
   w->workers_.reserve(static_cast<size_t>(sc.parallel_clients > 0 ? sc.parallel_clients : cores));
   MEMFL_ASSIGN_OR_RETURN(LocalModel first, make_local_model(cfg, clients.input, /*fill=*/true, sc.seed, run_dir));
@@ -148,16 +149,26 @@ std::unique_ptr<InProcessTransport> SimWorkers::make_transport(size_t chunk) {
   // order), from what the scheduler gathered.
   client_driver_ =
       std::make_unique<ClientDriver>(cfg_, run_dir_, clients_.splits(), clients_.parts, /*record_privacy=*/false);
+  trips_.assign(workers_.size(), TripUpdate{});
+  InProcessTransport::Upload upload;
+  if (cfg_.compressor.enable_compression) {
+    // A worker's update leaves as frames; lossy tensors as their change
+    // from the round's global model, which the simulator keeps anyway.
+    upload = [this](int w, int c, const Arena& global) {
+      return client_driver_->upload_place(trips_[static_cast<size_t>(w)], c, &global);
+    };
+  }
   return std::make_unique<InProcessTransport>(
       layout(), chunk, std::move(pool),
       [this](int w, int c, int round, ClientUpdateInfo* info) { return train(w, c, round, info); },
-      [this](int w) { return keep_worker(w); });
+      [this](int w) { return keep_worker(w); }, std::move(upload));
 }
 
 Status SimWorkers::train(int w, int c, int round, ClientUpdateInfo* info) {
   const ClientPartition* part = is_spec_only(cfg_) ? nullptr : &clients_.parts[static_cast<size_t>(c)];
   sampler_.mark(round, "train");
   MEMFL_ASSIGN_OR_RETURN(TripUpdate up, client_driver_->train(workers_[static_cast<size_t>(w)], c, round));
+  trips_[static_cast<size_t>(w)] = up;
   const TrainResult& tr = up.trained;
   info->sample_count = up.sample_count;
   info->train_loss = tr.train_loss;

@@ -105,6 +105,7 @@ class SimWorkers {
   std::optional<WorkerGovernor> governor_;
   std::mutex governor_mu_;
   std::unique_ptr<ClientDriver> client_driver_;
+  std::vector<TripUpdate> trips_;  // each worker's last update, until it is sent
   std::vector<double> step_times_;
   std::mutex virtual_mu_;
   std::map<int, double> round_virtual_;

@@ -165,6 +165,7 @@ StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::open(const std::stri
                        name, e, data_size);
     }
     t.data = {base + data_start + b, nbytes};
+    t.file_offset = data_start + b;
     spans.push_back({b, e, file->tensors_.size()});
     file->tensors_.push_back(std::move(t));
   }

@@ -29,6 +29,7 @@ struct SafetensorsTensor {
   DType dtype;
   std::vector<int64_t> shape;
   std::span<const std::byte> data;  // points into the mapping
+  uint64_t file_offset = 0;         // where `data` starts in the file (for pread)
 };
 
 class SafetensorsFile {

@@ -7,6 +7,7 @@
 #include <fmt/ranges.h>
 
 #include "comm/update_check.h"
+#include "config/config.h"
 #include "tensor/dtype.h"
 
 namespace memfl {
@@ -126,6 +127,18 @@ StatusOr<std::unique_ptr<GrpcClientSession>> GrpcClientSession::connect(const Se
                                                                       .use_ssl = !o.root_cert.empty(),
                                                                       .root_cert = o.root_cert,
                                                                       .connect_timeout_s = o.connect_timeout_s}));
+  // Compressed updates are encoded by the client core (ClientDriver), which
+  // this session's caller-driven steps do not run: a server that expects
+  // frames is told so now, not with a refused update after training.
+  auto cfg = load_config_text(s->transport_->config_yaml(), "configuration from server " + o.server_uri);
+  if (cfg.ok() && cfg->compressor.enable_compression) {
+    (void)s->transport_->close();
+    return failed_precondition(
+        "server {} asks for compressed updates (client_configs.comm_configs.compressor_configs.enable_compression); "
+        "the Python client sends them uncompressed — run the server with enable_compression: false, or the C++ "
+        "client (memfl client)",
+        o.server_uri);
+  }
   return s;
 }
 

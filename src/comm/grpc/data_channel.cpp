@@ -152,14 +152,17 @@ Status DataSocket::read_header(ChunkHeader* h, size_t max_length) {
 }
 
 Status read_data_chunks(DataSocket& sock, uint64_t total, std::span<std::byte> buffer, uint64_t* received,
-                        const std::function<Status(const ChunkHeader&, std::span<const std::byte>)>& on_chunk) {
-  while (*received < total) {
+                        const std::function<Status(const ChunkHeader&, std::span<const std::byte>)>& on_chunk,
+                        uint64_t framed_chunk) {
+  uint64_t covered = 0;  // model bytes the chunks so far stand for
+  while (covered < total) {
     ChunkHeader h;
     MEMFL_RETURN_IF_ERROR(sock.read_header(&h, buffer.size()));
     const auto payload = buffer.first(static_cast<size_t>(h.length));
     MEMFL_RETURN_IF_ERROR(sock.read_exact(payload));
     MEMFL_RETURN_IF_ERROR(on_chunk(h, payload));
     *received += h.length;
+    covered += framed_chunk > 0 ? std::min<uint64_t>(framed_chunk, total - covered) : h.length;
   }
   return Status::Ok();
 }
@@ -436,9 +439,10 @@ StatusOr<std::unique_ptr<DataSocket>> dial_data_channel(const std::string& serve
     if (fd >= 0) ::close(fd);
   }
   if (port == 0) {
-    return not_found("server {}: its data channel is a Unix socket this process cannot reach (another host or "
-                     "network namespace)",
-                     server_uri);
+    return not_found(
+        "server {}: its data channel is a Unix socket this process cannot reach (another host or "
+        "network namespace)",
+        server_uri);
   }
   const std::string peer = fmt::format("server {} (data channel port {})", server_uri, port);
   addrinfo hints{};

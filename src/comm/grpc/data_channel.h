@@ -128,9 +128,12 @@ StatusOr<std::unique_ptr<DataSocket>> dial_data_channel(const std::string& serve
 // Reads chunks from `sock` until `total` bytes arrived, each into `buffer`
 // (sized to the largest chunk allowed) and then to `on_chunk`; the header's
 // length is bounded by the buffer before a payload byte is read, and
-// `*received` counts what on_chunk took.
+// `*received` counts what on_chunk took. `framed_chunk` > 0: the chunks are
+// compressed frames, one per `framed_chunk` bytes of the model in order,
+// each standing for that many model bytes whatever its own length.
 Status read_data_chunks(DataSocket& sock, uint64_t total, std::span<std::byte> buffer, uint64_t* received,
-                        const std::function<Status(const ChunkHeader&, std::span<const std::byte>)>& on_chunk);
+                        const std::function<Status(const ChunkHeader&, std::span<const std::byte>)>& on_chunk,
+                        uint64_t framed_chunk = 0);
 
 // host and port of a gRPC target ("dns:///h:p", "ipv4:h:p", "[::1]:p", "h:p").
 Status split_host_port(const std::string& uri, std::string* host, std::string* port);

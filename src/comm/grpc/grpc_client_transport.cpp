@@ -279,21 +279,25 @@ Status GrpcClientTransport::send(const UpdateMeta& meta, ModelPlace& from) {
   for (const auto& [k, v] : meta.metrics) (*md->mutable_metrics())[k] = v;
   MEMFL_RETURN_IF_ERROR(write_client_message(*stream_, out, peer_));
   // From an arena the chunks go by reference (zero-copy); from anywhere
-  // else each is copied into one staging buffer, reused once gRPC let go.
-  const Arena* arena = from.arena();
+  // else each is copied into one staging buffer, reused once gRPC let go;
+  // a framed place's frames, one at a time, from the place's own buffer.
+  const Arena* arena = from.framed() ? nullptr : from.arena();
   size_t index = 0;
   for (size_t off = 0; off < layout_.total_bytes(); off += chunk_, ++index) {
     const size_t len = std::min(chunk_, layout_.total_bytes() - off);
     std::span<const std::byte> bytes;
     if (arena != nullptr) {
       bytes = arena->bytes(off, len);
+    } else if (from.framed()) {
+      MEMFL_RETURN_IF_ERROR(wait_released());
+      MEMFL_ASSIGN_OR_RETURN(bytes, from.frame(off, len));
     } else {
       MEMFL_RETURN_IF_ERROR(wait_released());
       staging_.resize(len);
       MEMFL_RETURN_IF_ERROR(from.read(off, staging_));
       bytes = staging_;
     }
-    ChunkHeader h{layout_.hash(), off, len, chunk_checksum(bytes)};
+    ChunkHeader h{layout_.hash(), off, bytes.size(), chunk_checksum(bytes)};
     if (Status f = faults_->before_upload_chunk(index, off + len >= layout_.total_bytes(), &h); !f.ok()) {
       cancel();
       return f;

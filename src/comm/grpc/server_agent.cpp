@@ -13,19 +13,22 @@ namespace memfl::grpc_detail {
 
 Status read_update_frames(grpc::ServerContext* ctx, grpc::ServerReaderWriter<Frame, Frame>* stream,
                           const std::string& peer, uint64_t total, std::atomic<int>* read_ahead_budget,
-                          uint64_t* received, DataSocket* data, size_t chunk,
+                          uint64_t* received, DataSocket* data, size_t chunk, bool framed,
                           const std::function<Status(const DecodedFrame&)>& on_chunk) {
   wire::ClientMessage msg;
   bool broke = false;
   if (data != nullptr) {
-    std::vector<std::byte> buffer(chunk);
+    std::vector<std::byte> buffer(chunk + (framed ? kMaxFrameOverhead : 0));
     DecodedFrame d;
     d.is_chunk = true;
-    Status st = read_data_chunks(*data, total, buffer, received, [&](const ChunkHeader& h, auto bytes) {
-      d.header = h;
-      d.pieces.assign(1, bytes);
-      return on_chunk(d);
-    });
+    Status st = read_data_chunks(
+        *data, total, buffer, received,
+        [&](const ChunkHeader& h, auto bytes) {
+          d.header = h;
+          d.pieces.assign(1, bytes);
+          return on_chunk(d);
+        },
+        framed ? chunk : 0);
     if (st.code() == StatusCode::kUnavailable) {
       return Status(StatusCode::kUnavailable, fmt::format("{} disconnected after {} of {} bytes of its update ({})",
                                                           peer, *received, total, st.message()));

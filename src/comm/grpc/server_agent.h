@@ -45,9 +45,12 @@ enum class Phase { kWaiting, kBroadcast, kUpload, kFinished };
 // was malformed, or a chunk was refused. With a data channel (`data`), the
 // chunks come from it, each read into one chunk-sized buffer (the socket's
 // kernel buffer is the read-ahead), and the stream says UpdateEnd.
+// `framed`: the chunks are compressed frames (compress/frame.h), one per
+// chunk of the grid, each at most chunk + kMaxFrameOverhead bytes;
+// `*received` counts the bytes on the wire either way.
 Status read_update_frames(grpc::ServerContext* ctx, grpc::ServerReaderWriter<Frame, Frame>* stream,
                           const std::string& peer, uint64_t total, std::atomic<int>* read_ahead_budget,
-                          uint64_t* received, DataSocket* data, size_t chunk,
+                          uint64_t* received, DataSocket* data, size_t chunk, bool framed,
                           const std::function<Status(const DecodedFrame&)>& on_chunk);
 
 struct ClientSlot {

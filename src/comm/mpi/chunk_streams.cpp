@@ -29,13 +29,14 @@ using mpi_detail::quiet_waitall;
 using mpi_detail::WireHeader;
 using mpi_detail::WireSlotHeader;
 
-ServerStreams::ServerStreams(const Layout& layout, size_t chunk, const SharedRing& shm)
+ServerStreams::ServerStreams(const Layout& layout, size_t chunk, const SharedRing& shm, bool framed)
     : layout_(layout),
       chunk_(chunk),
       nchunks_((layout.total_bytes() + chunk - 1) / chunk),
       depth_(chunks_in_flight(chunk)),
       shm_(shm),
-      ring_(depth_, shm.enabled() ? 0 : chunk) {}
+      framed_(framed),
+      ring_(depth_, shm.enabled() ? 0 : chunk + (framed ? kMaxFrameOverhead : 0)) {}
 
 std::vector<int> ServerStreams::broadcast(const std::vector<int>& ranks, const Arena& global,
                                           std::chrono::seconds stall) {
@@ -246,7 +247,9 @@ std::vector<Status> ServerStreams::receive_through_ring(std::vector<Incoming>& b
         continue;
       }
       const size_t off = i * chunk_, len = length(i);
-      if (h.slot != lent[j].front() || h.offset != off || h.length != len) {
+      // A frame stands for the chunk at its offset whatever its own length.
+      const bool length_ok = framed_ ? h.length > 0 && h.length <= len + kMaxFrameOverhead : h.length == len;
+      if (h.slot != lent[j].front() || h.offset != off || !length_ok) {
         abort_job(fmt::format("chunk from {}: slot {} [{}, +{}); expected slot {} [{}, +{})", peer, h.slot, h.offset,
                               h.length, lent[j].front(), off, len));
       }
@@ -284,7 +287,8 @@ Status ServerStreams::receive_point_to_point(int r, const std::string& peer,
     Posted& p = posted.emplace_back();
     p.buffer = buffer;
     MPI_Irecv(&p.header, sizeof(WireHeader), MPI_BYTE, r, kTagChunkHeader, MPI_COMM_WORLD, &p.rq[0]);
-    MPI_Irecv(ring_.data(buffer), static_cast<int>(chunk_), MPI_BYTE, r, kTagChunkData, MPI_COMM_WORLD, &p.rq[1]);
+    MPI_Irecv(ring_.data(buffer), static_cast<int>(chunk_ + (framed_ ? kMaxFrameOverhead : 0)), MPI_BYTE, r,
+              kTagChunkData, MPI_COMM_WORLD, &p.rq[1]);
     ++next;
   };
   for (size_t i = 0; i < nchunks_; ++i) {
@@ -474,6 +478,26 @@ void ClientStreams::send_point_to_point(const Arena& model) {
     MPI_Isend(bytes.data(), static_cast<int>(len), MPI_BYTE, 0, kTagChunkData, MPI_COMM_WORLD, &o.rq[1]);
   }
   for (Outgoing& o : outgoing) quiet_waitall(2, o.rq, MPI_STATUSES_IGNORE, kSender);
+}
+
+// Each frame as the chunk it stands for: into the next slot lent, or point
+// to point; the place's buffer is reused for the next frame, so one is in
+// flight at a time.
+void ClientStreams::send_frames(ModelPlace& place) {
+  for (uint64_t off = 0; off < layout_.total_bytes(); off += chunk_) {
+    auto frame = place.frame(off, length_at(off));
+    if (!frame.ok()) abort_job(fmt::format("rank {}: {}", rank_, frame.status().message()));
+    const std::span<const std::byte> bytes = *frame;
+    if (shm_.enabled()) {
+      fill_next_slot(off, bytes.data(), bytes.size());
+    } else {
+      WireHeader h{layout_.hash(), off, bytes.size(), chunk_checksum(bytes)};
+      MPI_Request rq[2];
+      MPI_Isend(&h, sizeof h, MPI_BYTE, 0, kTagChunkHeader, MPI_COMM_WORLD, &rq[0]);
+      MPI_Isend(bytes.data(), static_cast<int>(bytes.size()), MPI_BYTE, 0, kTagChunkData, MPI_COMM_WORLD, &rq[1]);
+      quiet_waitall(2, rq, MPI_STATUSES_IGNORE, kSender);
+    }
+  }
 }
 
 // A sharded model's chunks: received whole into one buffer (from the ring

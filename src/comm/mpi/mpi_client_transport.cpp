@@ -59,7 +59,9 @@ Status MpiClientTransport::send(const UpdateMeta& meta, ModelPlace& from) {
                     metric("local_steps")};
   MPI_Send(&md, sizeof md, MPI_BYTE, 0, kTagUpdateMeta, MPI_COMM_WORLD);
   MEMFL_RETURN_IF_ERROR(faults_->before_upload_chunk(0, false, nullptr));
-  if (ShardedModelIo* shards = from.shards()) {
+  if (from.framed()) {
+    streams_.send_frames(from);
+  } else if (ShardedModelIo* shards = from.shards()) {
     streams_.send_update(*shards);
   } else if (Arena* arena = from.arena()) {
     streams_.send_update(*arena);

@@ -6,6 +6,7 @@
 #include <mpi.h>
 
 #include <algorithm>
+#include <atomic>
 #include <csignal>
 #include <chrono>
 #include <cstdio>
@@ -25,6 +26,25 @@ namespace memfl {
 
 namespace {
 volatile std::sig_atomic_t g_excluded = 0;
+
+// Counts the bytes an update's chunks carried (its frames, when compressed)
+// on their way to `inner`; the fold worker may call it.
+class CountingStream final : public UpdateStream {
+ public:
+  CountingStream(std::unique_ptr<UpdateStream> inner, std::shared_ptr<std::atomic<uint64_t>> bytes)
+      : inner_(std::move(inner)), bytes_(std::move(bytes)) {}
+  using ChunkSink::accept;
+  Status accept(const ChunkHeader& h, Payload p) override {
+    MEMFL_RETURN_IF_ERROR(inner_->accept(h, p));
+    *bytes_ += payload_size(p);
+    return Status::Ok();
+  }
+  Status commit() override { return inner_->commit(); }
+
+ private:
+  std::unique_ptr<UpdateStream> inner_;
+  std::shared_ptr<std::atomic<uint64_t>> bytes_;
+};
 }  // namespace
 
 void install_exclusion_notice() {
@@ -218,6 +238,7 @@ Status MpiServerTransport::collect(int round, const std::vector<int>& selected, 
   // Upload time runs from the first update's first message to the last
   // byte folded, as for gRPC (the clients' training is not in it).
   std::optional<Clock::time_point> t_up;
+  std::vector<std::shared_ptr<std::atomic<uint64_t>>> counted_up;  // committed updates' wire bytes
   while (true) {
     const std::vector<int> waiting = waiting_ranks();
     if (waiting.empty()) break;
@@ -247,6 +268,7 @@ Status MpiServerTransport::collect(int round, const std::vector<int>& selected, 
     }
     std::vector<ServerStreams::Incoming> batch;
     std::vector<WireUpdateMeta> metas;
+    std::vector<std::shared_ptr<std::atomic<uint64_t>>> wire_bytes;
     for (int w : together) {
       WireUpdateMeta md{};
       quiet_recv(&md, sizeof md, w, kTagUpdateMeta);
@@ -262,8 +284,12 @@ Status MpiServerTransport::collect(int round, const std::vector<int>& selected, 
       done[static_cast<size_t>(md.client)] = true;
       auto opened = agg.open_update(client_id(md.client), md.sample_count);
       if (!opened.ok()) abort_job(opened.status().message());
-      batch.push_back({w, fmt::format("client_{} (rank {})", md.client, w), std::move(*opened)});
+      // The bytes on the wire (compressed frames are fewer than the model's).
+      auto counted = std::make_shared<std::atomic<uint64_t>>(0);
+      batch.push_back({w, fmt::format("client_{} (rank {})", md.client, w),
+                       std::make_shared<CountingStream>(std::move(*opened), counted)});
       metas.push_back(md);
+      wire_bytes.push_back(counted);
     }
     most_together_ = std::max(most_together_, batch.size());
     const std::vector<Status> received = streams_.receive_updates(batch, std::chrono::seconds(timeout));
@@ -273,7 +299,7 @@ Status MpiServerTransport::collect(int round, const std::vector<int>& selected, 
         continue;  // its update was closed uncommitted: the aggregator withdrew it
       }
       const WireUpdateMeta& md = metas[j];
-      out->bytes_up += layout_.total_bytes();
+      counted_up.push_back(wire_bytes[j]);
       ClientUpdateInfo info;
       info.client = md.client;
       info.sample_count = md.sample_count;
@@ -285,6 +311,7 @@ Status MpiServerTransport::collect(int round, const std::vector<int>& selected, 
     }
   }
   streams_.drain();
+  for (const auto& n : counted_up) out->bytes_up += n->load();  // folded (and counted) by now
   for (int c : selected) {
     if (std::none_of(out->committed.begin(), out->committed.end(), [&](const auto& u) { return u.client == c; }))
       out->failed.push_back(c);
@@ -395,7 +422,9 @@ Status MpiServerTransport::serve_async(AsyncUpdateHandler& core, Arena& global, 
       abort_job(fmt::format("rank {} sent an update of client {}; it hosts client {}", r, md.client, c));
     const std::string peer = fmt::format("client_{} (rank {})", c, r);
     const size_t slot = slots.take();
-    auto writer = std::make_shared<SpoolSlotWriter>(slots.spool(), slot, layout_, peer);
+    std::unique_ptr<UpdateStream> into = std::make_unique<SpoolSlotWriter>(slots.spool(), slot, layout_, peer);
+    if (options.wrap_update) into = options.wrap_update(std::move(into), peer);
+    std::shared_ptr<UpdateStream> writer = std::move(into);
     Status received = streams_.receive_update(r, peer, writer, stall);
     streams_.drain();  // checked and written whole before it is used
     training[static_cast<size_t>(c)] = false;
@@ -427,8 +456,11 @@ Status MpiServerTransport::serve_async(AsyncUpdateHandler& core, Arena& global, 
     WireUpdateMeta md{};
     quiet_recv(&md, sizeof md, r, kTagUpdateMeta);
     const size_t slot = slots.take();
-    auto writer = std::make_shared<SpoolSlotWriter>(slots.spool(), slot, layout_, fmt::format("rank {}", r));
-    (void)streams_.receive_update(r, fmt::format("rank {}", r), writer, stall);
+    const std::string peer = fmt::format("rank {}", r);
+    std::unique_ptr<UpdateStream> into = std::make_unique<SpoolSlotWriter>(slots.spool(), slot, layout_, peer);
+    if (options.wrap_update) into = options.wrap_update(std::move(into), peer);
+    std::shared_ptr<UpdateStream> writer = std::move(into);
+    (void)streams_.receive_update(r, peer, writer, stall);
     streams_.drain();
     slots.give_back(slot);
   }

@@ -37,6 +37,7 @@
 
 #include "comm/mpi/mpi_detail.h"
 #include "config/config.h"
+#include "comm/client_transport.h"
 #include "comm/transport.h"
 #include "tensor/arena.h"
 #include "tensor/layout.h"
@@ -126,7 +127,9 @@ void close_shared_ring(SharedRing& ring);
 // and the check that failed).
 class ServerStreams {
  public:
-  ServerStreams(const Layout& layout, size_t chunk, const SharedRing& shm);
+  // `framed`: updates arrive as compressed frames (compress/frame.h), one
+  // per chunk, each at most chunk + kMaxFrameOverhead bytes.
+  ServerStreams(const Layout& layout, size_t chunk, const SharedRing& shm, bool framed = false);
 
   // Sends `global` (the round's global model: a file-backed one is mapped
   // afresh every round) to every rank in `ranks` at once. A rank that leaves
@@ -178,6 +181,7 @@ class ServerStreams {
   const Layout& layout_;
   const size_t chunk_, nchunks_, depth_;
   const SharedRing& shm_;
+  const bool framed_;
   mpi_detail::BufferRing ring_;       // point to point: received chunks waiting for the fold worker
   mpi_detail::OrderedWorker worker_;  // point to point: checks and folds while the MPI thread receives
   // Headers of broadcasts in which a rank was dropped: its sends were let
@@ -198,6 +202,9 @@ class ClientStreams {
 
   // Sends the update in `model` (after its WireUpdateMeta).
   void send_update(const Arena& model);
+  // The same as compressed frames: one per chunk, each from place.frame(),
+  // one at a time (the place reuses its buffer).
+  void send_frames(ModelPlace& place);
 
   // The same for a model sharded over ranks (a client with num_gpus > 1):
   // each chunk passes through one chunk-sized buffer on its way to or from

@@ -26,9 +26,10 @@ SharedRing open_shared_ring(const ExperimentConfig& cfg, int rank) {
     return ring;
   }
   ring.slots = chunks_in_flight(chunk);
-  ring.slot_bytes = chunk;
+  // Room for a compressed frame, which may exceed its chunk by a header.
+  ring.slot_bytes = chunk + (cfg.compressor.enable_compression ? kMaxFrameOverhead : 0);
   void* mine = nullptr;
-  const MPI_Aint bytes = rank == 0 ? static_cast<MPI_Aint>(ring.slots * chunk) : 0;
+  const MPI_Aint bytes = rank == 0 ? static_cast<MPI_Aint>(ring.slots * ring.slot_bytes) : 0;
   MPI_Win_allocate_shared(bytes, 1, MPI_INFO_NULL, node, &mine, &ring.win);
   MPI_Aint size = 0;
   int disp = 0;
