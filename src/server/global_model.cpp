@@ -151,8 +151,11 @@ StatusOr<std::unique_ptr<GlobalModel>> GlobalModel::create(const ExperimentConfi
   // Round 0 on disk is the undo of round 1 (and the server optimizers' pre-round
   // model). Weights drawn from the seed need no file to come back: the plain
   // FedAvg family regenerates them instead.
+  // Lossy compressed updates are rebuilt against the round's model, which
+  // an in-place fold reads from that file (round_base), so they keep it.
+  const bool lossy_updates = cfg.compressor.enable_compression && cfg.compressor.lossy_compressor != "none";
   g->seeded_start_ = !g->mapped_ && !naive && is_spec_only(cfg) && cfg.model.initial_model.empty() &&
-                     g->aggregator_->name() == "FedAvgAggregator";
+                     g->aggregator_->name() == "FedAvgAggregator" && !lossy_updates;
   if (!g->mapped_ && !g->seeded_start_) {
     MEMFL_RETURN_IF_ERROR(write_safetensors(g->checkpoint_, layout, g->model_.arena(), meta));
   }
