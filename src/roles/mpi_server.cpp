@@ -129,7 +129,9 @@ Status run_mpi_server(const ExperimentConfig& cfg, int world, const std::string&
   if (!excluded.empty()) {
     // Every round is committed and every rank still in has written its
     // outputs (Bye). A stalled rank would hang MPI_Finalize: it is told it is
-    // out and let go, and leaves through MPI_Finalize too.
+    // out and let go, and leaves through MPI_Finalize too. A rank on another
+    // host reads the message once its link is back; one on this host may be
+    // stopped, and is woken.
     spdlog::warn("mpi server: the run finished without rank(s) {}, which missed a deadline; letting them go",
                  fmt::join(excluded, ", "));
     const WireRegister me = this_rank_registration(0, 0);
@@ -139,6 +141,7 @@ Status run_mpi_server(const ExperimentConfig& cfg, int world, const std::string&
       ::kill(reg.pid, SIGUSR1);  // first: the notice is pending when it runs again
       ::kill(reg.pid, SIGCONT);
     }
+    send_exclusion_notices(excluded);
   }
   return Status::Ok();
 }

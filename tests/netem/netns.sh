@@ -10,7 +10,7 @@
 #   netns.sh shape TAG N "QDISC"     e.g. "netem delay 20ms 5ms loss 0.5% rate 1gbit"
 #   netns.sh partition TAG I         client I's link is cut (no packet passes)
 #   netns.sh heal TAG I              client I's link is back
-#   netns.sh down TAG N              removes all of it
+#   netns.sh down TAG N              removes all of it (processes in it too)
 #   netns.sh exec TAG server|I CMD…  runs CMD in that namespace
 set -euo pipefail
 
@@ -66,9 +66,13 @@ case "${1:-}" in
     ip -n "$(srv "$2")" link set "$(cli "$2" "$3")b" up
     ;;
   down)
+    # Processes still in the namespaces go first: one whose link was cut
+    # (an MPI daemon, say) may never hear that its job ended.
     tag=$2 n=$3
-    for ((i = 0; i < n; i++)); do ip netns del "$(cli "$tag" "$i")" 2>/dev/null || true; done
-    ip netns del "$(srv "$tag")" 2>/dev/null || true
+    for ns in "$(srv "$tag")" $(for ((i = 0; i < n; i++)); do cli "$tag" "$i"; done); do
+      ip netns pids "$ns" 2>/dev/null | xargs -r kill -9 2>/dev/null || true
+      ip netns del "$ns" 2>/dev/null || true
+    done
     ;;
   exec)
     tag=$2 who=$3

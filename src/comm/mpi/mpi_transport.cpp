@@ -45,13 +45,38 @@ class CountingStream final : public UpdateStream {
   std::unique_ptr<UpdateStream> inner_;
   std::shared_ptr<std::atomic<uint64_t>> bytes_;
 };
+
+// Set on client ranks: their waits also look for the server's notice message.
+bool g_listen_for_notice = false;
+
+// Whether the server's notice has come (then it is taken, and the rank knows
+// it is out). Only the main thread calls it, as every MPI call here.
+bool notice_arrived() {
+  int flag = 0;
+  MPI_Iprobe(0, kTagExcluded, MPI_COMM_WORLD, &flag, MPI_STATUS_IGNORE);
+  if (flag == 0) return false;
+  int32_t notice = 0;
+  MPI_Recv(&notice, 1, MPI_INT32_T, 0, kTagExcluded, MPI_COMM_WORLD, MPI_STATUS_IGNORE);
+  g_excluded = 1;
+  return true;
+}
 }  // namespace
 
 void install_exclusion_notice() {
   std::signal(SIGUSR1, [](int) { g_excluded = 1; });
+  g_listen_for_notice = true;
 }
 
 bool excluded_by_server() { return g_excluded != 0; }
+
+void send_exclusion_notices(const std::vector<int>& ranks) {
+  std::vector<MPI_Request> sends(ranks.size());
+  const int32_t notice = 1;
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    MPI_Isend(&notice, 1, MPI_INT32_T, ranks[i], kTagExcluded, MPI_COMM_WORLD, &sends[i]);
+  }
+  mpi_detail::quiet_waitall(static_cast<int>(sends.size()), sends.data(), MPI_STATUSES_IGNORE, mpi_detail::kIdle);
+}
 
 [[noreturn]] void abort_job(const std::string& why) {
   // A rank woken after its exclusion may find its streams broken before its
@@ -85,6 +110,9 @@ bool quiet_waitall_until(int n, MPI_Request* reqs, MPI_Status* statuses, WaitSty
     if (done) return true;
   }
   const auto yield_until = Clock::now() + std::chrono::microseconds(style.yield_us);
+  // A rank that waits this long may be one the server has left behind: it
+  // looks for the notice now and then (not while chunks flow).
+  auto next_look = yield_until;
   for (int sleep_us = 5;;) {
     MPI_Testall(n, reqs, &done, statuses);
     if (done) return true;
@@ -93,6 +121,10 @@ bool quiet_waitall_until(int n, MPI_Request* reqs, MPI_Status* statuses, WaitSty
     if (Clock::now() < yield_until) {
       std::this_thread::yield();
     } else {
+      if (g_listen_for_notice && Clock::now() >= next_look) {
+        if (notice_arrived()) throw RankExcluded{};
+        next_look = Clock::now() + std::chrono::milliseconds(50);
+      }
       std::this_thread::sleep_for(std::chrono::microseconds(sleep_us));
       sleep_us = std::min(2 * sleep_us, style.max_sleep_us);
     }

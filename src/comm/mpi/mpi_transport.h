@@ -57,6 +57,7 @@ enum MpiTag : int {
   kTagSlotDone,    // a client has copied slot s out (download)
   kTagSlotGrant,   // the server lends slot s to a client (upload)
   kTagBye,         // a client rank has written its outputs after the last round
+  kTagExcluded,    // the run ended without this client rank, which missed a deadline
 };
 
 // The server's word to each client rank at a round's start (kTagModelBegin):
@@ -77,14 +78,23 @@ struct WireUpdateMeta {
 // it alone): abort every rank with a message that names the culprit.
 [[noreturn]] void abort_job(const std::string& why);
 
-// A rank the server excluded for a stall is told so (SIGUSR1, on the
-// server's host) at the end of the run: its waits and its abort_job then
-// throw RankExcluded instead, and the rank leaves through MPI_Finalize, so
-// the job ends normally (OpenMPI's mpirun was seen to hang or crash when
-// the job was aborted around such a rank).
+// A rank the server excluded for a stall is told so at the end of the run:
+// by a message (kTagExcluded), which reaches it on any host once its link
+// carries packets again, and by SIGUSR1 as well when it runs on the
+// server's host (a rank stopped by SIGSTOP reads no message; it gets
+// SIGCONT too). Its waits, and its abort_job once it knows, then throw
+// RankExcluded instead, and the rank leaves through MPI_Finalize, so the
+// job ends normally: OpenMPI's MPI_Finalize waits for every rank of the
+// job, and mpirun was seen to hang or crash when the job was aborted
+// around such a rank.
 struct RankExcluded {};
+// On a client rank, before its first wait: take the notice either way.
 void install_exclusion_notice();
 bool excluded_by_server();
+// On rank 0, once every round is written: the message to each rank of
+// `ranks`, waited for until it is handed to MPI (its delivery needs the
+// rank's link, as the job's end does).
+void send_exclusion_notices(const std::vector<int>& ranks);
 
 // Blocking receive of a small control message, waiting quietly.
 void quiet_recv(void* buf, int bytes, int source, int tag);
