@@ -58,7 +58,7 @@ test: build
 test-asan: deps
 	cmake -S . -B $(ASAN_BUILD) -G Ninja -DCMAKE_BUILD_TYPE=Debug -DMEMFL_SANITIZE=ON \
 	  -DMEMFL_WITH_TORCH=OFF -DMEMFL_WITH_BENCH=OFF
-	cmake --build $(ASAN_BUILD) -j $(JOBS) --target memfl_tests memfl
+	cmake --build $(ASAN_BUILD) -j $(JOBS) --target memfl_tests memfl_secagg_tests memfl
 	cd $(ASAN_BUILD) && ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 ctest --output-on-failure -j $(JOBS)
 
 bench: build

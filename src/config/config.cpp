@@ -272,6 +272,15 @@ const std::vector<KeySpec>& schema() {
       {"client_configs.comm_configs.compressor_configs.error_bound", Type::kFloat, "1e-3", {}, 1e-30, 1e30, "the lossy codecs' bound (see error_bounding_mode)", F(compressor.error_bound)},
       {"client_configs.comm_configs.compressor_configs.param_cutoff", Type::kInt, "1024", {}, 0, 9.2e18, "tensors with at most this many elements, and tensors whose name lacks 'weight', go lossless", I(compressor.param_cutoff)},
       {"client_configs.comm_configs.compressor_configs.error_feedback", Type::kBool, "false", {}, -kInf, kInf, "the client keeps what lossy compression lost (a model-sized residual, file-backed when the model is) and adds it to its next update", B(compressor.error_feedback)},
+      // server_configs.secure_aggregation: Flower's SecAggPlusWorkflow names (secagg/secagg.h)
+      {"server_configs.secure_aggregation.enable", Type::kBool, "false", {}, -kInf, kInf, "SecAgg+: the server learns only the sum of the round's updates (masked, quantised, summed mod modulus_range)", B(secagg.enable)},
+      {"server_configs.secure_aggregation.num_shares", Type::kFloat, "1", {}, 1e-9, 1e9, "neighbours each client secret-shares its keys with, itself included: <= 1 a proportion of the selected clients, > 1 a count (made odd); 1 = all (SecAgg)", F(secagg.num_shares)},
+      {"server_configs.secure_aggregation.reconstruction_threshold", Type::kFloat, "0.67", {}, 1e-9, 1e9, "shares that reconstruct a secret (t): <= 1 a proportion of num_shares, > 1 a count; up to num_shares - t neighbours may drop", F(secagg.reconstruction_threshold)},
+      {"server_configs.secure_aggregation.max_weight", Type::kFloat, "1000", {}, 1e-9, 1e15, "a client's weight is min(sample count, max_weight) / max_weight, sent masked alongside its update", F(secagg.max_weight)},
+      {"server_configs.secure_aggregation.clipping_range", Type::kFloat, "8.0", {}, 1, 1e12, "each weighted element is clipped to [-clipping_range, clipping_range] before quantisation", F(secagg.clipping_range)},
+      {"server_configs.secure_aggregation.quantization_range", Type::kInt, "4194304", {}, 2, 4294967296, "quantised elements lie in [0, quantization_range); stochastic rounding", I(secagg.quantization_range)},
+      {"server_configs.secure_aggregation.modulus_range", Type::kInt, "4294967296", {}, 2, 4294967296, "masked sums are taken modulo this (a power of two, at most 2^32; must exceed clients x (quantization_range - 1))", I(secagg.modulus_range)},
+      {"server_configs.secure_aggregation.timeout", Type::kFloat, "0", {}, 0, 1e9, "seconds a key-exchange stage waits for the selected clients (0 = the round's own deadline)", F(secagg.timeout)},
       // clang-format on
       // client_configs.model_configs
       {"client_configs.model_configs.model_name", Type::kString, "CNN", known_model_names(), -kInf, kInf,
@@ -1066,6 +1075,65 @@ void assign(YAML::Node& root, const std::string& path, const YAML::Node& value) 
   rec(root, 0);
 }
 
+// What secure aggregation can run with: only what folds a round's updates
+// as one sum (FedAvg and the server optimizers on the mean).
+Status check_secure_aggregation(const ExperimentConfig& c, const std::string& source) {
+  const SecAggConfig& a = c.secagg;
+  if (!a.enable) return Status::Ok();
+  const std::string key = "server_configs.secure_aggregation.";
+  const auto m = static_cast<uint64_t>(a.modulus_range);
+  if ((m & (m - 1)) != 0) {
+    return invalid_argument("{}: '{}modulus_range: {}' must be a power of two (at most 2^32)", source, key, m);
+  }
+  if (a.quantization_range > a.modulus_range) {
+    return invalid_argument("{}: '{}quantization_range: {}' exceeds modulus_range ({})", source, key,
+                            a.quantization_range, a.modulus_range);
+  }
+  const int per_round = c.server.clients_per_round > 0 ? c.server.clients_per_round : c.server.num_clients;
+  const uint64_t clients = static_cast<uint64_t>(std::max(per_round, 1));
+  if (clients * static_cast<uint64_t>(a.quantization_range - 1) >= m) {
+    return invalid_argument(
+        "{}: '{}quantization_range: {}' × {} clients per round can wrap modulus_range ({}): the sum of the "
+        "quantised updates must stay below it; lower quantization_range or raise modulus_range",
+        source, key, a.quantization_range, clients, m);
+  }
+  if (a.num_shares > 1 && a.num_shares != std::floor(a.num_shares)) {
+    return invalid_argument("{}: '{}num_shares: {}' above 1 is a count and must be whole", source, key, a.num_shares);
+  }
+  if (a.reconstruction_threshold > 1 && a.reconstruction_threshold != std::floor(a.reconstruction_threshold)) {
+    return invalid_argument("{}: '{}reconstruction_threshold: {}' above 1 is a count and must be whole", source, key,
+                            a.reconstruction_threshold);
+  }
+  if (a.num_shares > 1 && a.reconstruction_threshold > a.num_shares) {
+    return invalid_argument("{}: '{}reconstruction_threshold: {}' exceeds num_shares ({})", source, key,
+                            a.reconstruction_threshold, a.num_shares);
+  }
+  if (c.server.is_async() || c.server.aggregator == "FedAsyncAggregator" ||
+      c.server.aggregator == "FedBuffAggregator" || c.server.aggregator == "FedCompassAggregator") {
+    return invalid_argument(
+        "{}: '{}enable: true' with server_configs.scheduler: {} / server_configs.aggregator: {}: an asynchronous "
+        "aggregator applies each client's update on its own, which secure aggregation hides; use SyncScheduler "
+        "with FedAvgAggregator or a server optimizer",
+        source, key, c.server.scheduler, c.server.aggregator);
+  }
+  if (c.server.memory_mode == "naive") {
+    return invalid_argument(
+        "{}: '{}enable: true' with server_configs.memory_mode: naive, which holds each client's model whole on the "
+        "server; secure aggregation needs the streaming sum",
+        source, key);
+  }
+  if (c.compressor.enable_compression) {
+    return invalid_argument(
+        "{}: '{}enable: true' with client_configs.comm_configs.compressor_configs.enable_compression: masked "
+        "updates are uniform integers that do not compress, and the server must not decode an individual update",
+        source, key);
+  }
+  if (c.server.client_weights_mode != "equal" && c.server.client_weights_mode != "sample_size") {
+    return invalid_argument("{}: '{}enable: true' needs client_weights_mode equal or sample_size", source, key);
+  }
+  return Status::Ok();
+}
+
 // What compressor_configs can do with the rest of the experiment, and with
 // the libraries this build has (each codec's library is optional in CMake).
 Status check_compressor(const ExperimentConfig& c, const std::string& source) {
@@ -1238,6 +1306,7 @@ Status cross_checks(const ExperimentConfig& c, const std::string& source) {
         source);
   }
   MEMFL_RETURN_IF_ERROR(check_compressor(c, source));
+  MEMFL_RETURN_IF_ERROR(check_secure_aggregation(c, source));
   if (c.server.clients_per_round > c.server.num_clients) {
     return invalid_argument("{}: key 'server_configs.clients_per_round' ({}) exceeds server_configs.num_clients ({})",
                             source, c.server.clients_per_round, c.server.num_clients);

@@ -180,6 +180,24 @@ struct CompressorConfig {
   bool error_feedback = false;  // the client adds what compression lost to its next update
 };
 
+// Flower's SecAggPlusWorkflow settings, under
+// server_configs.secure_aggregation (secagg/secagg.h says what each does).
+struct SecAggConfig {
+  bool enable = false;
+  // Neighbours each client secret-shares with (itself included): at most 1
+  // a proportion of the round's selected clients, above 1 a count (made odd
+  // so the ring of neighbours is symmetric). 1 = every client: SecAgg.
+  double num_shares = 1.0;
+  // Shares needed to reconstruct a secret: at most 1 a proportion of
+  // num_shares, above 1 a count.
+  double reconstruction_threshold = 0.67;
+  double max_weight = 1000;        // a client's weight is min(sample count, this) / this
+  double clipping_range = 8.0;     // each weighted element is clipped to ±this before quantisation
+  int64_t quantization_range = 1 << 22;  // quantised values lie in [0, this)
+  int64_t modulus_range = int64_t{1} << 32;  // masked sums are taken mod this (a power of two ≤ 2^32)
+  double timeout = 0;              // seconds a key-exchange stage waits for clients (0 = the round's own deadline)
+};
+
 struct MemoryConfig {
   int sample_interval_ms = 5;
   bool profile = false;                  // allocation tracker (also --profile)
@@ -197,6 +215,7 @@ struct ExperimentConfig {
   ServerConfig server;
   MemoryConfig memory;
   CompressorConfig compressor;
+  SecAggConfig secagg;
   std::string source;         // file name (or "embedded default")
   std::string resolved_yaml;  // every key with its effective value
   // Not a key: client processes on this host that each hold a model-sized

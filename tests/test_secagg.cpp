@@ -1,0 +1,550 @@
+// Secure aggregation's pieces: Shamir against hand-worked vectors, the mask
+// stream at any offset, and whole SecAgg+ rounds driven in memory — the
+// unmasked mean against plain FedAvg of the same updates, dropout recovery,
+// uniformity of one masked upload, and refusal of bad peer input.
+#include <gtest/gtest.h>
+#include <sodium.h>
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <memory>
+#include <numeric>
+#include <random>
+
+#include "secagg/crypto.h"
+#include "secagg/secagg.h"
+#include "secagg/shamir.h"
+
+namespace memfl {
+namespace {
+
+TEST(Shamir, FieldArithmeticHandWorked) {
+  const uint64_t p = kShamirPrime;
+  EXPECT_EQ(gf_add(p - 1, 2), 1u);
+  EXPECT_EQ(gf_sub(1, 2), p - 1);
+  // 2^60 · 4 = 2^62 = 2 · 2^61 ≡ 2 (mod 2^61 − 1).
+  EXPECT_EQ(gf_mul(uint64_t{1} << 60, 4), 2u);
+  // (p − 1)² = p² − 2p + 1 ≡ 1.
+  EXPECT_EQ(gf_mul(p - 1, p - 1), 1u);
+  // 2 · 2^60 = 2^61 ≡ 1, so 2⁻¹ = 2^60.
+  EXPECT_EQ(gf_inv(2), uint64_t{1} << 60);
+  EXPECT_EQ(gf_mul(gf_inv(123456789), 123456789), 1u);
+}
+
+TEST(Shamir, KnownVectorInterpolates) {
+  // f(x) = 1234 + 166x + 94x²: f(1) = 1494, f(2) = 1942, f(3) = 2578,
+  // f(4) = 3402, f(5) = 4414, f(6) = 5614 (worked by hand; no reduction).
+  const uint64_t coeffs[] = {1234, 166, 94};
+  const uint64_t expect[] = {1494, 1942, 2578, 3402, 4414, 5614};
+  for (uint64_t x = 1; x <= 6; ++x) EXPECT_EQ(shamir_detail::evaluate(coeffs, x), expect[x - 1]) << x;
+  const uint64_t xs[] = {2, 4, 5}, ys[] = {1942, 3402, 4414};
+  auto s = shamir_detail::interpolate_at_zero(xs, ys);
+  ASSERT_TRUE(s.ok());
+  EXPECT_EQ(*s, 1234u);
+  // Through the field's wrap: f(x) = (p − 1) + 2x gives f(1) = 1, f(2) = 3,
+  // and 2·f(1) − f(2) = −1 ≡ p − 1 at 0.
+  const uint64_t xw[] = {1, 2}, yw[] = {1, 3};
+  auto w = shamir_detail::interpolate_at_zero(xw, yw);
+  ASSERT_TRUE(w.ok());
+  EXPECT_EQ(*w, kShamirPrime - 1);
+  const uint64_t xd[] = {3, 3}, yd[] = {1, 2};
+  EXPECT_FALSE(shamir_detail::interpolate_at_zero(xd, yd).ok());
+}
+
+TEST(Shamir, AnyThresholdSubsetReconstructsAndFewerDoNot) {
+  const Secret32 secret = random_secret();
+  const uint32_t xs[] = {1, 2, 3, 4, 5, 9};
+  auto shares = shamir_split(secret, 4, xs);
+  ASSERT_TRUE(shares.ok());
+  for (int mask = 0; mask < 64; ++mask) {
+    if (__builtin_popcount(mask) != 4) continue;
+    std::vector<ShamirShare> pick;
+    for (int i = 0; i < 6; ++i)
+      if ((mask >> i) & 1) pick.push_back((*shares)[static_cast<size_t>(i)]);
+    Secret32 back{};
+    ASSERT_TRUE(shamir_reconstruct(pick, 4, &back).ok());
+    EXPECT_EQ(back, secret) << mask;
+  }
+  // Three shares interpolate a degree-2 polynomial: not the secret (but for
+  // a 2^-280 chance).
+  Secret32 wrong{};
+  const auto st = shamir_reconstruct(std::span(*shares).first(3), 3, &wrong);
+  EXPECT_TRUE(!st.ok() || wrong != secret);
+  EXPECT_FALSE(shamir_reconstruct(std::span(*shares).first(3), 4, &wrong).ok());
+  const uint32_t bad_xs[] = {1, 1, 2};
+  EXPECT_FALSE(shamir_split(secret, 2, bad_xs).ok());
+  const uint32_t zero_x[] = {0, 1, 2};
+  EXPECT_FALSE(shamir_split(secret, 2, zero_x).ok());
+}
+
+TEST(SecAggCrypto, AgreementIsSymmetricAndPurposeSeparates) {
+  const auto a = X25519KeyPair::generate(), b = X25519KeyPair::generate();
+  auto ab = agree(a.secret_key, a.public_key, b.public_key, "x");
+  auto ba = agree(b.secret_key, b.public_key, a.public_key, "x");
+  auto other = agree(a.secret_key, a.public_key, b.public_key, "y");
+  ASSERT_TRUE(ab.ok() && ba.ok() && other.ok());
+  EXPECT_EQ(*ab, *ba);
+  EXPECT_NE(*ab, *other);
+  EXPECT_EQ(X25519KeyPair::from_secret(a.secret_key).public_key, a.public_key);
+  PublicKey32 low_order{};  // the all-zero point
+  EXPECT_FALSE(agree(a.secret_key, a.public_key, low_order, "x").ok());
+}
+
+TEST(SecAggCrypto, SealedShareOpensOnlyInItsContext) {
+  const Secret32 key = random_secret();
+  const std::vector<uint8_t> msg = {1, 2, 3, 4};
+  auto sealed = seal(key, msg, "round=1 from=2 to=3");
+  auto ok = open_sealed(key, sealed, "round=1 from=2 to=3");
+  ASSERT_TRUE(ok.ok());
+  EXPECT_EQ(*ok, msg);
+  EXPECT_FALSE(open_sealed(key, sealed, "round=2 from=2 to=3").ok());
+  sealed[30] ^= 1;
+  EXPECT_FALSE(open_sealed(key, sealed, "round=1 from=2 to=3").ok());
+}
+
+TEST(SecAggCrypto, MaskStreamRegeneratesAtAnyOffset) {
+  const Secret32 seed = random_secret();
+  MaskStream m(seed, 3);
+  std::vector<uint32_t> whole(10000);
+  m.generate(0, whole);
+  // Odd offsets and lengths, across block (16 words) and scratch (4096) edges.
+  for (auto [off, len] : {std::pair<size_t, size_t>{0, 1}, {1, 15}, {15, 2}, {17, 4100}, {4095, 3}, {9000, 1000}}) {
+    std::vector<uint32_t> part(len);
+    m.generate(off, part);
+    for (size_t i = 0; i < len; ++i) ASSERT_EQ(part[i], whole[off + i]) << off << "+" << i;
+  }
+  // The same seed in another round is another stream.
+  std::vector<uint32_t> next(16);
+  MaskStream(seed, 4).generate(0, next);
+  EXPECT_FALSE(std::equal(next.begin(), next.end(), whole.begin()));
+  // apply(−1) undoes apply(+1).
+  std::vector<uint32_t> v(100, 7u);
+  m.apply(50, v, +1);
+  m.apply(50, v, -1);
+  EXPECT_TRUE(std::all_of(v.begin(), v.end(), [](uint32_t w) { return w == 7u; }));
+}
+
+TEST(SecAggSettings, ResolvesFlowerProportionsAndRefusesWrap) {
+  SecAggParams p;
+  p.num_shares = 0.5;
+  p.reconstruction_threshold = 0.6;
+  auto s = SecAggSettings::resolve(p, 10);
+  ASSERT_TRUE(s.ok());
+  EXPECT_EQ(s->neighbours, 5u);  // ⌈0.5·10⌉ = 5, odd
+  EXPECT_EQ(s->threshold, 3u);   // ⌈0.6·5⌉
+  p.num_shares = 4;              // even count: made odd
+  p.reconstruction_threshold = 2;
+  s = SecAggSettings::resolve(p, 10);
+  ASSERT_TRUE(s.ok());
+  EXPECT_EQ(s->neighbours, 5u);
+  auto hood = neighbourhood(0, *s);
+  EXPECT_EQ(hood, (std::vector<size_t>{0, 1, 2, 8, 9}));
+  p.quantization_range = uint64_t{1} << 30;  // 5 × (2^30 − 1) ≥ 2^32
+  EXPECT_FALSE(SecAggSettings::resolve(p, 5).ok());
+  EXPECT_TRUE(SecAggSettings::resolve(p, 3).ok());
+  p = SecAggParams{};
+  p.modulus_range = 3u << 20;
+  EXPECT_FALSE(SecAggSettings::resolve(p, 3).ok());
+  p = SecAggParams{};
+  p.reconstruction_threshold = 7;
+  EXPECT_FALSE(SecAggSettings::resolve(p, 5).ok());
+}
+
+// A round in memory: n clients with updates[i] and weights[i], the masked
+// vectors streamed in chunks of `chunk` elements.
+struct Round {
+  int round = 1;
+  std::vector<int> ids;
+  SecAggSettings settings;
+  std::vector<std::unique_ptr<SecAggClient>> clients;
+  std::vector<uint32_t> sum;
+  std::unique_ptr<SecAggServer> server;
+  uint64_t elements = 0;
+
+  Round(std::vector<int> client_ids, const SecAggParams& p, uint64_t model_elements)
+      : ids(std::move(client_ids)), elements(model_elements) {
+    settings = SecAggSettings::resolve(p, ids.size()).value();
+    sum.resize(elements + 1);
+    server = std::make_unique<SecAggServer>(round, ids, settings, sum);
+    for (int id : ids) clients.push_back(std::make_unique<SecAggClient>(id, round, ids, settings));
+  }
+  SecAggClient& client(int id) {
+    return *clients[static_cast<size_t>(std::find(ids.begin(), ids.end(), id) - ids.begin())];
+  }
+  // Stages 1–2 for everyone but `absent` (clients that drop before sharing).
+  void share(const std::set<int>& absent = {}) {
+    for (int id : ids) {
+      if (!absent.count(id)) {
+        ASSERT_TRUE(server->add_advert(client(id).advertise()).ok());
+      }
+    }
+    for (int id : ids) {
+      if (absent.count(id)) continue;
+      auto shares = client(id).share_keys(server->roster_for(id));
+      ASSERT_TRUE(shares.ok()) << shares.status().message();
+      ASSERT_TRUE(server->add_shares(id, *shares).ok());
+    }
+    for (int id : ids) {
+      if (!absent.count(id)) {
+        ASSERT_TRUE(client(id).receive_shares(server->inbox_for(id)).ok());
+      }
+    }
+  }
+  // Stage 3 for one client: its masked vector, streamed.
+  std::vector<uint32_t> upload(int id, const std::vector<float>& x, double weight, size_t chunk,
+                               bool to_server = true) {
+    SecAggClient& c = client(id);
+    EXPECT_TRUE(c.begin_update(elements, weight).ok());
+    std::vector<uint32_t> all(elements + 1);
+    for (uint64_t off = 0; off < elements; off += chunk) {
+      const size_t len = std::min<uint64_t>(chunk, elements - off);
+      std::vector<uint32_t> words(len);
+      EXPECT_TRUE(c.mask_chunk(off, std::span(x).subspan(off, len), words).ok());
+      std::copy(words.begin(), words.end(), all.begin() + static_cast<long>(off));
+      if (to_server) {
+        EXPECT_TRUE(server->add_masked_chunk(id, off, words).ok());
+      }
+    }
+    const uint32_t w = c.masked_weight();
+    all[elements] = w;
+    if (to_server) {
+      EXPECT_TRUE(server->add_masked_chunk(id, elements, std::span(&w, 1)).ok());
+      EXPECT_TRUE(server->finish_upload(id).ok());
+    }
+    return all;
+  }
+  // Stage 4 and the dequantised mean, unmasked in chunks of `chunk`.
+  StatusOr<std::vector<float>> unmask(size_t chunk, const std::set<int>& silent = {}) {
+    MEMFL_ASSIGN_OR_RETURN(UnmaskRequest req, server->unmask_request());
+    for (int id : req.survivors) {
+      if (silent.count(id)) continue;
+      MEMFL_ASSIGN_OR_RETURN(auto revealed, client(id).unmask(req));
+      MEMFL_RETURN_IF_ERROR(server->add_revealed(id, revealed));
+    }
+    MEMFL_RETURN_IF_ERROR(server->reconstruct());
+    // The weight word first (the mean needs Σ weight), then the model.
+    MEMFL_RETURN_IF_ERROR(server->unmask_chunk(elements, std::span(sum).subspan(elements, 1)));
+    const double w = server->total_weight(sum[elements]);
+    std::vector<float> mean(elements);
+    for (uint64_t off = 0; off < elements; off += chunk) {
+      const size_t len = std::min<uint64_t>(chunk, elements - off);
+      auto words = std::span(sum).subspan(off, len);
+      MEMFL_RETURN_IF_ERROR(server->unmask_chunk(off, words));
+      server->dequantize(words, w, std::span(mean).subspan(off, len));
+    }
+    return mean;
+  }
+};
+
+std::vector<std::vector<float>> random_updates(size_t n, size_t elements, double range, uint32_t seed) {
+  std::mt19937 gen(seed);
+  std::uniform_real_distribution<float> u(static_cast<float>(-range), static_cast<float>(range));
+  std::vector<std::vector<float>> x(n, std::vector<float>(elements));
+  for (auto& v : x)
+    for (float& e : v) e = u(gen);
+  return x;
+}
+
+TEST(SecAgg, UnmaskedMeanIsExactOnIntegerUpdates) {
+  // c = 8 and q = 2^20 + 1: scale = 2^16, so integers in [−8, 8] quantise
+  // exactly and the mean comes back exactly (equal weights of 1: ratio 1).
+  SecAggParams p;
+  p.clipping_range = 8;
+  p.quantization_range = (uint64_t{1} << 20) + 1;
+  p.max_weight = 1;
+  const size_t n = 5, elements = 1003;
+  Round r({3, 7, 11, 12, 40}, p, elements);
+  r.share();
+  std::mt19937 gen(1);
+  std::uniform_int_distribution<int> u(-8, 8);
+  std::vector<std::vector<float>> x(n, std::vector<float>(elements));
+  for (auto& v : x)
+    for (float& e : v) e = static_cast<float>(u(gen));
+  for (size_t i = 0; i < n; ++i) r.upload(r.ids[i], x[i], 1.0, 97);
+  auto mean = r.unmask(61);
+  ASSERT_TRUE(mean.ok()) << mean.status().message();
+  for (size_t k = 0; k < elements; ++k) {
+    double s = 0;
+    for (size_t i = 0; i < n; ++i) s += x[i][k];
+    // Plain FedAvg of equal weights, rounded to f32 once as FedAvg does.
+    ASSERT_EQ((*mean)[k], static_cast<float>(s / n)) << k;
+  }
+}
+
+TEST(SecAgg, UnmaskedMeanMatchesWeightedFedAvgWithinQuantisationBound) {
+  SecAggParams p;  // Flower's defaults: c = 8, q = 2^22, m = 2^32, max_weight 1000
+  const size_t n = 6, elements = 2000;
+  Round r({1, 2, 3, 4, 5, 6}, p, elements);
+  r.share();
+  auto x = random_updates(n, elements, 2.0, 7);
+  const std::vector<double> samples = {100, 250, 40, 999, 1500, 600};  // 1500 is capped at max_weight
+  for (size_t i = 0; i < n; ++i) r.upload(r.ids[i], x[i], samples[i], 333);
+  auto mean = r.unmask(128);
+  ASSERT_TRUE(mean.ok()) << mean.status().message();
+  // Independent bound: every quantised element and the weight are within
+  // one step 1/scale of their value, so with S = Σ rᵢxᵢ, W = Σ rᵢ:
+  // |m̂ − m| ≤ (n·W/scale + |S|/scale) / (W·(W − 1/scale)), plus f32 rounding.
+  const double step = 2 * 8.0 / static_cast<double>((1 << 22) - 1);
+  double W = 0;
+  std::vector<double> ratio(n);
+  for (size_t i = 0; i < n; ++i) W += ratio[i] = std::min(samples[i], 1000.0) / 1000.0;
+  double worst = 0;
+  for (size_t k = 0; k < elements; ++k) {
+    double S = 0;
+    for (size_t i = 0; i < n; ++i) S += ratio[i] * x[i][k];
+    const double exact = S / W;
+    const double bound = (n * step * W + std::abs(S) * step) / (W * (W - step)) + 1e-6 * std::abs(exact) + 1e-7;
+    const double err = std::abs((*mean)[k] - exact);
+    worst = std::max(worst, err / bound);
+    ASSERT_LE(err, bound) << "element " << k;
+  }
+  // Stochastic rounding is unbiased: the errors should sit well inside the
+  // worst case, not at it.
+  EXPECT_LT(worst, 0.9);
+}
+
+TEST(SecAgg, SecAggPlusRecoversClientsDroppedAfterSharingKeys) {
+  SecAggParams p;
+  p.clipping_range = 8;
+  p.quantization_range = (uint64_t{1} << 20) + 1;
+  p.max_weight = 1;
+  p.num_shares = 5;                // SecAgg+: rings of 5 among 9
+  p.reconstruction_threshold = 3;  // up to 2 of a neighbourhood may drop
+  const std::vector<int> ids = {0, 1, 2, 3, 4, 5, 6, 7, 8};
+  const size_t elements = 300;
+  Round r(ids, p, elements);
+  r.share();
+  std::mt19937 gen(3);
+  std::uniform_int_distribution<int> u(-8, 8);
+  std::map<int, std::vector<float>> x;
+  for (int id : ids) {
+    x[id].resize(elements);
+    for (float& e : x[id]) e = static_cast<float>(u(gen));
+  }
+  // Clients 2 and 6 drop after sharing: their pairwise masks are in their
+  // neighbours' uploads, recovered from their reconstructed keys.
+  const std::set<int> dropped = {2, 6};
+  for (int id : ids)
+    if (!dropped.count(id)) r.upload(id, x[id], 1.0, 50);
+  auto mean = r.unmask(77);
+  ASSERT_TRUE(mean.ok()) << mean.status().message();
+  EXPECT_EQ(r.server->dropped(), (std::vector<int>{2, 6}));
+  for (size_t k = 0; k < elements; ++k) {
+    double s = 0;
+    for (int id : ids)
+      if (!dropped.count(id)) s += x[id][k];
+    ASSERT_EQ((*mean)[k], static_cast<float>(s / 7)) << k;
+  }
+}
+
+TEST(SecAgg, SurvivorSilentDuringUnmaskingIsToleratedUpToThreshold) {
+  SecAggParams p;
+  p.clipping_range = 8;
+  p.quantization_range = (uint64_t{1} << 20) + 1;
+  p.max_weight = 1;
+  p.num_shares = 1.0;  // SecAgg: everyone a neighbour
+  p.reconstruction_threshold = 3;
+  const size_t elements = 64;
+  Round r({1, 2, 3, 4, 5}, p, elements);
+  r.share();
+  std::vector<float> ones(elements, 1.0f), twos(elements, 2.0f);
+  r.upload(1, ones, 1.0, 10);
+  r.upload(2, twos, 1.0, 10);
+  r.upload(3, ones, 1.0, 10);
+  r.upload(4, twos, 1.0, 10);
+  // Client 5 dropped before uploading, client 4 uploads and then goes
+  // silent during unmasking: 3 of 4 survivors reveal, t = 3 suffices.
+  auto mean = r.unmask(16, {4});
+  ASSERT_TRUE(mean.ok()) << mean.status().message();
+  for (float m : *mean) ASSERT_EQ(m, 1.5f);
+}
+
+TEST(SecAgg, TooFewSharesFailsTheRoundCleanly) {
+  SecAggParams p;
+  p.reconstruction_threshold = 4;
+  Round r({1, 2, 3, 4, 5}, p, 16);
+  r.share();
+  std::vector<float> v(16, 0.5f);
+  for (int id : {1, 2, 3, 4}) r.upload(id, v, 10, 16);
+  auto mean = r.unmask(16, {1, 2});  // 2 survivors reveal, t = 4
+  ASSERT_FALSE(mean.ok());
+  EXPECT_EQ(mean.status().code(), StatusCode::kAborted);
+  EXPECT_NE(mean.status().message().find("fewer than the threshold 4"), std::string::npos) << mean.status().message();
+}
+
+TEST(SecAgg, UploadBrokenPartWayRedoesTheRound) {
+  SecAggParams p;
+  Round r({1, 2, 3}, p, 100);
+  r.share();
+  std::vector<float> v(100, 0.25f);
+  r.upload(1, v, 10, 25);
+  r.upload(2, v, 10, 25);
+  ASSERT_TRUE(r.client(3).begin_update(100, 10).ok());
+  std::vector<uint32_t> words(25);
+  ASSERT_TRUE(r.client(3).mask_chunk(0, std::span(v).first(25), words).ok());
+  ASSERT_TRUE(r.server->add_masked_chunk(3, 0, words).ok());
+  auto req = r.server->unmask_request();
+  ASSERT_FALSE(req.ok());
+  EXPECT_EQ(req.status().code(), StatusCode::kAborted);
+  EXPECT_NE(req.status().message().find("client_3"), std::string::npos);
+}
+
+TEST(SecAgg, SingleMaskedUploadLooksUniform) {
+  // Chi-square of one client's masked words over 256 bins of their top
+  // byte: uniform words give ≈ 255 ± 23; the same update unmasked (values
+  // near q/2, in a few bins) gives an enormous statistic.
+  SecAggParams p;
+  const size_t elements = 1 << 16;
+  Round r({1, 2, 3}, p, elements);
+  r.share();
+  std::vector<float> x(elements, 0.5f);
+  const auto masked = r.upload(1, x, 100, 4096, /*to_server=*/false);
+  const auto chi2 = [](const std::vector<uint32_t>& w, int shift) {
+    std::vector<double> bins(256, 0);
+    for (uint32_t v : w) bins[(v >> shift) & 255] += 1;
+    const double e = static_cast<double>(w.size()) / 256;
+    double c = 0;
+    for (double b : bins) c += (b - e) * (b - e) / e;
+    return c;
+  };
+  // 255 degrees of freedom: the 99.99th percentile is ≈ 330.
+  EXPECT_LT(chi2(masked, 24), 330) << "top byte";
+  EXPECT_LT(chi2(masked, 0), 330) << "low byte";
+  std::vector<uint32_t> plain(elements);
+  for (size_t i = 0; i < elements; ++i) plain[i] = static_cast<uint32_t>((0.05 + 8) * SecAggSettings{}.scale());
+  EXPECT_GT(chi2(plain, 24), 10000);
+}
+
+TEST(SecAgg, RefusesBadPeerInputNamingTheClient) {
+  SecAggParams p;
+  Round r({1, 2, 3, 4}, p, 10);
+  // Keys: a replay from another round, a client not selected, twice.
+  KeyAdvert stale = r.client(1).advertise();
+  stale.round = 0;
+  auto st = r.server->add_advert(stale);
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("client_1"), std::string::npos) << st.message();
+  EXPECT_NE(st.message().find("round 0"), std::string::npos) << st.message();
+  KeyAdvert stranger = r.client(2).advertise();
+  stranger.client = 9;
+  EXPECT_NE(r.server->add_advert(stranger).message().find("client_9"), std::string::npos);
+  r.share();
+  EXPECT_NE(r.server->add_advert(r.client(2).advertise()).message().find("client_2: sent its keys twice"),
+            std::string::npos);
+  // Masked vectors: wrong length, a repeated chunk, an early end.
+  ASSERT_TRUE(r.client(1).begin_update(10, 1).ok());
+  std::vector<uint32_t> long_chunk(12);
+  st = r.server->add_masked_chunk(1, 0, long_chunk);
+  EXPECT_NE(st.message().find("client_1: masked vector longer than 11"), std::string::npos) << st.message();
+  std::vector<uint32_t> four(4);
+  ASSERT_TRUE(r.server->add_masked_chunk(2, 0, four).ok());
+  st = r.server->add_masked_chunk(2, 0, four);
+  EXPECT_NE(st.message().find("client_2: masked chunk at element 0, expected 4"), std::string::npos) << st.message();
+  st = r.server->finish_upload(2);
+  EXPECT_NE(st.message().find("client_2: masked vector of 4 elements, expected 11"), std::string::npos) << st.message();
+}
+
+TEST(SecAgg, RefusesWrongDuplicateAndReplayedShares) {
+  SecAggParams p;
+  p.max_weight = 1;
+  p.reconstruction_threshold = 3;
+  Round r({1, 2, 3, 4, 5}, p, 8);
+  r.share();
+  std::vector<float> v(8, 1.0f);
+  for (int id : {1, 2, 3, 4, 5}) r.upload(id, v, 1, 8);
+  auto req = r.server->unmask_request();
+  ASSERT_TRUE(req.ok());
+  // A survivor's revealed shares: replayed from another round, duplicated,
+  // at another client's x, or wrong.
+  auto good1 = r.client(1).unmask(*req);
+  ASSERT_TRUE(good1.ok()) << good1.status().message();
+  auto replay = *good1;
+  replay[0].round = 0;
+  auto st = r.server->add_revealed(1, replay);
+  EXPECT_NE(st.message().find("client_1: a revealed share of round 0"), std::string::npos) << st.message();
+  auto dup = *good1;
+  dup.push_back(dup[0]);
+  st = r.server->add_revealed(1, dup);
+  EXPECT_NE(st.message().find("client_1: revealed two shares"), std::string::npos) << st.message();
+  auto moved = *good1;
+  moved[1].share.x = 2;
+  st = r.server->add_revealed(1, moved);
+  EXPECT_NE(st.message().find("client_1: a revealed share at x 2"), std::string::npos) << st.message();
+  // Client 1 lies about its share of client 3's seed; the others are honest.
+  auto wrong = *good1;
+  for (auto& s : wrong)
+    if (s.subject == 3) s.share.y[2] = gf_add(s.share.y[2], 1);
+  ASSERT_TRUE(r.server->add_revealed(1, wrong).ok());
+  EXPECT_NE(r.server->add_revealed(1, wrong).message().find("client_1: revealed its shares twice"), std::string::npos);
+  for (int id : {2, 3, 4, 5}) {
+    auto g = r.client(id).unmask(*req);
+    ASSERT_TRUE(g.ok()) << g.status().message();
+    ASSERT_TRUE(r.server->add_revealed(id, *g).ok());
+  }
+  st = r.server->reconstruct();
+  EXPECT_EQ(st.code(), StatusCode::kRejected);
+  EXPECT_NE(st.message().find("client_1: its share of client_3's self-mask seed is wrong"), std::string::npos)
+      << st.message();
+  // A client asked to reveal both secrets of one client refuses.
+  Round r2({1, 2, 3}, p, 4);
+  r2.share();
+  EXPECT_NE(r2.client(1)
+                .unmask(UnmaskRequest{1, {1, 2, 3}, {3}})
+                .status()
+                .message()
+                .find("client_3 both surviving and dropped"),
+            std::string::npos);
+  EXPECT_NE(r2.client(2).unmask(UnmaskRequest{5, {1, 2, 3}, {}}).status().message().find("round 5 in round 1"),
+            std::string::npos);
+}
+
+TEST(SecAgg, SealedSharesOfAnotherRunOrRoundAreRefused) {
+  SecAggParams p;
+  p.reconstruction_threshold = 2;
+  // Round b's sealed shares for client 1 replayed to round c's client 1
+  // (same round number, other keys): they do not open, naming the sender.
+  Round b({1, 2, 3}, p, 4);
+  b.share();
+  const auto foreign = b.server->inbox_for(1);
+  Round c({1, 2, 3}, p, 4);
+  for (int id : {1, 2, 3}) ASSERT_TRUE(c.server->add_advert(c.client(id).advertise()).ok());
+  for (int id : {1, 2, 3}) {
+    auto shares = c.client(id).share_keys(c.server->roster_for(id));
+    ASSERT_TRUE(shares.ok());
+    ASSERT_TRUE(c.server->add_shares(id, *shares).ok());
+  }
+  ASSERT_TRUE(c.client(1).receive_shares(foreign).ok());
+  ASSERT_TRUE(c.client(2).receive_shares(c.server->inbox_for(2)).ok());
+  ASSERT_TRUE(c.client(3).receive_shares(c.server->inbox_for(3)).ok());
+  std::vector<float> v(4, 0.f);
+  for (int id : {1, 2, 3}) c.upload(id, v, 1, 4);
+  auto req = c.server->unmask_request();
+  ASSERT_TRUE(req.ok());
+  auto st = c.client(1).unmask(*req).status();
+  EXPECT_EQ(st.code(), StatusCode::kDataLoss);
+  EXPECT_NE(st.message().find("client_1: the share from client_"), std::string::npos) << st.message();
+  // Shares stamped with another round, or sent twice, are refused on arrival.
+  auto stale = foreign;
+  stale[0].round = 7;
+  SecAggClient fresh(1, 1, {1, 2, 3}, c.settings);
+  EXPECT_NE(fresh.receive_shares(stale).message().find("round 7 in round 1"), std::string::npos);
+  Round e({1, 2, 3}, p, 4);
+  for (int id : {1, 2, 3}) ASSERT_TRUE(e.server->add_advert(e.client(id).advertise()).ok());
+  ASSERT_TRUE(e.client(2).share_keys(e.server->roster_for(2)).ok());
+  auto e_shares = e.client(1).share_keys(e.server->roster_for(1));
+  ASSERT_TRUE(e_shares.ok());
+  std::vector<SealedShare> to2;
+  for (const auto& s : *e_shares)
+    if (s.to == 2) to2 = {s, s};
+  st = e.client(2).receive_shares(to2);
+  EXPECT_NE(st.message().find("client_2: client_1 sent it two shares"), std::string::npos) << st.message();
+  // The server refuses a share set with one neighbour twice.
+  auto doubled = *e_shares;
+  doubled.back() = doubled.front();
+  st = e.server->add_shares(1, doubled);
+  EXPECT_NE(st.message().find("client_1: two shares for client_"), std::string::npos) << st.message();
+}
+
+}  // namespace
+}  // namespace memfl
