@@ -6,14 +6,19 @@
 #include <sodium.h>
 
 #include <algorithm>
+#include <cstring>
 #include <cmath>
 #include <map>
 #include <memory>
 #include <numeric>
 #include <random>
 
+#include "comm/client_transport.h"
+#include "secagg/channel.h"
 #include "secagg/crypto.h"
+#include "secagg/masking_place.h"
 #include "secagg/secagg.h"
+#include "secagg/secagg_round.h"
 #include "secagg/shamir.h"
 
 namespace memfl {
@@ -282,9 +287,10 @@ TEST(SecAgg, UnmaskedMeanMatchesWeightedFedAvgWithinQuantisationBound) {
   for (size_t i = 0; i < n; ++i) r.upload(r.ids[i], x[i], samples[i], 333);
   auto mean = r.unmask(128);
   ASSERT_TRUE(mean.ok()) << mean.status().message();
-  // Independent bound: every quantised element and the weight are within
-  // one step 1/scale of their value, so with S = Σ rᵢxᵢ, W = Σ rᵢ:
-  // |m̂ − m| ≤ (n·W/scale + |S|/scale) / (W·(W − 1/scale)), plus f32 rounding.
+  // Independent bound: every quantised element and every weight is within
+  // one step (1/scale) of its value, so the sums S = Σ rᵢxᵢ and W = Σ rᵢ
+  // come back within n steps each, and m̂ − m = (E·W − S·δ) / (W·(W + δ))
+  // gives |m̂ − m| ≤ n·step·(W + |S|) / (W·(W − n·step)), plus f32 rounding.
   const double step = 2 * 8.0 / static_cast<double>((1 << 22) - 1);
   double W = 0;
   std::vector<double> ratio(n);
@@ -294,7 +300,7 @@ TEST(SecAgg, UnmaskedMeanMatchesWeightedFedAvgWithinQuantisationBound) {
     double S = 0;
     for (size_t i = 0; i < n; ++i) S += ratio[i] * x[i][k];
     const double exact = S / W;
-    const double bound = (n * step * W + std::abs(S) * step) / (W * (W - step)) + 1e-6 * std::abs(exact) + 1e-7;
+    const double bound = n * step * (W + std::abs(S)) / (W * (W - n * step)) + 1e-6 * std::abs(exact) + 1e-7;
     const double err = std::abs((*mean)[k] - exact);
     worst = std::max(worst, err / bound);
     ASSERT_LE(err, bound) << "element " << k;
@@ -544,6 +550,150 @@ TEST(SecAgg, SealedSharesOfAnotherRunOrRoundAreRefused) {
   doubled.back() = doubled.front();
   st = e.server->add_shares(1, doubled);
   EXPECT_NE(st.message().find("client_1: two shares for client_"), std::string::npos) << st.message();
+}
+
+}  // namespace
+}  // namespace memfl
+
+// ------------------------------------------------------------ the round seam
+
+namespace memfl {
+namespace {
+
+// What the aggregator is handed: every update opened, and its bytes.
+class RecordingOpener final : public UpdateOpener {
+ public:
+  struct Update {
+    std::string client;
+    double sample_count = 0;
+    std::vector<std::byte> bytes;
+    bool committed = false;
+  };
+  class Stream final : public UpdateStream {
+   public:
+    explicit Stream(Update& u) : u_(u) {}
+    Status accept(const ChunkHeader& h, Payload payload) override {
+      for (auto piece : payload) u_.bytes.insert(u_.bytes.end(), piece.begin(), piece.end());
+      return h.offset + h.length <= u_.bytes.size() ? Status::Ok() : internal_error("gap");
+    }
+    Status commit() override {
+      u_.committed = true;
+      return Status::Ok();
+    }
+
+   private:
+    Update& u_;
+  };
+  StatusOr<std::unique_ptr<UpdateStream>> open_update(const std::string& client, double sample_count) override {
+    updates.push_back(std::make_unique<Update>());
+    updates.back()->client = client;
+    updates.back()->sample_count = sample_count;
+    return std::unique_ptr<UpdateStream>(std::make_unique<Stream>(*updates.back()));
+  }
+  std::vector<std::unique_ptr<Update>> updates;
+};
+
+// Copies what a client's transport sends on to `inner` and keeps it.
+class TappedSink final : public ChunkSink {
+ public:
+  explicit TappedSink(ChunkSink& inner) : inner_(inner) {}
+  Status accept(const ChunkHeader& h, Payload payload) override {
+    for (auto piece : payload) seen.insert(seen.end(), piece.begin(), piece.end());
+    return inner_.accept(h, payload);
+  }
+  std::vector<std::byte> seen;
+
+ private:
+  ChunkSink& inner_;
+};
+
+TEST(SecAggRoundSeam, AggregatorSeesOnlyTheUnmaskedMean) {
+  LayoutBuilder lb;
+  lb.add("w", DType::kF32, {37}).add("b", DType::kF32, {5});
+  Layout layout = std::move(lb).build().value();
+  const size_t elements = layout.total_bytes() / 4;
+  const std::vector<int> selected = {0, 1, 2, 3};
+  SecAggParams params;
+  params.max_weight = 1;
+  params.clipping_range = 8;
+  params.quantization_range = (uint64_t{1} << 20) + 1;  // integers quantise exactly
+  auto sa = SecAggRound::start(/*round=*/4, selected, params, layout);
+  ASSERT_TRUE(sa.ok()) << sa.status().message();
+  SecAggClientStages clients;  // the client core's stages, as the simulator's
+  std::vector<int> failed;
+  ASSERT_TRUE((*sa)->exchange_keys(clients, &failed).ok());
+  ASSERT_TRUE(failed.empty());
+  std::vector<Arena> models;
+  std::vector<std::vector<std::byte>> wire;
+  for (int c : selected) {
+    models.emplace_back(layout.total_bytes(), MemoryCategory::kModel);
+    auto* f = reinterpret_cast<float*>(models.back().data());
+    for (size_t i = 0; i < elements; ++i) f[i] = static_cast<float>((static_cast<int>(i) * (c + 3)) % 11 - 5);
+    MaskingPlace masked(std::make_unique<ArenaPlace>(models.back()), layout, *clients.client(c));
+    ASSERT_TRUE(masked.begin(1.0).ok());
+    auto stream = (*sa)->open_update(client_id(c), 1.0);
+    ASSERT_TRUE(stream.ok());
+    TappedSink tap(**stream);
+    auto sent = stream_place(layout, masked, /*chunk=*/12, tap);  // 3 elements a chunk
+    ASSERT_TRUE(sent.ok()) << sent.status().message();
+    ASSERT_TRUE((*stream)->commit().ok());
+    EXPECT_EQ(tap.seen.size(), layout.total_bytes() + 4);  // + the masked weight
+    wire.push_back(tap.seen);
+  }
+  RecordingOpener aggregator;
+  auto n = (*sa)->unmask_into(clients, aggregator, "secure_aggregate", /*chunk=*/20);
+  ASSERT_TRUE(n.ok()) << n.status().message();
+  EXPECT_EQ(*n, 4u);
+  // One update reached the aggregator: the mean, exactly (integer updates).
+  ASSERT_EQ(aggregator.updates.size(), 1u);
+  const auto& u = *aggregator.updates[0];
+  EXPECT_EQ(u.client, "secure_aggregate");
+  EXPECT_TRUE(u.committed);
+  ASSERT_EQ(u.bytes.size(), layout.total_bytes());
+  std::vector<float> mean(elements);
+  std::memcpy(mean.data(), u.bytes.data(), u.bytes.size());
+  for (size_t i = 0; i < elements; ++i) {
+    double s = 0;
+    for (const Arena& m : models) s += reinterpret_cast<const float*>(m.data())[i];
+    ASSERT_EQ(mean[i], static_cast<float>(s / 4)) << i;
+  }
+  // Neither the aggregator nor the wire ever carried an individual update:
+  // no client's model bytes appear, as a whole or as any 12-byte chunk.
+  for (size_t c = 0; c < models.size(); ++c) {
+    const auto* raw = models[c].data();
+    for (size_t off = 0; off + 12 <= layout.total_bytes(); off += 12) {
+      EXPECT_NE(std::memcmp(u.bytes.data() + off, raw + off, 12), 0) << "client " << c << " chunk " << off;
+      for (const auto& w : wire) EXPECT_NE(std::memcmp(w.data() + off, raw + off, 12), 0);
+    }
+  }
+}
+
+TEST(SecAggRoundSeam, ChunkCuttingAnElementIsRefusedNamingTheKey) {
+  LayoutBuilder lb;
+  lb.add("w", DType::kF32, {10});
+  Layout layout = std::move(lb).build().value();
+  SecAggParams params;
+  auto sa = SecAggRound::start(1, {0, 1}, params, layout);
+  ASSERT_TRUE(sa.ok());
+  SecAggClientStages clients;
+  std::vector<int> failed;
+  ASSERT_TRUE((*sa)->exchange_keys(clients, &failed).ok());
+  Arena model(layout.total_bytes(), MemoryCategory::kModel);
+  std::memset(model.data(), 0, layout.total_bytes());
+  MaskingPlace masked(std::make_unique<ArenaPlace>(model), layout, *clients.client(0));
+  ASSERT_TRUE(masked.begin(1.0).ok());
+  auto stream = (*sa)->open_update(client_id(0), 1.0);
+  ASSERT_TRUE(stream.ok());
+  auto sent = stream_place(layout, masked, 7, **stream);
+  ASSERT_FALSE(sent.ok());
+  EXPECT_NE(sent.status().message().find("model_chunk_size"), std::string::npos) << sent.status().message();
+  // A bf16 model is refused before any work.
+  LayoutBuilder hb;
+  hb.add("h", DType::kBF16, {4});
+  Layout half = std::move(hb).build().value();
+  auto refused = SecAggRound::start(1, {0, 1}, params, half);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.status().message().find("entry 'h' is bf16"), std::string::npos) << refused.status().message();
 }
 
 }  // namespace

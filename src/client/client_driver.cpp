@@ -5,6 +5,7 @@
 #include <spdlog/spdlog.h>
 
 #include "compress/update_encoder.h"
+#include "secagg/masking_place.h"
 
 namespace memfl {
 
@@ -26,6 +27,18 @@ StatusOr<std::unique_ptr<ModelPlace>> ClientDriver::upload_place(const TripUpdat
     raw = std::make_unique<ShardsPlace>(*up.shards);
   } else {
     raw = std::make_unique<ArenaPlace>(*up.upload);
+  }
+  if (cfg_.secagg.enable) {
+    SecAggClient* keys = secagg_.client(client);
+    if (keys == nullptr) {
+      return failed_precondition("client_{}: no secure aggregation keys for this round (it missed the key exchange)",
+                                 client);
+    }
+    auto masked = std::make_unique<MaskingPlace>(std::move(raw), *up.layout, *keys);
+    // `equal` weights: every client the full weight (ratio 1).
+    const double weight = cfg_.server.client_weights_mode == "equal" ? cfg_.secagg.max_weight : up.sample_count;
+    MEMFL_RETURN_IF_ERROR(masked->begin(weight));
+    return std::unique_ptr<ModelPlace>(std::move(masked));
   }
   if (!compression_.enabled) return raw;
   const Layout& layout = *up.layout;

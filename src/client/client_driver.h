@@ -29,6 +29,7 @@
 #include "comm/client_transport.h"
 #include "compress/settings.h"
 #include "memory/sampler.h"
+#include "secagg/channel.h"
 
 namespace memfl {
 
@@ -90,7 +91,14 @@ class ClientDriver {
   // enable_compression — its frames (compress/update_encoder.h), lossy
   // tensors as their change from `base` (null: from zero), with client
   // `client`'s error-feedback residual added and kept.
+  // With server_configs.secure_aggregation.enable the place sends masked
+  // words instead (secagg/masking_place.h), with the keys this client made
+  // in the round's key exchange.
   StatusOr<std::unique_ptr<ModelPlace>> upload_place(const TripUpdate& up, int client, const Arena* base);
+
+  // Secure aggregation's client stages for the clients this process plays
+  // (null when off): what a transport hands the server's key exchange.
+  SecAggChannel* secure_aggregation() { return cfg_.secagg.enable ? &secagg_ : nullptr; }
 
   // Plays rounds over `transport` until the server says the run is over;
   // a round that fails is handed to transport.recover (a new session, or
@@ -111,6 +119,7 @@ class ClientDriver {
                                      // lossy compression: the model received
   CompressionSettings compression_;
   std::map<int, Arena> residuals_;  // error feedback: one per client this process plays
+  SecAggClientStages secagg_;       // secure aggregation: each client's keys for the round
 
   // One round; true when the server said the run is over.
   StatusOr<bool> play_round(ClientTransport& transport, LocalModel& model, Arena* round_model, MemorySampler* sampler);

@@ -187,7 +187,7 @@ Status GlobalModel::restore() {
   return file->load_into(model_.layout(), model_.arena());
 }
 
-Status GlobalModel::finish_round(int round) {
+Status GlobalModel::finish_round(int round, int contributors) {
   Arena& into = mapped_ && next_ ? *next_ : model_.arena();
   Status fin = aggregator_->finalize(into);
   if (!fin.ok()) {
@@ -196,10 +196,10 @@ Status GlobalModel::finish_round(int round) {
   }
   if (cfg_.server.dp_fedavg_clip_norm > 0) {
     // Client-level DP-FedAvg: noise on the mean, in place (no extra state).
-    add_gaussian_noise(
-        layout(), into,
-        cfg_.server.dp_fedavg_noise_multiplier * cfg_.server.dp_fedavg_clip_norm / aggregator_->num_committed(),
-        cfg_.server.seed * 1000003ULL + static_cast<uint64_t>(round));
+    add_gaussian_noise(layout(), into,
+                       cfg_.server.dp_fedavg_noise_multiplier * cfg_.server.dp_fedavg_clip_norm /
+                           (contributors > 0 ? contributors : aggregator_->num_committed()),
+                       cfg_.server.seed * 1000003ULL + static_cast<uint64_t>(round));
   }
   if (mapped_) {
     MEMFL_RETURN_IF_ERROR(next_->sync());

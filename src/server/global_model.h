@@ -53,7 +53,9 @@ class GlobalModel {
   Status begin_round(int round, std::vector<std::string> fold_order);
   // Finalizes the aggregate into the global model. On failure the pre-round
   // model is back in place and the failure is returned: redo the round.
-  Status finish_round(int round);
+  // `contributors`: how many client updates the aggregate is of, when the
+  // aggregator saw fewer (secure aggregation hands it one mean); 0: its count.
+  Status finish_round(int round, int contributors = 0);
   // Writes the checkpoint after a round (nothing to do when the global model
   // is the checkpoint file).
   Status write_checkpoint(int round);

@@ -12,12 +12,16 @@
 #include "compress/decoding_opener.h"
 #include "dp/rdp_accountant.h"
 #include "memory/budget.h"
+#include "secagg/secagg_round.h"
 #include "server/server_state.h"
 
 namespace memfl {
 
 namespace fs = std::filesystem;
 using Clock = std::chrono::steady_clock;
+
+// The one update the aggregator sees in a securely aggregated round.
+constexpr const char* kSecureAggregateId = "secure_aggregate";
 
 nlohmann::json round_metrics_to_json(const RoundMetrics& m) {
   return {m.round,      m.clients,         m.train_loss,  m.train_accuracy, m.val_loss,         m.val_accuracy,
@@ -144,10 +148,37 @@ Status RoundDriver::play_round(int round, RoundMetrics* m, bool* redo) {
   BroadcastResult down;
   MEMFL_RETURN_IF_ERROR(transport_.broadcast(round, selected, global_.arena(), &down));
 
+  // Secure aggregation: keys are exchanged before any masked chunk moves,
+  // the masked streams are summed by the SecAggRound, and the aggregator
+  // sees one update, the unmasked mean.
+  std::unique_ptr<SecAggRound> secure;
+  std::vector<int> key_failed;
+  if (cfg_.secagg.enable) {
+    if (opts_.secure_aggregation == nullptr) {
+      return failed_precondition(
+          "server_configs.secure_aggregation.enable: the {} transport does not carry secure aggregation's key "
+          "exchange yet; run it in process (memfl run)",
+          transport_.name());
+    }
+    const SecAggConfig& a = cfg_.secagg;
+    const SecAggParams params{a.num_shares,
+                              a.reconstruction_threshold,
+                              a.max_weight,
+                              a.clipping_range,
+                              static_cast<uint64_t>(a.quantization_range),
+                              static_cast<uint64_t>(a.modulus_range)};
+    MEMFL_ASSIGN_OR_RETURN(secure, SecAggRound::start(round, selected, params, global_.layout()));
+    sampler_.mark(round, "secagg_keys");
+    MEMFL_RETURN_IF_ERROR(secure->exchange_keys(*opts_.secure_aggregation, &key_failed));
+  }
   // Updates fold in client order whatever order they arrive in (parked
   // until their turn), so every transport gives the same model bit for bit.
   std::vector<std::string> fold_order;
-  for (int c : selected) fold_order.push_back(client_id(c));
+  if (secure) {
+    fold_order.push_back(kSecureAggregateId);
+  } else {
+    for (int c : selected) fold_order.push_back(client_id(c));
+  }
   MEMFL_RETURN_IF_ERROR(global_.begin_round(round, std::move(fold_order)));
   sampler_.mark(round, "upload");
   crash_point(round, "upload");
@@ -165,18 +196,42 @@ Status RoundDriver::play_round(int round, RoundMetrics* m, bool* redo) {
     }
     decoded.emplace(checked, global_.layout(), base.get());
   }
-  UpdateOpener& opener = decoded ? static_cast<UpdateOpener&>(*decoded) : checked;
+  UpdateOpener& opener = secure    ? static_cast<UpdateOpener&>(*secure)
+                         : decoded ? static_cast<UpdateOpener&>(*decoded)
+                                   : checked;
   MEMFL_RETURN_IF_ERROR(transport_.collect(round, selected, global_.arena(), opener, &up));
+  int contributors = 0;
+  if (secure) {
+    sampler_.mark(round, "secagg_unmask");
+    // The unmasked mean through the same value checks as any update.
+    auto n = secure->unmask_into(*opts_.secure_aggregation, checked, kSecureAggregateId);
+    opts_.secure_aggregation->end_round(round);
+    if (!n.ok()) {
+      if (n.status().code() != StatusCode::kAborted) return n.status();
+      // Nothing was folded: the pre-round model stays; the clients that
+      // failed are out, the round is played again with the others.
+      (void)global_.finish_round(round);
+      for (int c : up.failed) {
+        if (std::find(dropped_.begin(), dropped_.end(), c) == dropped_.end()) dropped_.push_back(c);
+      }
+      spdlog::warn("{} — redoing the round with the clients still in", n.status().message());
+      *redo = true;
+      return Status::Ok();
+    }
+    contributors = static_cast<int>(*n);
+    spdlog::info("round {}: secure aggregation unmasked the mean of {} clients ({} dropped)", round, *n,
+                 selected.size() - *n);
+  }
   // The previous round's evaluation has had this round's training to run in.
   MEMFL_RETURN_IF_ERROR(finish_evaluation());
   for (int c : up.failed) {
-    (void)global_.aggregator().withdraw(client_id(c));
+    if (!secure) (void)global_.aggregator().withdraw(client_id(c));
     if (std::find(dropped_.begin(), dropped_.end(), c) == dropped_.end()) dropped_.push_back(c);
   }
 
   sampler_.mark(round, "aggregate");
   crash_point(round, "aggregate");
-  Status fin = global_.finish_round(round);
+  Status fin = global_.finish_round(round, contributors);
   if (!fin.ok()) {
     if (up.committed.empty() && fin.code() != StatusCode::kAborted) return fin.with_context(opts_.role);
     spdlog::warn("round {}: {} — the pre-round model is back; redoing the round with the clients still in", round,

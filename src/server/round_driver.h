@@ -29,6 +29,8 @@
 
 namespace memfl {
 
+class SecAggChannel;
+
 struct RoundDriverOptions {
   std::string run_dir;
   std::string role = "server";  // names log lines
@@ -55,6 +57,10 @@ struct RoundDriverOptions {
   // the simulator's per-client DP), saved and restored with each commit.
   std::function<nlohmann::json()> save_extra;
   std::function<Status(const nlohmann::json&)> load_extra;
+  // server_configs.secure_aggregation: how the key-exchange stages reach the
+  // round's clients (secagg/channel.h); null where the transport does not
+  // carry them yet, and then such a run is refused.
+  SecAggChannel* secure_aggregation = nullptr;
 };
 
 class RoundDriver {

@@ -151,8 +151,9 @@ std::unique_ptr<InProcessTransport> SimWorkers::make_transport(size_t chunk) {
       std::make_unique<ClientDriver>(cfg_, run_dir_, clients_.splits(), clients_.parts, /*record_privacy=*/false);
   trips_.assign(workers_.size(), TripUpdate{});
   InProcessTransport::Upload upload;
-  if (cfg_.compressor.enable_compression) {
-    // A worker's update leaves as frames; lossy tensors as their change
+  if (cfg_.compressor.enable_compression || cfg_.secagg.enable) {
+    // A worker's update leaves as frames (compressed, or secure aggregation's
+    // masked words); lossy tensors as their change
     // from the round's global model, which the simulator keeps anyway.
     upload = [this](int w, int c, const Arena& global) {
       return client_driver_->upload_place(trips_[static_cast<size_t>(w)], c, &global);
@@ -253,6 +254,9 @@ void SimWorkers::record_round(int round, const Scheduler& scheduler) {
 
 void SimWorkers::attach(RoundDriverOptions* dopts, GlobalModel& global, const Scheduler& scheduler,
                         std::function<void(const RoundMetrics&)> on_round) {
+  // Secure aggregation's key exchange reaches the virtual clients' stages
+  // directly: the clients' side is the same ClientDriver as on every transport.
+  if (client_driver_ != nullptr) dopts->secure_aggregation = client_driver_->secure_aggregation();
   if (cfg_.server.do_server_eval && global.model().replica() != nullptr)
     dopts->evaluate = [this, &global](int, Arena& global_model) { return evaluate(global.model(), global_model); };
   dopts->on_round = [this, &scheduler, on_round = std::move(on_round)](const RoundMetrics& m) {

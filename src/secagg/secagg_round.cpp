@@ -1,0 +1,158 @@
+#include "secagg/secagg_round.h"
+
+#include <cstring>
+
+#include <spdlog/spdlog.h>
+
+#include "secagg/masking_place.h"
+
+namespace memfl {
+
+namespace {
+
+template <typename... Args>
+Status aborted(fmt::format_string<Args...> f, Args&&... args) {
+  return {StatusCode::kAborted, fmt::format(f, std::forward<Args>(args)...)};
+}
+
+}  // namespace
+
+// One client's masked upload: each chunk's header and checksum checked,
+// then its words added into the sum under the round's lock.
+class SecAggRound::Stream final : public UpdateStream {
+ public:
+  Stream(SecAggRound& round, int client) : round_(round), client_(client) {}
+  Status accept(const ChunkHeader& h, Payload payload) override {
+    const uint64_t total = round_.layout_.total_bytes();
+    if (h.layout_hash != round_.layout_.hash()) {
+      return data_loss("client_{}: masked chunk for another model (layout hash {:#x})", client_, h.layout_hash);
+    }
+    if (h.offset != next_) {
+      return data_loss("client_{}: masked chunk at byte {}, expected {}", client_, h.offset, next_);
+    }
+    size_t bytes = 0;
+    for (auto piece : payload) bytes += piece.size();
+    // The model's bytes in words, plus the weight word after the last chunk.
+    const bool last = bytes >= 4 && h.offset + bytes - 4 == total;
+    if (bytes != h.length || bytes % 4 != 0 || h.offset + bytes - (last ? 4 : 0) > total) {
+      return data_loss("client_{}: masked chunk at byte {} of {} bytes does not fit a model of {} bytes", client_,
+                       h.offset, bytes, total);
+    }
+    if (chunk_checksum(payload) != h.checksum) {
+      return data_loss("client_{}: masked chunk at byte {}: checksum mismatch", client_, h.offset);
+    }
+    words_.resize(bytes / 4);
+    size_t at = 0;
+    for (auto piece : payload) {
+      std::memcpy(reinterpret_cast<std::byte*>(words_.data()) + at, piece.data(), piece.size());
+      at += piece.size();
+    }
+    std::lock_guard lock(round_.mu_);
+    MEMFL_RETURN_IF_ERROR(round_.server_->add_masked_chunk(client_, h.offset / 4, words_));
+    next_ = h.offset + bytes - (last ? 4 : 0);
+    return Status::Ok();
+  }
+  Status commit() override {
+    std::lock_guard lock(round_.mu_);
+    return round_.server_->finish_upload(client_);
+  }
+
+ private:
+  SecAggRound& round_;
+  int client_;
+  uint64_t next_ = 0;
+  std::vector<uint32_t> words_;
+};
+
+SecAggRound::SecAggRound(int round, std::vector<int> selected, SecAggSettings settings, const Layout& layout)
+    : round_(round), selected_(std::move(selected)), settings_(settings), layout_(layout) {
+  sum_.resize(layout_.total_bytes() / 4 + 1);
+  server_ = std::make_unique<SecAggServer>(round_, selected_, settings_, sum_);
+}
+
+StatusOr<std::unique_ptr<SecAggRound>> SecAggRound::start(int round, std::vector<int> selected,
+                                                          const SecAggParams& params, const Layout& layout) {
+  MEMFL_RETURN_IF_ERROR(check_secagg_layout(layout));
+  std::sort(selected.begin(), selected.end());
+  MEMFL_ASSIGN_OR_RETURN(SecAggSettings s, SecAggSettings::resolve(params, selected.size()));
+  return std::unique_ptr<SecAggRound>(new SecAggRound(round, std::move(selected), s, layout));
+}
+
+Status SecAggRound::exchange_keys(SecAggChannel& channel, std::vector<int>* failed) {
+  std::vector<int> in;
+  const auto out = [&](int c, const Status& why) {
+    spdlog::warn("round {}: secure aggregation: {} is out of the round: {}", round_, client_id(c), why.message());
+    failed->push_back(c);
+  };
+  for (int c : selected_) {
+    auto a = channel.advertise(c, round_, selected_, settings_);
+    Status st = a.ok() ? server_->add_advert(*a) : a.status();
+    if (st.ok()) {
+      in.push_back(c);
+    } else {
+      out(c, st);
+    }
+  }
+  std::vector<int> shared;
+  for (int c : in) {
+    auto shares = channel.share_keys(c, server_->roster_for(c));
+    Status st = shares.ok() ? server_->add_shares(c, *shares) : shares.status();
+    if (st.ok()) {
+      shared.push_back(c);
+    } else {
+      out(c, st);
+    }
+  }
+  for (int c : shared) {
+    Status st = channel.deliver_shares(c, server_->inbox_for(c));
+    if (!st.ok()) out(c, st);
+  }
+  return Status::Ok();
+}
+
+StatusOr<std::unique_ptr<UpdateStream>> SecAggRound::open_update(const std::string& peer, double /*sample_count*/) {
+  for (int c : selected_) {
+    if (client_id(c) == peer) return std::unique_ptr<UpdateStream>(std::make_unique<Stream>(*this, c));
+  }
+  return invalid_argument("{}: a masked update from a client not selected for round {}", peer, round_);
+}
+
+StatusOr<size_t> SecAggRound::unmask_into(SecAggChannel& channel, UpdateOpener& into, const std::string& name,
+                                          size_t chunk) {
+  std::lock_guard lock(mu_);
+  MEMFL_ASSIGN_OR_RETURN(UnmaskRequest req, server_->unmask_request());
+  for (int c : req.survivors) {
+    auto revealed = channel.unmask(c, req);
+    Status st = revealed.ok() ? server_->add_revealed(c, *revealed) : revealed.status();
+    // A survivor silent now is tolerated as long as t shares of each secret
+    // still come back (reconstruct says when not).
+    if (!st.ok())
+      spdlog::warn("round {}: secure aggregation: {} did not unmask: {}", round_, client_id(c), st.message());
+  }
+  Status rec = server_->reconstruct();
+  if (!rec.ok()) {
+    return aborted("round {}: secure aggregation cannot unmask: {}", round_, rec.message());
+  }
+  const uint64_t elements = sum_.size() - 1;
+  MEMFL_RETURN_IF_ERROR(server_->unmask_chunk(elements, std::span(sum_).subspan(elements, 1)));
+  const double weight = server_->total_weight(sum_[elements]);
+  if (!(weight > 0)) return aborted("round {}: secure aggregation: the unmasked weights sum to {}", round_, weight);
+  // Chunk by chunk: the sum's words unmasked in place, the mean's f32s in
+  // one chunk-sized buffer, straight on to the aggregator.
+  MEMFL_ASSIGN_OR_RETURN(auto stream, into.open_update(name, 1.0));
+  const size_t words_per_chunk = std::max<size_t>(chunk / 4, 1);
+  std::vector<float> mean(std::min<uint64_t>(words_per_chunk, elements));
+  for (uint64_t e = 0; e < elements; e += words_per_chunk) {
+    const size_t n = std::min<uint64_t>(words_per_chunk, elements - e);
+    auto words = std::span(sum_).subspan(e, n);
+    MEMFL_RETURN_IF_ERROR(server_->unmask_chunk(e, words));
+    server_->dequantize(words, weight, std::span(mean).first(n));
+    auto bytes = std::as_bytes(std::span(mean).first(n));
+    MEMFL_RETURN_IF_ERROR(
+        stream->accept(ChunkHeader{layout_.hash(), e * 4, bytes.size(), chunk_checksum(bytes)}, bytes));
+  }
+  MEMFL_RETURN_IF_ERROR(stream->commit());
+  return req.survivors.size();
+}
+
+}  // namespace memfl

@@ -1,0 +1,142 @@
+// Secure aggregation end to end through `memfl run` (DummyTrainer clients
+// whose updates the test knows): the global model against plain FedAvg of
+// the same updates (tests/dummy_oracle.h) within the quantisation bound
+// derived here, and the configurations it refuses, naming the key.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "cli_util.h"
+#include "dummy_oracle.h"
+#include "test_util.h"
+
+namespace memfl {
+namespace {
+
+constexpr int kClients = 4, kRounds = 3;
+constexpr int64_t kParams = 3001;
+constexpr double kScale = 0.001;
+
+std::string write_config(const testing::TempDir& tmp, const std::string& extra) {
+  const std::string path = tmp.file("secagg.yaml");
+  std::ofstream(path) << "client_configs:\n  train_configs:\n    trainer: DummyTrainer\n    dummy_update_scale: "
+                      << kScale
+                      << "\n  model_configs:\n    model_name: synthetic\n    model_kwargs:\n      num_params: "
+                      << kParams << "\nserver_configs:\n  num_clients: " << kClients
+                      << "\n  num_global_epochs: " << kRounds
+                      << "\n  aggregator_kwargs:\n    client_weights_mode: sample_size\n"
+                         "  comm_configs:\n    grpc_configs:\n      model_chunk_size: 4000\n"
+                         "  secure_aggregation:\n    enable: true\n    max_weight: 20\n"
+                      << extra;
+  return path;
+}
+
+// The largest |element| any client sends in any round: the global model's
+// (FedAvg's, the oracle's) plus the largest DummyTrainer change, s·n·5.
+double max_client_element() {
+  double M = 0;
+  for (int rounds = 0; rounds <= kRounds; ++rounds) {
+    const auto g = testing::dummy_fedavg_model(
+        kParams, kScale, std::vector<std::vector<int>>(static_cast<size_t>(rounds), std::vector<int>{0, 1, 2, 3}));
+    for (double v : g) M = std::max(M, std::abs(v) + kScale * kClients * 5);
+  }
+  return M;
+}
+
+TEST(SecAggRun, GlobalModelIsFedAvgWithinTheQuantisationBound) {
+  testing::TempDir tmp;
+  Result r = memfl_cli("run " + write_config(tmp, "") + " -q --out " + tmp.file("run"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  // Plain FedAvg of the same updates: client c weighs 5·(c+1).
+  std::vector<std::vector<int>> all(kRounds, std::vector<int>{0, 1, 2, 3});
+  const std::vector<double> want = testing::dummy_fedavg_model(kParams, kScale, all);
+  // Per round, with ratios rᶜ = 5(c+1)/max_weight (W = 2.5), step = 2·8/(2²² − 1)
+  // and every client element below M in magnitude:
+  //   |m̂ − m| ≤ n·step·(W + W·M) / (W·(W − n·step));
+  // the mean is the global model plus a fixed change, so an error carries
+  // into the next round one for one: the bounds add up over the rounds.
+  const double M = max_client_element();
+  ASSERT_LT(M, 8.0) << "the updates must lie inside clipping_range for the bound to hold";
+  const double n = kClients, W = 2.5, step = 16.0 / ((1 << 22) - 1);
+  const double per_round = n * step * (W + W * M) / (W * (W - n * step));
+  const double bound = kRounds * per_round;
+  auto f = SafetensorsFile::open(tmp.file("run/global_model.safetensors"));
+  ASSERT_TRUE(f.ok()) << f.status().to_string();
+  size_t k = 0;
+  double worst = 0;
+  for (const auto& t : (*f)->tensors()) {
+    for (size_t i = 0; i < t.data.size() / 4; ++i, ++k) {
+      float v;
+      std::memcpy(&v, t.data.data() + 4 * i, 4);
+      const double err = std::abs(v - want[k]);
+      worst = std::max(worst, err);
+      ASSERT_LE(err, bound + 4e-7 * (1 + std::abs(want[k]))) << t.name << "[" << i << "]";
+    }
+  }
+  ASSERT_EQ(k, want.size());
+  // Quantised, not copied: the model is off plain FedAvg's f32 result somewhere.
+  EXPECT_GT(worst, 0.0);
+  EXPECT_NE(r.output.find("secure aggregation unmasked the mean of 4 clients"), std::string::npos) << r.output;
+}
+
+TEST(SecAggRun, ServerOptimizerActsOnTheUnmaskedMean) {
+  testing::TempDir tmp;
+  // FedAvgM (server momentum) is linear in the round's mean.
+  const std::string cfg = write_config(tmp, "  aggregator: FedAvgMAggregator\n");
+  Result sec = memfl_cli("run " + cfg + " -q --out " + tmp.file("sec"));
+  ASSERT_EQ(sec.exit_code, 0) << sec.output;
+  Result plain =
+      memfl_cli("run " + cfg + " -q --set server_configs.secure_aggregation.enable=false --out " + tmp.file("plain"));
+  ASSERT_EQ(plain.exit_code, 0) << plain.output;
+  auto a = SafetensorsFile::open(tmp.file("sec/global_model.safetensors"));
+  auto b = SafetensorsFile::open(tmp.file("plain/global_model.safetensors"));
+  ASSERT_TRUE(a.ok() && b.ok());
+  double worst = 0;
+  for (const auto& t : (*a)->tensors()) {
+    const auto* u = (*b)->find(t.name);
+    ASSERT_NE(u, nullptr);
+    for (size_t i = 0; i < t.data.size() / 4; ++i) {
+      float x, y;
+      std::memcpy(&x, t.data.data() + 4 * i, 4);
+      std::memcpy(&y, u->data.data() + 4 * i, 4);
+      worst = std::max(worst, static_cast<double>(std::abs(x - y)));
+    }
+  }
+  // DummyTrainer's mean is the model plus a fixed change, so the
+  // pseudo-gradient carries only the quantisation error e_j of round j, and
+  // momentum (β = 0.9, lr = 1: the defaults) spreads it over later rounds:
+  // the model is off by at most lr·Σ_j Σ_k β^k·e_j ≤ rounds²·max e_j (loose,
+  // but could fail), with e_j bounded as in the test above.
+  const double M = max_client_element(), n = kClients, W = 2.5, step = 16.0 / ((1 << 22) - 1);
+  ASSERT_LT(M, 8.0);
+  const double per_round = n * step * (W + W * M) / (W * (W - n * step));
+  EXPECT_LE(worst, kRounds * kRounds * per_round + 1e-6);
+  EXPECT_GT(worst, 0.0);
+}
+
+TEST(SecAggRun, RefusesWhatCannotRunWithItNamingTheKey) {
+  testing::TempDir tmp;
+  const std::string cfg = write_config(tmp, "");
+  const auto refused = [&](const std::string& set, const std::string& says) {
+    Result r = memfl_cli("run " + cfg + " -q --set " + set + " --out " + tmp.file("x"));
+    EXPECT_NE(r.exit_code, 0) << set;
+    EXPECT_NE(r.output.find(says), std::string::npos) << set << ": " << r.output;
+  };
+  refused("server_configs.scheduler=AsyncScheduler --set server_configs.aggregator=FedAsyncAggregator",
+          "server_configs.secure_aggregation.enable: true' with server_configs.scheduler: AsyncScheduler");
+  refused("server_configs.memory_mode=naive",
+          "secure_aggregation.enable: true' with server_configs.memory_mode: naive");
+  refused("client_configs.comm_configs.compressor_configs.enable_compression=true",
+          "secure_aggregation.enable: true' with client_configs.comm_configs.compressor_configs.enable_compression");
+  refused("server_configs.secure_aggregation.modulus_range=1000",
+          "secure_aggregation.modulus_range: 1000' must be a power of two");
+  refused("server_configs.secure_aggregation.quantization_range=2000000000",
+          "secure_aggregation.quantization_range: 2000000000' × 4 clients per round can wrap");
+}
+
+}  // namespace
+}  // namespace memfl
