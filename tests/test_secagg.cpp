@@ -344,6 +344,33 @@ TEST(SecAgg, SecAggPlusRecoversClientsDroppedAfterSharingKeys) {
   }
 }
 
+TEST(SecAgg, ClientThatAdvertisedButNeverSharedLeavesNoMaskInTheSum) {
+  SecAggParams p;
+  p.clipping_range = 8;
+  p.quantization_range = (uint64_t{1} << 20) + 1;
+  p.max_weight = 1;
+  p.reconstruction_threshold = 2;
+  const size_t elements = 40;
+  Round r({1, 2, 3, 4}, p, elements);
+  for (int id : {1, 2, 3, 4}) ASSERT_TRUE(r.server->add_advert(r.client(id).advertise()).ok());
+  // Client 3 advertised keys (the others paired masks with it) but never
+  // sent its shares.
+  for (int id : {1, 2, 4}) {
+    auto shares = r.client(id).share_keys(r.server->roster_for(id));
+    ASSERT_TRUE(shares.ok()) << shares.status().message();
+    ASSERT_TRUE(r.server->add_shares(id, *shares).ok());
+  }
+  for (int id : {1, 2, 4}) ASSERT_TRUE(r.client(id).receive_shares(r.server->inbox_for(id)).ok());
+  std::vector<float> a(elements, 3.0f), b(elements, -1.0f), c(elements, 1.0f);
+  r.upload(1, a, 1, 9);
+  r.upload(2, b, 1, 9);
+  r.upload(4, c, 1, 9);
+  auto mean = r.unmask(13);
+  ASSERT_TRUE(mean.ok()) << mean.status().message();
+  EXPECT_TRUE(r.server->dropped().empty());  // it never shared: nothing of it to unmask
+  for (float m : *mean) ASSERT_EQ(m, 1.0f);
+}
+
 TEST(SecAgg, SurvivorSilentDuringUnmaskingIsToleratedUpToThreshold) {
   SecAggParams p;
   p.clipping_range = 8;
@@ -449,6 +476,18 @@ TEST(SecAgg, RefusesBadPeerInputNamingTheClient) {
   EXPECT_NE(st.message().find("client_2: masked chunk at element 0, expected 4"), std::string::npos) << st.message();
   st = r.server->finish_upload(2);
   EXPECT_NE(st.message().find("client_2: masked vector of 4 elements, expected 11"), std::string::npos) << st.message();
+}
+
+TEST(SecAgg, ClientRefusesToMaskANonFiniteUpdate) {
+  SecAggParams p;
+  Round r({1, 2}, p, 4);
+  r.share();
+  ASSERT_TRUE(r.client(2).begin_update(4, 1).ok());
+  const std::vector<float> x = {0.f, 1.f, std::nanf(""), 2.f};
+  std::vector<uint32_t> out(4);
+  const Status st = r.client(2).mask_chunk(0, x, out);
+  EXPECT_EQ(st.code(), StatusCode::kRejected);
+  EXPECT_NE(st.message().find("client_2: element 2 of its update is not finite"), std::string::npos) << st.message();
 }
 
 TEST(SecAgg, RefusesWrongDuplicateAndReplayedShares) {

@@ -243,6 +243,10 @@ Status SecAggClient::begin_update(uint64_t model_elements, double sample_count) 
   if (!std::isfinite(sample_count) || sample_count < 0) {
     return invalid_argument("client_{}: sample count {} is not a finite non-negative number", client_, sample_count);
   }
+  // Masks pair only with neighbours whose shares arrived: a neighbour that
+  // advertised keys but never shared is not among the clients the server
+  // can unmask for (Bell et al.'s U2), so no mask of it may enter the sum.
+  std::erase_if(pairwise_, [&](const auto& pm) { return inbox_.count(pm.first) == 0; });
   model_elements_ = model_elements;
   ratio_ = std::min(sample_count, s_.max_weight) / s_.max_weight;
   return Status::Ok();
@@ -277,7 +281,7 @@ Status SecAggClient::mask_chunk(uint64_t element_offset, std::span<const float> 
     // A non-finite value would quantise to an edge and hide a broken
     // update; the client refuses to send it.
     if (!std::isfinite(v)) {
-      return invalid_argument("client_{}: element {} of its update is not finite", client_, element_offset + i);
+      return rejected("client_{}: element {} of its update is not finite", client_, element_offset + i);
     }
     out[i] = quantise(ratio_ * v);
   }

@@ -83,6 +83,7 @@ Status SecAggRound::exchange_keys(SecAggChannel& channel, std::vector<int>* fail
   const auto out = [&](int c, const Status& why) {
     spdlog::warn("round {}: secure aggregation: {} is out of the round: {}", round_, client_id(c), why.message());
     failed->push_back(c);
+    out_.push_back(c);
   };
   for (int c : selected_) {
     auto a = channel.advertise(c, round_, selected_, settings_);
@@ -112,7 +113,11 @@ Status SecAggRound::exchange_keys(SecAggChannel& channel, std::vector<int>* fail
 
 StatusOr<std::unique_ptr<UpdateStream>> SecAggRound::open_update(const std::string& peer, double /*sample_count*/) {
   for (int c : selected_) {
-    if (client_id(c) == peer) return std::unique_ptr<UpdateStream>(std::make_unique<Stream>(*this, c));
+    if (client_id(c) != peer) continue;
+    if (std::find(out_.begin(), out_.end(), c) != out_.end()) {
+      return failed_precondition("{}: a masked update from a client that missed round {}'s key exchange", peer, round_);
+    }
+    return std::unique_ptr<UpdateStream>(std::make_unique<Stream>(*this, c));
   }
   return invalid_argument("{}: a masked update from a client not selected for round {}", peer, round_);
 }

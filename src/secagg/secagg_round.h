@@ -55,6 +55,7 @@ class SecAggRound final : public UpdateOpener {
   std::vector<uint32_t> sum_;
   std::mutex mu_;  // the server's state: streams add chunks from several threads
   std::unique_ptr<SecAggServer> server_;
+  std::vector<int> out_;  // clients that failed a key-exchange stage
 };
 
 }  // namespace memfl
