@@ -9,6 +9,9 @@ set -euo pipefail
 BUILD=${1:-build}
 PARAMS=${PARAMS:-10000000}
 CLIENT_COUNTS=${CLIENT_COUNTS:-"10"}
+ROUNDS=${ROUNDS:-2}
+# More secure_aggregation keys for the secure runs, e.g. SECAGG_SET="num_shares=5 reconstruction_threshold=3"
+SECAGG_SET=${SECAGG_SET:-}
 TMP=$(mktemp -d /tmp/memfl_secagg.XXXXXX)
 trap 'rm -rf "$TMP"' EXIT
 
@@ -24,20 +27,24 @@ client_configs:
       num_params: $PARAMS
 server_configs:
   num_clients: $n
-  num_global_epochs: 2
+  num_global_epochs: $ROUNDS
   do_server_eval: false
   secure_aggregation:
     enable: $secure
 YAML
-    echo "run: $n clients, secure_aggregation $secure" >&2
-    "$BUILD/memfl" run "$TMP/c.yaml" -q --out "$TMP/run_${n}_$secure" >&2
-    python3 - "$TMP/run_${n}_$secure" "$n" "$secure" "$PARAMS" <<'PY'
+    sets=()
+    if [ "$secure" = true ]; then
+      for kv in $SECAGG_SET; do sets+=(--set "server_configs.secure_aggregation.$kv"); done
+    fi
+    echo "run: $n clients, secure_aggregation $secure ${SECAGG_SET}" >&2
+    "$BUILD/memfl" run "$TMP/c.yaml" -q --out "$TMP/run_${n}_$secure" "${sets[@]}" >&2
+    python3 - "$TMP/run_${n}_$secure" "$n" "$secure" "$PARAMS" "$SECAGG_SET" <<'PY'
 import csv, json, sys
 d, n, secure, params = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "true", int(sys.argv[4])
 rows = list(csv.DictReader(open(d + "/metrics.csv")))
 s = json.load(open(d + "/summary.json"))
 peak = max(float(r["peak_rss_bytes"]) for r in rows)
-print(json.dumps({"bench": "round", "clients": n, "params": params, "secure_aggregation": secure,
+print(json.dumps({"bench": "round", "clients": n, "secagg_set": sys.argv[5], "params": params, "secure_aggregation": secure,
                   "round_seconds": [float(r["round_seconds"]) for r in rows],
                   "peak_rss_bytes": peak, "peak_rss_per_model": peak / (4 * params),
                   "summary_peak_rss_bytes": s.get("peak_rss_bytes"),
@@ -45,5 +52,6 @@ print(json.dumps({"bench": "round", "clients": n, "params": params, "secure_aggr
 PY
   done
 done
+[ -n "${SKIP_COSTS:-}" ] && exit 0
 echo "run: memfl_bench_secagg $PARAMS 10" >&2
 "$BUILD/memfl_bench_secagg" "$PARAMS" 10 | python3 -c 'import json,sys; j=json.load(sys.stdin); j["bench"]="costs"; print(json.dumps(j))'
