@@ -341,6 +341,13 @@ Status RoundDriver::finish_evaluation() {
 }
 
 Status RoundDriver::run() {
+  if (cfg_.secagg.enable && opts_.secure_aggregation == nullptr) {
+    // Refused before any client waits on a round.
+    return failed_precondition(
+        "server_configs.secure_aggregation.enable: the {} transport does not carry secure aggregation's key "
+        "exchange yet; run it in process (memfl run)",
+        transport_.name());
+  }
   MEMFL_RETURN_IF_ERROR(check_server_memory_bound(cfg_, global_));
   // The checkpoint policy's disk, before any client waits on a round.
   MEMFL_RETURN_IF_ERROR(check_disk());
