@@ -14,6 +14,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdint>
 #include <cmath>
 #include <fstream>
 #include <map>
@@ -286,7 +287,7 @@ class BackgroundRun {
     reaped_ = true;
     return WIFEXITED(status_) ? WEXITSTATUS(status_) : -1;
   }
-  std::string log() const { return read_file(out_ + ".log"); }
+  std::string log() const { return testing::read_file(out_ + ".log"); }
 
  private:
   std::string out_;
@@ -365,7 +366,7 @@ TEST(LiveEndpoint, RunServesMetricsHealthAndRefusesBadRequests) {
   EXPECT_EQ(bg.wait(), 0) << bg.log();
   const auto rows = read_csv(run + "/metrics.csv");
   EXPECT_EQ(rows.size(), 13u);  // header + 12 rounds
-  EXPECT_NE(read_file(run + "/http_address"), "");
+  EXPECT_NE(testing::read_file(run + "/http_address"), "");
 }
 
 TEST(LiveEndpoint, TokenIsRequiredExceptForHealth) {
@@ -433,6 +434,41 @@ TEST(LiveEndpoint, ChromiumShowsCurvesAndAFilledClientsTable) {
   EXPECT_TRUE(std::regex_search(dom, std::regex("<td class=\"l\">2</td><td class=\"l\">(selected|done)</td>")))
       << dom.substr(0, 4000);
   EXPECT_EQ(bg.wait(), 0) << bg.log();
+}
+
+// The report page is the live page's frozen form: the same curves, no
+// debug line in view, and it says why a section is empty.
+TEST(ReportPage, ShowsCurvesAndSaysWhyAllocationSitesAreEmpty) {
+  testing::TempDir tmp;
+  const std::string run = tmp.file("run");
+  const Result r = memfl_cli(
+      "run -q --set server_configs.num_clients=2 --set server_configs.num_global_epochs=2"
+      " --set client_configs.data_configs.dataset_kwargs.max_train_samples=1000"
+      " --set client_configs.data_configs.dataset_kwargs.max_test_samples=200"
+      " --set client_configs.train_configs.num_threads=1 --out " +
+      run);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  ASSERT_EQ(memfl_cli("report " + run).exit_code, 0);
+  const std::string dom = rendered("file://" + run + "/report/index.html", tmp.file("chrome"));
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(dom, m, std::regex("<div id=\"memfl-status\">([^<]*)</div>"))) << dom.size();
+  EXPECT_EQ(m[1].str().rfind("ok", 0), 0u) << m[1];
+  EXPECT_GE(count_of(m[1], "charts"), 3) << m[1];  // accuracy, loss, the RSS timeline
+  EXPECT_NE(dom.find("data-curve=\"accuracy\""), std::string::npos);
+  EXPECT_NE(dom.find("data-curve=\"loss\""), std::string::npos);
+  EXPECT_NE(dom.find("No allocation sites: the run was not profiled"), std::string::npos);
+  EXPECT_NE(dom.find("Gradients and optimizer state are libtorch"), std::string::npos);
+  // The render status is for tests, hidden from readers.
+  EXPECT_NE(testing::read_file(run + "/report/index.html").find("#memfl-status { display: none; }"), std::string::npos);
+  // A peak inside training sees the gradients and the optimizer's momentum
+  // in the ledger (they are held from the first step on).
+  const auto mem = nlohmann::json::parse(testing::read_file(run + "/memory.json"));
+  EXPECT_GT(mem["ledger"]["gradients"]["peak_bytes"].get<int64_t>(), 0);
+  EXPECT_GT(mem["ledger"]["optimizer"]["peak_bytes"].get<int64_t>(), 0);
+  if (mem["peak_phase"]["phase"] == "train") {
+    EXPECT_GT(mem["ledger"]["gradients"]["at_rss_peak_bytes"].get<int64_t>(), 0);
+    EXPECT_GT(mem["ledger"]["optimizer"]["at_rss_peak_bytes"].get<int64_t>(), 0);
+  }
 }
 
 }  // namespace
