@@ -76,6 +76,9 @@ StatusOr<std::unique_ptr<LiveEndpoint>> LiveEndpoint::start(LiveEndpointOptions 
   // A few threads are plenty for a scraper and a browser; more connections
   // wait in the queue (each is cut after the read timeout if it stalls).
   s.new_task_queue = [] { return new httplib::ThreadPool(4); };
+  // Headers and body leave as separate writes: without TCP_NODELAY, Nagle
+  // and the scraper's delayed ACK held every kept-alive answer ~40 ms.
+  s.set_tcp_nodelay(true);
   s.set_read_timeout(5, 0);
   s.set_write_timeout(5, 0);
   s.set_keep_alive_max_count(100);
