@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <fstream>
 
+#include "live/live_metrics.h"
 #include "memory/sampler.h"
 
 namespace memfl {
@@ -58,6 +59,7 @@ Status MetricsWriter::append(const RoundMetrics& m) {
                  .c_str(),
              f_);
   if (std::fflush(f_) != 0) return internal_error("writing metrics.csv failed: {}", std::strerror(errno));
+  live::round_row(m);  // every driver writes its rows here: the live page's curves follow them
   return Status::Ok();
 }
 

@@ -10,6 +10,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "live/live_metrics.h"
 #include "memory/alloc_tracker.h"
 
 namespace memfl {
@@ -134,6 +135,7 @@ void MemorySampler::mark(int round, std::string_view phase) {
   record(rss, rss_file);  // every phase starts with a sample, however short it is
   const std::string name(phase);
   alloc_tracker_mark(round, name.c_str());  // the profile knows the phases too
+  live::phase(round, phase);                // and the live page (a no-op without --http)
 }
 
 size_t MemorySampler::num_samples() const {
