@@ -75,9 +75,25 @@ void add_http_options(CLI::App& cmd, SharedOptions& shared) {
                  "require `Authorization: Bearer TOKEN` on --http (default: $MEMFL_HTTP_TOKEN; /healthz stays open)");
 }
 
+namespace {
+// The host part of --http's ADDR:PORT (a bare PORT means 127.0.0.1).
+bool http_on_loopback(const std::string& addr) {
+  const auto colon = addr.rfind(':');
+  std::string host = colon == std::string::npos ? "" : addr.substr(0, colon);
+  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') host = host.substr(1, host.size() - 2);
+  return host.empty() || host == "localhost" || host == "::1" || host.rfind("127.", 0) == 0;
+}
+}  // namespace
+
 memfl::StatusOr<std::unique_ptr<memfl::LiveEndpoint>> start_http(const SharedOptions& o, const std::string& role,
-                                                                 const std::string& dir) {
+                                                                 const std::string& dir, bool tls) {
   if (o.http.empty()) return std::unique_ptr<memfl::LiveEndpoint>();
+  if (tls && !http_on_loopback(o.http)) {
+    return memfl::invalid_argument(
+        "--http {}: the gRPC transport uses TLS (server_configs.comm_configs.grpc_configs.use_ssl) and the live "
+        "endpoint speaks plain HTTP; bind it to 127.0.0.1 and reach it through an SSH tunnel or a TLS proxy",
+        o.http);
+  }
   std::string token = o.http_token;
   // From the environment, so a token need not sit on a command line (ps).
   if (const char* env = std::getenv("MEMFL_HTTP_TOKEN"); token.empty() && env != nullptr) token = env;

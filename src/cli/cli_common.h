@@ -61,9 +61,11 @@ void add_http_options(CLI::App& cmd, SharedOptions& shared);
 
 // --http: starts the live endpoint for `role` (null when --http is not
 // given), logs its address and writes it to DIR/http_address, where
-// `memfl launch` and tests find a port 0 turned into a real one.
+// `memfl launch` and tests find a port 0 turned into a real one. `tls`: the
+// role's gRPC uses TLS; the endpoint speaks plain HTTP, so it must then stay
+// on loopback (an address elsewhere is refused, naming --http and use_ssl).
 memfl::StatusOr<std::unique_ptr<memfl::LiveEndpoint>> start_http(const SharedOptions& o, const std::string& role,
-                                                                 const std::string& dir);
+                                                                 const std::string& dir, bool tls = false);
 
 inline constexpr const char* kResumeDoc =
     "continue the run in DIR after its newest committed round (config: DIR's config.yaml unless CONFIG is given)";

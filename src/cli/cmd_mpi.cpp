@@ -25,7 +25,7 @@ int mpi(SharedOptions& o, int& argc, char**& argv) {
   memfl::MpiOptions mo{dir, !o.quiet, !o.resume_dir.empty(), {}};
   if (!o.http.empty()) {
     mo.on_server_start = [&](const std::string& rank0_dir) -> memfl::Status {
-      MEMFL_ASSIGN_OR_RETURN(http, start_http(o, "server", rank0_dir));
+      MEMFL_ASSIGN_OR_RETURN(http, start_http(o, "server", rank0_dir, cfg->server.use_ssl));
       return memfl::Status::Ok();
     };
   }

@@ -40,7 +40,7 @@ int server(SharedOptions& o) {
   memfl::Status st = memfl::write_text_file(dir + "/config.yaml", cfg->resolved_yaml);
   start_profiler(*cfg, dir, "server");
   cfg->colocated_model_copies = o.colocated_clients;
-  auto http = start_http(o, "server", dir);
+  auto http = start_http(o, "server", dir, cfg->server.use_ssl);
   if (!http.ok()) return fail(http.status());
   if (st.ok()) st = memfl::run_grpc_server(*cfg, {dir, !o.quiet, !o.resume_dir.empty()});
   http->reset();

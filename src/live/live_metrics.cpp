@@ -160,6 +160,9 @@ void enable(std::string role) {
   }
   g->running.store(true);
   g->enabled.store(true);
+  // memory/ and io/ know nothing of this folder: they call what is set here.
+  set_phase_observer(&phase);
+  set_round_row_observer(&round_row);
 }
 
 bool enabled() { return g->enabled.load(std::memory_order_relaxed); }
