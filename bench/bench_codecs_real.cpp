@@ -21,6 +21,7 @@
 
 #include "compress/decoding_opener.h"
 #include "compress/update_encoder.h"
+#include "tensor/dtype.h"
 #include "tensor/safetensors.h"
 
 namespace memfl {
@@ -40,21 +41,21 @@ struct Case {
   double bound;
 };
 
+// One element widened to f32 (tensor/dtype.h's conversions); NaN for
+// integer tensors, which never go lossy.
 float element(const std::byte* p, DType dt) {
+  uint16_t h;
+  float f;
   switch (dt) {
-    case DType::kF32: {
-      float f;
+    case DType::kF32:
       std::memcpy(&f, p, 4);
       return f;
-    }
-    case DType::kBF16: {
-      uint16_t h;
+    case DType::kBF16:
       std::memcpy(&h, p, 2);
-      uint32_t u = static_cast<uint32_t>(h) << 16;
-      float f;
-      std::memcpy(&f, &u, 4);
-      return f;
-    }
+      return bf16_to_f32(h);
+    case DType::kF16:
+      std::memcpy(&h, p, 2);
+      return f16_to_f32(h);
     default:
       return NAN;
   }
@@ -168,12 +169,12 @@ int run(int argc, char** argv) {
           }
           // The bound holds on the change; the weight rebuilt as base + change
           // takes the rounding of its dtype on top: one unit in the last place
-          // (2^-23 of the larger of the base and the weight in f32, 2^-7 in bf16) covers the subtraction
+          // (2^-23 of the larger of the base and the weight in f32, 2^-7 in bf16, 2^-10 in f16) covers the subtraction
           // on the client and the addition on the server.
           const double err = std::fabs(static_cast<double>(element(a, en.dtype)) - element(b, en.dtype));
           const double mag =
               std::max(std::fabs(element(b, en.dtype)), std::fabs(element(base.data() + en.offset + k * es, en.dtype)));
-          const double ulp = mag * (en.dtype == DType::kBF16 ? 0x1p-7 : 0x1p-23);
+          const double ulp = mag * (en.dtype == DType::kBF16 ? 0x1p-7 : en.dtype == DType::kF16 ? 0x1p-10 : 0x1p-23);
           worst = std::max(worst, err / (tol[e] + ulp));
         }
       }
