@@ -5,7 +5,11 @@ ASAN_BUILD ?= build-asan
 JOBS       ?= $(shell nproc)
 CMAKE_FLAGS ?=
 # ccache and precompiled headers: see docs/BENCHMARKS.md for what they save.
-export CCACHE_SLOPPINESS = pch_defines,time_macros,include_file_mtime,include_file_ctime
+# No include_file_mtime/ctime sloppiness: with it ccache stores a header's
+# hash read after the compile, so a header saved during a build gets the
+# object of its old text cached under its new one (a stale object that
+# ninja and every later checkout then trust).
+export CCACHE_SLOPPINESS = pch_defines,time_macros
 export CCACHE_DIR ?= $(HOME)/.cache/ccache
 # Paths relative to the checkout, and the build directory left out of the
 # hash: a fresh clone elsewhere (CI's) hits what another checkout compiled.

@@ -17,6 +17,7 @@ PACKAGES=(
   libfmt-dev libspdlog-dev     # formatting and logging
   libxxhash-dev           # chunk checksums (xxh3)
   libunwind-dev           # allocation-site stacks (profiler)
+  libcpp-httplib-dev      # --http: /metrics, /healthz and the live page (a small compiled library, no event loop to host)
   zlib1g-dev              # reading the gzipped Fashion-MNIST IDX files; gzip/zlib update compression
   libzfp-dev libzstd-dev liblzma-dev libblosc-dev  # compressed updates: ZFP, zstd, lzma, blosc
   libsodium-dev           # secure aggregation: key agreement, share encryption, mask streams

@@ -1,9 +1,14 @@
 #include "cli/cli_common.h"
 
+#include <CLI/CLI.hpp>
+#include <spdlog/spdlog.h>
+
 #include <cmath>
+#include <cstdlib>
 #include <filesystem>
 
 #include "default_config.h"
+#include "io/run_dir.h"
 #include "memory/alloc_tracker.h"
 
 namespace memfl::cli {
@@ -60,6 +65,43 @@ memfl::Status check_resume(const std::string& committed_path, const memfl::Exper
   auto committed = memfl::load_config_file(committed_path);
   if (!committed.ok()) return committed.status().with_context("--resume");
   return memfl::check_resume_config(committed->resolved_yaml, committed_path, cfg);
+}
+
+void add_http_options(CLI::App& cmd, SharedOptions& shared) {
+  cmd.add_option("--http", shared.http,
+                 "serve /metrics (Prometheus), /healthz and a live page on ADDR:PORT (a bare PORT: 127.0.0.1; port 0 "
+                 "picks a free one, logged and written to RUN_DIR/http_address)");
+  cmd.add_option("--http-token", shared.http_token,
+                 "require `Authorization: Bearer TOKEN` on --http (default: $MEMFL_HTTP_TOKEN; /healthz stays open)");
+}
+
+namespace {
+// The host part of --http's ADDR:PORT (a bare PORT means 127.0.0.1).
+bool http_on_loopback(const std::string& addr) {
+  const auto colon = addr.rfind(':');
+  std::string host = colon == std::string::npos ? "" : addr.substr(0, colon);
+  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') host = host.substr(1, host.size() - 2);
+  return host.empty() || host == "localhost" || host == "::1" || host.rfind("127.", 0) == 0;
+}
+}  // namespace
+
+memfl::StatusOr<std::unique_ptr<memfl::LiveEndpoint>> start_http(const SharedOptions& o, const std::string& role,
+                                                                 const std::string& dir, bool tls) {
+  if (o.http.empty()) return std::unique_ptr<memfl::LiveEndpoint>();
+  if (tls && !http_on_loopback(o.http)) {
+    return memfl::invalid_argument(
+        "--http {}: the gRPC transport uses TLS (server_configs.comm_configs.grpc_configs.use_ssl) and the live "
+        "endpoint speaks plain HTTP; bind it to 127.0.0.1 and reach it through an SSH tunnel or a TLS proxy",
+        o.http);
+  }
+  std::string token = o.http_token;
+  // From the environment, so a token need not sit on a command line (ps).
+  if (const char* env = std::getenv("MEMFL_HTTP_TOKEN"); token.empty() && env != nullptr) token = env;
+  MEMFL_ASSIGN_OR_RETURN(auto ep, memfl::LiveEndpoint::start({o.http, token, role}));
+  spdlog::info("live: http://{}/ (metrics at /metrics, health at /healthz{})", ep->address(),
+               token.empty() ? "" : "; needs the bearer token");
+  MEMFL_RETURN_IF_ERROR(memfl::write_text_file(dir + "/http_address", ep->address() + "\n"));
+  return ep;
 }
 
 }  // namespace memfl::cli

@@ -3,10 +3,12 @@
 #pragma once
 
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "config/config.h"
+#include "live/http_endpoint.h"
 
 namespace CLI {
 class App;  // <CLI/CLI.hpp>, in the commands that add options
@@ -50,7 +52,20 @@ struct SharedOptions {
   bool quiet = false;
   bool profile = false;       // main turns it into --set memory_configs.profile=true
   int colocated_clients = 0;  // `memfl server`: client processes on this host (launch passes it)
+  std::string http;           // --http ADDR:PORT: the live endpoint (empty: none)
+  std::string http_token;     // --http-token (or $MEMFL_HTTP_TOKEN)
 };
+
+// Adds --http and --http-token to a long-running command.
+void add_http_options(CLI::App& cmd, SharedOptions& shared);
+
+// --http: starts the live endpoint for `role` (null when --http is not
+// given), logs its address and writes it to DIR/http_address, where
+// `memfl launch` and tests find a port 0 turned into a real one. `tls`: the
+// role's gRPC uses TLS; the endpoint speaks plain HTTP, so it must then stay
+// on loopback (an address elsewhere is refused, naming --http and use_ssl).
+memfl::StatusOr<std::unique_ptr<memfl::LiveEndpoint>> start_http(const SharedOptions& o, const std::string& role,
+                                                                 const std::string& dir, bool tls = false);
 
 inline constexpr const char* kResumeDoc =
     "continue the run in DIR after its newest committed round (config: DIR's config.yaml unless CONFIG is given)";

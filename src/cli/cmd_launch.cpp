@@ -3,6 +3,7 @@
 #include <CLI/CLI.hpp>
 #include <unistd.h>
 
+#include <cstdlib>
 #include <filesystem>
 #include <memory>
 
@@ -36,7 +37,11 @@ int launch(SharedOptions& o, int num_clients) {
   }
   auto cfg = load(path, o.sets);  // fail before starting any process
   if (!cfg.ok()) return fail(cfg.status());
-  memfl::Status st = memfl::run_launch(path, o.sets, num_clients, dir, !o.quiet);
+  std::vector<std::string> server_args;
+  if (!o.http.empty()) server_args = {"--http", o.http};
+  // The token reaches the server through its environment, not its command line.
+  if (!o.http_token.empty()) setenv("MEMFL_HTTP_TOKEN", o.http_token.c_str(), 1);
+  memfl::Status st = memfl::run_launch(path, o.sets, num_clients, dir, !o.quiet, server_args);
   if (!st.ok()) return fail(st);
   fmt::print("launch: server and {} clients finished — {}\n", num_clients, dir);
   return kExitOk;
@@ -52,6 +57,7 @@ CommandFn add_launch(CLI::App& cmd, SharedOptions& shared) {
   cmd.add_option("--set", shared.sets, "override a config key (repeatable)");
   cmd.add_flag("-q,--quiet", shared.quiet, "no per-round progress lines");
   cmd.add_flag("--profile", shared.profile, "profile every process (profile.bin in each run dir)");
+  add_http_options(cmd, shared);  // the server's endpoint
   return [&shared, num_clients](int&, char**&) { return launch(shared, *num_clients); };
 }
 

@@ -20,7 +20,17 @@ int mpi(SharedOptions& o, int& argc, char**& argv) {
   std::string dir = !o.resume_dir.empty() ? o.resume_dir
                     : o.out_dir.empty()   ? fmt::format("runs/mpi-{}", getpid())
                                           : o.out_dir;
-  memfl::Status st = memfl::run_mpi(&argc, &argv, *cfg, {dir, !o.quiet, !o.resume_dir.empty()});
+  // The live endpoint lives on rank 0 (the server) only, until the job ends.
+  std::unique_ptr<memfl::LiveEndpoint> http;
+  memfl::MpiOptions mo{dir, !o.quiet, !o.resume_dir.empty(), {}};
+  if (!o.http.empty()) {
+    mo.on_server_start = [&](const std::string& rank0_dir) -> memfl::Status {
+      MEMFL_ASSIGN_OR_RETURN(http, start_http(o, "server", rank0_dir, cfg->server.use_ssl));
+      return memfl::Status::Ok();
+    };
+  }
+  memfl::Status st = memfl::run_mpi(&argc, &argv, *cfg, mo);
+  http.reset();
   if (!st.ok()) return fail(st);
   return kExitOk;
 }
@@ -35,6 +45,7 @@ CommandFn add_mpi(CLI::App& cmd, SharedOptions& shared) {
   cmd.add_option("--resume", shared.resume_dir,
                  "continue the MPI run in DIR (config: DIR/rank_0/config.yaml unless CONFIG is given)");
   cmd.add_flag("--profile", shared.profile, "record allocations with stacks (profile.bin per rank)");
+  add_http_options(cmd, shared);  // rank 0's endpoint
   return [&shared](int& argc, char**& argv) { return mpi(shared, argc, argv); };
 }
 

@@ -31,7 +31,10 @@ int run(SharedOptions& o) {
   spdlog::set_pattern("[%H:%M:%S.%e] [%l] %v");
   spdlog::info("run directory {}", *dir);
   start_profiler(*cfg, *dir, "simulation");
+  auto http = start_http(o, "simulation", *dir);
+  if (!http.ok()) return fail(http.status());
   auto result = memfl::run_simulation(*cfg, {*dir, !o.quiet, resume});
+  http->reset();  // the loop is over: stop serving before the summary
   memfl::alloc_tracker_stop();
   if (!result.ok()) {
     fmt::print(stderr, "memfl: run failed; what was measured so far is in {}\n", *dir);
@@ -56,6 +59,7 @@ CommandFn add_run(CLI::App& cmd, SharedOptions& shared) {
   cmd.add_flag("-q,--quiet", shared.quiet, "no per-round progress lines");
   cmd.add_option("--resume", shared.resume_dir, kResumeDoc);
   cmd.add_flag("--profile", shared.profile, "record allocations with stacks (profile.bin; see memfl report)");
+  add_http_options(cmd, shared);
   return [&shared](int&, char**&) { return run(shared); };
 }
 

@@ -40,7 +40,10 @@ int server(SharedOptions& o) {
   memfl::Status st = memfl::write_text_file(dir + "/config.yaml", cfg->resolved_yaml);
   start_profiler(*cfg, dir, "server");
   cfg->colocated_model_copies = o.colocated_clients;
+  auto http = start_http(o, "server", dir, cfg->server.use_ssl);
+  if (!http.ok()) return fail(http.status());
   if (st.ok()) st = memfl::run_grpc_server(*cfg, {dir, !o.quiet, !o.resume_dir.empty()});
+  http->reset();
   memfl::alloc_tracker_stop();
   if (!st.ok()) return fail(st);
   return kExitOk;
@@ -55,6 +58,7 @@ CommandFn add_server(CLI::App& cmd, SharedOptions& shared) {
   cmd.add_flag("-q,--quiet", shared.quiet, "no per-round progress lines");
   cmd.add_option("--resume", shared.resume_dir, kResumeDoc);
   cmd.add_flag("--profile", shared.profile, "record allocations with stacks (profile.bin)");
+  add_http_options(cmd, shared);
   cmd.add_option("--colocated-clients", shared.colocated_clients,
                  "client processes on this host, each holding a model (memfl launch passes it): the "
                  "accumulator's auto choice leaves room for them")

@@ -80,6 +80,11 @@ StatusOr<TripUpdate> ClientDriver::train(LocalModel& model, int client, int roun
   const bool keep_for_deltas = !async && keep_base_ && compression_.enabled && compression_.lossy != Lossy::kNone;
   const Arena* delta_base = received;
   if (keep_for_deltas && delta_base == nullptr) {
+    if (base_.empty()) {
+      // File-backed when the model is: an LLM client keeps its base on disk.
+      MEMFL_ASSIGN_OR_RETURN(base_,
+                             make_model_arena(cfg_, layout.total_bytes(), run_dir_, MemoryCategory::kCommBuffers));
+    }
     keep_base(layout, base_, model.arena());
     delta_base = &base_;
   }

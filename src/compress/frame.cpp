@@ -82,19 +82,6 @@ StatusOr<FrameHeader> read_frame_header(std::span<const std::byte> frame, uint64
   return h;
 }
 
-float load_float(DType dtype, const std::byte* p, size_t i) {
-  switch (dtype) {
-    case DType::kF32:
-      return get<float>(p + 4 * i);
-    case DType::kBF16:
-      return bf16_to_f32(get<uint16_t>(p + 2 * i));
-    case DType::kF16:
-      return f16_to_f32(get<uint16_t>(p + 2 * i));
-    default:
-      return 0;
-  }
-}
-
 void rebuild_delta(DType dtype, const std::byte* base, const float* delta, size_t n, std::byte* out) {
   for (size_t i = 0; i < n; ++i) {
     const float v = base != nullptr ? load_float(dtype, base, i) + delta[i] : delta[i];

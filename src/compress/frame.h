@@ -37,6 +37,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <span>
 #include <string>
 #include <vector>
@@ -82,8 +83,25 @@ StatusOr<FrameHeader> read_frame_header(std::span<const std::byte> frame, uint64
 // sender and the receiver call this one function, so both rebuild the same
 // bytes and the frame's xxh3 can check them.
 void rebuild_delta(DType dtype, const std::byte* base, const float* delta, size_t n, std::byte* out);
-// f32 value of element i of `n` elements of a float dtype at p.
-float load_float(DType dtype, const std::byte* p, size_t i);
+// f32 value of element i of a float dtype at p (inline: the encoder's and
+// the decoder's per-element loops call it).
+inline float load_float(DType dtype, const std::byte* p, size_t i) {
+  switch (dtype) {
+    case DType::kF32: {
+      float v;
+      std::memcpy(&v, p + 4 * i, 4);
+      return v;
+    }
+    case DType::kBF16:
+    case DType::kF16: {
+      uint16_t b;
+      std::memcpy(&b, p + 2 * i, 2);
+      return dtype == DType::kBF16 ? bf16_to_f32(b) : f16_to_f32(b);
+    }
+    default:
+      return 0;
+  }
+}
 
 // Where a receiver reads the model an update's deltas are against (the
 // round's global model: the server's arena or its checkpoint file).

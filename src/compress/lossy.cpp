@@ -171,7 +171,10 @@ Status quantizer_encode(std::span<const float> values, double tolerance, std::ve
     if (std::isfinite(d)) from_previous += std::fabs(d);
   }
   const uint8_t predictor = from_previous < plain ? kPredictPrevious : kPredictNone;
-  std::vector<int32_t> codes(n);
+  // Reused from one segment to the next (no zero fill, no fresh pages):
+  // every element below is written before it is read.
+  thread_local std::vector<int32_t> codes;
+  if (codes.size() < n) codes.resize(n);
   std::vector<float> exact;
   int32_t largest = 0;
   float previous = 0;

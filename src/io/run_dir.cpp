@@ -6,12 +6,21 @@
 #include <chrono>
 #include <cstring>
 #include <ctime>
+#include <atomic>
 #include <filesystem>
 #include <fstream>
 
 #include "memory/sampler.h"
 
 namespace memfl {
+
+namespace {
+std::atomic<RoundRowObserver> round_row_observer{nullptr};
+}  // namespace
+
+void set_round_row_observer(RoundRowObserver observer) {
+  round_row_observer.store(observer, std::memory_order_release);
+}
 
 namespace fs = std::filesystem;
 
@@ -58,6 +67,8 @@ Status MetricsWriter::append(const RoundMetrics& m) {
                  .c_str(),
              f_);
   if (std::fflush(f_) != 0) return internal_error("writing metrics.csv failed: {}", std::strerror(errno));
+  // Every driver writes its rows here: the live page's curves follow them.
+  if (RoundRowObserver o = round_row_observer.load(std::memory_order_acquire)) o(m);
   return Status::Ok();
 }
 

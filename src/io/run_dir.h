@@ -51,6 +51,12 @@ class MemorySampler;
 // RSS now, the sampler's peak, threads and open descriptors.
 void record_process_metrics(const MemorySampler& sampler, RoundMetrics* m);
 
+// Called with every row any MetricsWriter appends (null: none); set once at
+// start-up by live/ when a role serves its live page, so io/ does not
+// depend on it.
+using RoundRowObserver = void (*)(const RoundMetrics& m);
+void set_round_row_observer(RoundRowObserver observer);
+
 class MetricsWriter {
  public:
   static StatusOr<std::unique_ptr<MetricsWriter>> open(const std::string& path);

@@ -14,6 +14,12 @@
 
 namespace memfl {
 
+namespace {
+std::atomic<PhaseObserver> phase_observer{nullptr};
+}  // namespace
+
+void set_phase_observer(PhaseObserver observer) { phase_observer.store(observer, std::memory_order_release); }
+
 void read_rss_split(int64_t* resident_bytes, int64_t* file_bytes) {
   *resident_bytes = *file_bytes = 0;
   // One open per call keeps this safe from any thread; ~2 µs.
@@ -134,6 +140,7 @@ void MemorySampler::mark(int round, std::string_view phase) {
   record(rss, rss_file);  // every phase starts with a sample, however short it is
   const std::string name(phase);
   alloc_tracker_mark(round, name.c_str());  // the profile knows the phases too
+  if (PhaseObserver o = phase_observer.load(std::memory_order_acquire)) o(round, phase);  // the live page
 }
 
 size_t MemorySampler::num_samples() const {

@@ -43,6 +43,12 @@ int64_t read_peak_rss_bytes();
 // process (/proc/self/maps): a server states it never loaded libtorch.
 bool maps_library(const std::string& name);
 
+// Called with every phase mark of every sampler (null: none). A plain
+// function pointer set once at start-up: memory/ stays below the code that
+// watches it (live/ sets it when a role serves its live page).
+using PhaseObserver = void (*)(int round, std::string_view phase);
+void set_phase_observer(PhaseObserver observer);
+
 class MemorySampler {
  public:
   MemorySampler(std::string role, int interval_ms, size_t max_samples = 200000);

@@ -304,6 +304,12 @@ std::string html_page(const std::string& title, const json& data, const char* mo
   return out;
 }
 
+}  // namespace
+
+std::string live_page_html(const std::string& title) { return html_page(title, json::object(), "live"); }
+
+namespace {
+
 std::string fmt_mib(int64_t b) { return fmt::format("{:.1f}", static_cast<double>(b) / (1 << 20)); }
 
 }  // namespace

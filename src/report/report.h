@@ -22,4 +22,9 @@ StatusOr<std::string> write_report(const std::string& run_dir);
 // comparing runs (the first is the baseline).
 StatusOr<std::string> write_comparison(const std::vector<std::string>& run_dirs, const std::string& out_dir);
 
+// The live page a role's HTTP endpoint serves (live/http_endpoint.h): the
+// report's page and inlined assets in live mode, drawing what /api/state
+// answers as the run goes.
+std::string live_page_html(const std::string& title);
+
 }  // namespace memfl

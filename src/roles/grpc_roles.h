@@ -26,7 +26,9 @@ Status run_grpc_client(const ExperimentConfig& local_cfg, int client_id, const R
 // Starts one server and `num_clients` client processes of this executable on
 // this machine, waits for them and gathers their run directories under
 // `run_dir` (server/, client_0/, ...) with a summary.json.
+// `server_args` go to the server's command line only (--http ADDR:PORT):
+// when it names --http, the live page's address is printed once it listens.
 Status run_launch(const std::string& config_path, const std::vector<std::string>& sets, int num_clients,
-                  const std::string& run_dir, bool progress);
+                  const std::string& run_dir, bool progress, const std::vector<std::string>& server_args = {});
 
 }  // namespace memfl

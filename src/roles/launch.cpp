@@ -39,7 +39,7 @@ nlohmann::json read_json(const fs::path& p) {
 }  // namespace
 
 Status run_launch(const std::string& config_path, const std::vector<std::string>& sets, int num_clients,
-                  const std::string& run_dir, bool progress) {
+                  const std::string& run_dir, bool progress, const std::vector<std::string>& server_args) {
   if (num_clients < 1) return invalid_argument("--clients must be at least 1, got {}", num_clients);
   std::error_code ec;
   fs::create_directories(run_dir, ec);
@@ -68,6 +68,7 @@ Status run_launch(const std::string& config_path, const std::vector<std::string>
   server_argv.insert(server_argv.end(), {"--out", server_dir.string()});
   // Every client runs here beside the server, a model each.
   server_argv.insert(server_argv.end(), {"--colocated-clients", std::to_string(num_clients)});
+  server_argv.insert(server_argv.end(), server_args.begin(), server_args.end());
   MEMFL_ASSIGN_OR_RETURN(pid_t server,
                          spawn_process(server_argv, {.log_path = (fs::path(run_dir) / "server.log").string()}));
 
@@ -88,6 +89,13 @@ Status run_launch(const std::string& config_path, const std::vector<std::string>
       return internal_error("the server did not listen within 120 s");
     }
     if (port.empty()) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  // The server starts its live endpoint before it listens for clients.
+  if (std::ifstream http(server_dir / "http_address"); http) {
+    std::string address;
+    std::getline(http, address);
+    fmt::print("launch: live page http://{}/ (metrics: http://{}/metrics)\n", address, address);
+    std::fflush(stdout);
   }
   std::vector<pid_t> clients;
   for (int i = 0; i < num_clients; ++i) {

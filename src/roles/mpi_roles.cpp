@@ -144,6 +144,9 @@ Status run_mpi(int* argc, char*** argv, const ExperimentConfig& cfg_in, const Mp
   std::error_code ec;
   fs::create_directories(dir, ec);
   MEMFL_RETURN_IF_ERROR(write_text_file(dir + "/config.yaml", cfg.resolved_yaml));
+  if (rank == 0 && opts.on_server_start) {
+    if (Status h = opts.on_server_start(dir); !h.ok()) abort_job(fmt::format("rank 0: {}", h.message()));
+  }
   SharedRing shm = open_shared_ring(cfg, rank);
   Status s;
   try {

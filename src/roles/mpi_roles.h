@@ -21,6 +21,8 @@
 // with tmp + rename after each round, so the last complete round survives.
 #pragma once
 
+#include <functional>
+
 #include "config/config.h"
 
 namespace memfl {
@@ -29,6 +31,9 @@ struct MpiOptions {
   std::string run_dir;  // each rank writes RUN_DIR/rank_<r>/
   bool progress = true;
   bool resume = false;  // the server continues after the newest committed round of RUN_DIR/rank_0
+  // Rank 0 only, once its directory exists and before its loop (memfl mpi
+  // --http starts the live endpoint there); an error ends the job.
+  std::function<Status(const std::string& rank0_dir)> on_server_start;
 };
 
 // Runs this process's role (by rank). Calls MPI_Init/MPI_Finalize.

@@ -7,6 +7,7 @@
 #include <fmt/format.h>
 
 #include "client/client_work.h"
+#include "live/live_metrics.h"
 
 namespace memfl {
 
@@ -21,7 +22,9 @@ AsyncServerCore::AsyncServerCore(const ExperimentConfig& cfg, const Layout& layo
       release_(std::move(release)),
       compass_(cfg.server.scheduler == "CompassScheduler"),
       planner_(CompassOptions{cfg.server.max_local_steps, cfg.server.min_local_steps, cfg.server.speed_momentum,
-                              cfg.server.latest_time_factor}) {}
+                              cfg.server.latest_time_factor}) {
+  live::set_planned(cfg.server.num_global_epochs, /*asynchronous=*/true);
+}
 
 AsyncServerCore::~AsyncServerCore() {
   if (log_ != nullptr) std::fclose(log_);
@@ -44,6 +47,7 @@ Status AsyncServerCore::flush_log() {
 }
 
 void AsyncServerCore::log_row(const AsyncTripRecord& t, double now) {
+  live::async_applied(t.client, version_, t.staleness);  // every applied update passes here
   if (log_ == nullptr) return;
   // Full precision: the log is what a run is replayed from.
   std::fprintf(log_, "%lld,%d,%lld,%lld,%.17g,%lld,%.9f,%.9f,%.9f,%lld,%s\n", static_cast<long long>(t.update_number),

@@ -11,6 +11,7 @@
 #include "comm/update_check.h"
 #include "compress/decoding_opener.h"
 #include "dp/rdp_accountant.h"
+#include "live/live_metrics.h"
 #include "memory/budget.h"
 #include "secagg/secagg_round.h"
 #include "server/server_state.h"
@@ -142,6 +143,7 @@ Status RoundDriver::play_round(int round, RoundMetrics* m, bool* redo) {
   }
   if (selected.empty()) return failed_precondition("round {}: every selected client has failed", round);
   m->round = round;
+  live::round_started(round, selected);
 
   sampler_.mark(round, "broadcast");
   crash_point(round, "broadcast");
@@ -225,6 +227,7 @@ Status RoundDriver::play_round(int round, RoundMetrics* m, bool* redo) {
   // The previous round's evaluation has had this round's training to run in.
   MEMFL_RETURN_IF_ERROR(finish_evaluation());
   for (int c : up.failed) {
+    live::client_dropped(c, round);
     if (!secure) (void)global_.aggregator().withdraw(client_id(c));
     if (std::find(dropped_.begin(), dropped_.end(), c) == dropped_.end()) dropped_.push_back(c);
   }
@@ -277,6 +280,13 @@ Status RoundDriver::play_round(int round, RoundMetrics* m, bool* redo) {
   m->bytes_up = up.bytes_up;
   m->bytes_up_raw = static_cast<uint64_t>(up.committed.size()) * global_.layout().total_bytes();
   m->bytes_moved = m->bytes_down + m->bytes_up;
+  if (live::enabled()) {
+    // Transports count bytes per round, not per client: each committed
+    // client is shown its share (the model down, its update up).
+    live::round_bytes(m->bytes_down, m->bytes_up);
+    const uint64_t n = std::max<uint64_t>(1, up.committed.size());
+    for (const auto& u : up.committed) live::client_updated(u.client, round, m->bytes_down / n, m->bytes_up / n);
+  }
   m->download_seconds = down.seconds + up.download_seconds;
   m->upload_seconds = up.upload_seconds;
 
@@ -310,6 +320,7 @@ Status check_server_memory_bound(const ExperimentConfig& cfg_, GlobalModel& glob
   const Aggregator& agg = global_.aggregator();
   const size_t model = global_.arena().file_backed() ? 0 : global_.layout().total_bytes();
   const size_t need = model + agg.state_bytes() + agg.working_bytes();
+  live::set_memory_bound(static_cast<int64_t>(need), budget);
   if (static_cast<int64_t>(need) > budget) {
     return resource_exhausted(
         "server_configs.memory_budget ({}): the global model ({}) and {}'s state ({} between rounds, {} more during "
@@ -355,6 +366,7 @@ Status RoundDriver::run() {
   MEMFL_ASSIGN_OR_RETURN(metrics_, MetricsWriter::open((fs::path(opts_.run_dir) / "metrics.csv").string()));
   for (const auto& m : rounds_) MEMFL_RETURN_IF_ERROR(metrics_->append(m));  // the committed rounds, again
   const int last = cfg_.server.num_global_epochs;
+  live::set_planned(last, /*asynchronous=*/false);
   for (int round = first_round_; round <= last;) {
     RoundMetrics m;
     bool redo = false;
@@ -374,6 +386,7 @@ Status RoundDriver::run() {
   }
   MEMFL_RETURN_IF_ERROR(finish_evaluation());
   sampler_.mark(last, "done");
+  live::loop_finished();
   transport_.finish(last);
   return Status::Ok();
 }

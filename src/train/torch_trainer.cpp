@@ -227,6 +227,15 @@ class TorchReplica final : public ModelReplica {
           }
         }
         opt->step();
+        if (r.num_steps == 0) {
+          // Gradients and the optimizer's moments exist from the first step
+          // to the end of the turn: the ledger holds them for all of it, so
+          // an RSS peak inside training sees them (not only after the last step).
+          int64_t grads = 0;
+          for (auto& p : net_->parameters()) grads += tensor_bytes(p.grad());
+          Ledger::instance().set(MemoryCategory::kGradients, grads);
+          Ledger::instance().set(MemoryCategory::kOptimizer, optimizer_state_bytes(*opt, o.optim));
+        }
         loss_sum += loss.item<double>() * static_cast<double>(n);
         // Accuracy per predicted element (per token for a language model).
         correct += static_cast<double>(batch_correct(logits, y)) * static_cast<double>(n) /

@@ -65,6 +65,26 @@
     charts++;
   }
 
+  // Accuracy and loss over rounds: one chart each, from the metrics rows
+  // (the report's metrics.csv, or the live page's /api/state).
+  function curves(parent, metrics, title) {
+    var rows = (metrics || []).filter(function (m) { return m.round !== undefined && m.round !== ''; });
+    if (!rows.length) { parent.appendChild(el('p', { class: 'note' }, 'No finished round yet.')); return; }
+    var x = rows.map(function (m) { return +m.round; });
+    var col = function (k) { return rows.map(function (m) { var v = m[k]; return v === null || v === '' || v === undefined || isNaN(+v) ? null : +v; }); };
+    var w = Math.min(540, (window.innerWidth - 80) / 2) || 520;
+    [['accuracy', ['train_accuracy', 'test_accuracy'], ['train accuracy', 'test accuracy']],
+     ['loss', ['train_loss', 'test_loss'], ['train loss', 'test loss']]].forEach(function (c, k) {
+      var box = el('div', { class: 'chart curve', 'data-curve': c[0] }); parent.appendChild(box);
+      var data = [x].concat(c[1].map(col));
+      new uPlot({ title: (title ? title + ': ' : '') + c[0] + ' per round', width: w, height: 220,
+        scales: { x: { time: false } }, axes: [{ label: 'round' }, { label: c[0] }],
+        series: [{}].concat(c[2].map(function (n, i) { return { label: n, stroke: COLORS[(2 * k + i) % COLORS.length], width: 1.5, spanGaps: true, points: { show: rows.length < 60 } }; })) },
+        data, box);
+      charts++;
+    });
+  }
+
   function flamegraph(parent, title, tree, differential) {
     if (!tree || !tree.value) { parent.appendChild(el('p', {}, title + ': no tracked allocations')); return; }
     parent.appendChild(el('h3', {}, title));
@@ -95,6 +115,13 @@
           p.profile ? MiB(p.profile.peak_tracked_bytes) : '-', p.profile ? MiB(p.profile.small_at_peak_bytes) : '-',
           p.profile ? MiB(p.profile.malloc_free_retained_at_peak_bytes) : '-', L('model'), L('aggregation'), L('gradients'), L('optimizer'), L('data')];
       }), [0, 5]);
+    peaks.appendChild(el('p', { class: 'note' }, 'The ledger columns are the bytes memfl\'s own code declared as held at the RSS peak ' +
+      '(model arenas, the aggregator\'s running sum, data). Gradients and optimizer state are libtorch\'s: they are counted from a ' +
+      'client\'s first training step to the end of its turn, so a peak outside training (or a process that does not train, such as a ' +
+      'server) shows 0 for them. The rest of RSS is the allocator, libraries and code.'));
+    var cv = section('Accuracy and loss per round');
+    run.processes.forEach(function (p) { if (p.metrics.length) curves(cv, p.metrics, run.processes.length > 1 ? p.name : ''); });
+    if (!run.processes.some(function (p) { return p.metrics.length; })) cv.appendChild(el('p', { class: 'note' }, 'No process wrote metrics rows.'));
     var tl = section('Memory timeline per process (RSS from the kernel; bands are phases; the dot is the peak)');
     run.processes.forEach(function (p) {
       var s = [{ name: p.name + ' RSS', t: p.samples.t_ms, v: p.samples.rss_bytes }];
@@ -115,6 +142,7 @@
     });
     if (!any) fl.appendChild(el('p', {}, 'No allocation profile: run with --profile (or memory_configs.profile: true).'));
     var st = section('Top allocation sites');
+    if (!any) st.appendChild(el('p', { class: 'note' }, 'No allocation sites: the run was not profiled. Sites come from the allocation tracker; run with --profile (or memory_configs.profile: true).'));
     run.processes.forEach(function (p) {
       if (!p.profile) return;
       st.appendChild(el('h3', {}, p.name));
@@ -168,9 +196,59 @@
     table(rt, ['role', 'run', 'rounds', 'mean round s', 'final accuracy'], rrows, [0, 1]);
   }
 
+  // The live page: the endpoint's /api/state, polled; each answer redraws
+  // the page with the report's own chart code.
+  function live(S) {
+    var state = S.running ? 'running' : 'finished';
+    var head = el('p', { class: 'live-head' }, S.role + ' — ' + state + ' — ' + (S.asynchronous ? 'version ' : 'round ') + S.round +
+      (S.planned ? ' of ' + S.planned : '') + ' — RSS ' + MiB(S.rss_bytes) + ' MiB (peak ' + MiB(S.peak_rss_bytes) + ' MiB' +
+      (S.memory_bound_bytes ? ', bound ' + MiB(S.memory_bound_bytes) + ' MiB' : '') + ') — updated ' + new Date().toLocaleTimeString());
+    app.appendChild(head);
+    curves(section('Accuracy and loss per round'), S.metrics, '');
+    var tl = section('Memory timeline (RSS, max per point, downsampled; bands are phases)');
+    timeline(tl, S.role, [{ name: S.role + ' RSS', t: S.samples.t_ms, v: S.samples.rss_bytes }], S.phases, null);
+    var ct = section('Clients');
+    if (!S.clients.length) ct.appendChild(el('p', { class: 'note' }, 'No client seen yet.'));
+    else table(ct, ['client', 'state', 'last seen s ago', 'last round', 'updates', 'MiB down', 'MiB up'],
+      S.clients.map(function (c) { return [c.client, c.state, c.last_seen_seconds_ago.toFixed(1), c.last_round, c.updates, MiB(c.bytes_down), MiB(c.bytes_up)]; }), [0, 1]);
+    if (S.clients_not_listed) ct.appendChild(el('p', { class: 'note' }, S.clients_not_listed + ' more client events not listed (the table is bounded).'));
+    clients = S.clients.length;
+    if (S.asynchronous) {
+      var sh = section('Staleness of applied updates (versions behind)');
+      if (!S.staleness.length) sh.appendChild(el('p', { class: 'note' }, 'No update applied yet.'));
+      else table(sh, ['staleness', 'updates'], S.staleness.map(function (b) { return [b[0], b[1]]; }));
+    }
+    var ld = section('Memory ledger now (MiB)');
+    var cats = Object.keys(S.ledger);
+    table(ld, cats, [cats.map(function (c) { return MiB(S.ledger[c]); })], []);
+    var rm = section('Rounds');
+    table(rm, ['round', 'clients', 'train loss', 'test accuracy', 'test loss', 'MiB moved', 'seconds', 'peak RSS MiB'],
+      S.metrics.slice().reverse().map(function (m) { return [m.round, m.clients, (+m.train_loss).toFixed(4), m.test_accuracy === null ? '-' : (+m.test_accuracy).toFixed(4), m.test_loss === null ? '-' : (+m.test_loss).toFixed(4), MiB(m.bytes_moved), (+m.round_seconds).toFixed(2), MiB(m.peak_rss_bytes)]; }));
+  }
+  var clients = 0, polls = 0;
+  function show_status() {
+    var status = document.getElementById('memfl-status');
+    status.textContent = (window.MEMFL_ERRORS.length ? 'error: ' + window.MEMFL_ERRORS.join(' | ') : 'ok') + ' charts=' + charts + ' flames=' + flames +
+      (window.MEMFL_MODE === 'live' ? ' clients=' + clients + ' polls=' + polls : '');
+  }
+  function poll() {
+    fetch('api/state' + location.search, { cache: 'no-store' }).then(function (r) {
+      if (!r.ok) throw new Error('api/state: HTTP ' + r.status);
+      return r.json();
+    }).then(function (S) {
+      app.textContent = ''; charts = 0; polls++;
+      try { live(S); } catch (e) { window.MEMFL_ERRORS.push(String(e && e.stack || e)); }
+      show_status();
+      if (S.running) setTimeout(poll, 1000);
+    }).catch(function (e) {
+      // The run is over and the endpoint gone: the page keeps what it drew.
+      var n = el('p', { class: 'note' }, 'Not updating: ' + e.message); app.insertBefore(n, app.firstChild);
+    });
+  }
+
   try {
+    if (window.MEMFL_MODE === 'live') { poll(); return; }
     if (window.MEMFL_MODE === 'compare') compare(D.runs); else report(D.runs[0]);
   } catch (e) { window.MEMFL_ERRORS.push(String(e && e.stack || e)); }
-  var status = document.getElementById('memfl-status');
-  status.textContent = (window.MEMFL_ERRORS.length ? 'error: ' + window.MEMFL_ERRORS.join(' | ') : 'ok') + ' charts=' + charts + ' flames=' + flames;
+  show_status();
 })();

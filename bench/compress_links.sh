@@ -1,0 +1,87 @@
+#!/usr/bin/env bash
+# Compressed updates over shaped links: the server and 4 DummyTrainer clients
+# over gRPC, each in a network namespace (tests/netem/netns.sh), a MODEL_MB MiB
+# model, ROUNDS rounds, every link limited by tbf to each rate in RATES, once
+# uncompressed and once with the quantiser (SZ2Compressor) at REL 1e-3 with
+# error feedback; the runs alternate, REPS times. One JSON line per run: mean
+# round, broadcast and upload seconds over rounds 2+, bytes up on the wire and
+# raw, and the server's peak RSS ÷ the model.
+# The clients' updates are the DummyTrainer's: the global model plus noise of
+# dummy_update_scale, a change that is noise to every codec (the ratio is a
+# floor: Fashion-MNIST CNN updates compress more, docs/BENCHMARKS.md).
+# Usage: bench/compress_links.sh [BUILD_DIR] [MODEL_MB] [ROUNDS] [REPS]   (root)
+#        RATES="100mbit 1gbit" by default.
+set -euo pipefail
+BUILD=${1:-build}
+MB=${2:-64}
+ROUNDS=${3:-4}
+REPS=${4:-1}
+RATES=${RATES:-"100mbit 1gbit"}
+MEMFL=$(realpath "$BUILD/memfl")
+NS=$(dirname "$(realpath "$0")")/../tests/netem/netns.sh
+if ! "$NS" check-ns; then
+  echo '{"skipped": "network namespaces cannot be made here"}'
+  exit 0
+fi
+TMP=$(mktemp -d /tmp/memfl_compress_links.XXXXXX)
+TAG=$(($$ % 100000))
+trap '"$NS" down $TAG 4; rm -rf "$TMP"' EXIT
+"$NS" up $TAG 4
+cat > "$TMP/c.yaml" <<YAML
+client_configs:
+  train_configs:
+    trainer: DummyTrainer
+    dummy_update_scale: 0.001
+  model_configs:
+    model_name: synthetic
+    model_kwargs:
+      num_params: $((MB * 262144))
+server_configs:
+  num_clients: 4
+  num_global_epochs: $ROUNDS
+  comm_configs:
+    grpc_configs:
+      server_uri: 10.77.0.1:50051
+      connect_timeout_s: 60
+YAML
+C=client_configs.comm_configs.compressor_configs
+run() {  # rate variant rep
+  local rate=$1 variant=$2 rep=$3 extra=()
+  if [ "$variant" = sz2_rel1e-3_feedback ]; then
+    extra=(--set $C.enable_compression=true --set $C.lossy_compressor=SZ2Compressor --set $C.error_bound=1e-3
+           --set $C.error_feedback=true)
+  fi
+  rm -rf "$TMP/run"
+  for c in 0 1 2 3; do
+    "$NS" exec $TAG $c "$MEMFL" client "$TMP/c.yaml" --client-id $c -q --out "$TMP/run/client_$c" "${extra[@]}" \
+      > "$TMP/client_$c.log" 2>&1 &
+  done
+  "$NS" exec $TAG server "$MEMFL" server "$TMP/c.yaml" -q --out "$TMP/run/server" "${extra[@]}" > "$TMP/server.log" 2>&1
+  wait
+  python3 - "$TMP/run/server" "$rate" "$variant" "$rep" "$MB" <<'PY'
+import csv, json, sys
+d, rate, variant, rep, mb = sys.argv[1:6]
+rows = [r for r in csv.DictReader(open(d + "/metrics.csv")) if int(r["round"]) >= 2]
+summary = json.load(open(d + "/summary.json"))
+mean = lambda xs: sum(xs) / len(xs)
+model = int(mb) * 262144 * 4
+print(json.dumps({
+    "transport": "grpc", "link_rate": rate, "variant": variant, "rep": int(rep), "model_mb": int(mb), "clients": 4,
+    "rounds": len(rows),
+    "round_seconds": round(mean([float(r["round_seconds"]) for r in rows]), 3),
+    "broadcast_seconds": round(mean([float(r["download_seconds"]) for r in rows]), 3),
+    "upload_seconds": round(mean([float(r["upload_seconds"]) for r in rows]), 3),
+    "bytes_up": int(mean([int(r["bytes_up"]) for r in rows])),
+    "bytes_up_raw": int(mean([int(r["bytes_up_raw"]) for r in rows])),
+    "server_peak_rss_bytes": summary.get("peak_rss_bytes"),
+    "server_peak_over_model": round(summary.get("peak_rss_bytes", 0) / model, 3),
+}), flush=True)
+PY
+}
+for rate in $RATES; do
+  "$NS" shape $TAG 4 "tbf rate $rate burst 256kb latency 50ms"
+  for ((rep = 1; rep <= REPS; rep++)); do
+    if ((rep % 2)); then order="plain sz2_rel1e-3_feedback"; else order="sz2_rel1e-3_feedback plain"; fi
+    for v in $order; do run "$rate" "$v" "$rep"; done
+  done
+done
