@@ -6,8 +6,9 @@
 #include <sodium.h>
 
 #include <algorithm>
-#include <cstring>
 #include <cmath>
+#include <cstring>
+#include <functional>
 #include <map>
 #include <memory>
 #include <numeric>
@@ -20,6 +21,7 @@
 #include "secagg/secagg.h"
 #include "secagg/secagg_round.h"
 #include "secagg/shamir.h"
+#include "secagg/wire.h"
 
 namespace memfl {
 namespace {
@@ -733,6 +735,160 @@ TEST(SecAggRoundSeam, ChunkCuttingAnElementIsRefusedNamingTheKey) {
   auto refused = SecAggRound::start(1, {0, 1}, params, half);
   ASSERT_FALSE(refused.ok());
   EXPECT_NE(refused.status().message().find("entry 'h' is bf16"), std::string::npos) << refused.status().message();
+}
+
+// The server's stages as bytes over a "transport" that hands each request
+// to the clients' side and its reply back, as gRPC does (secagg/wire.h).
+class LoopbackWire {
+ public:
+  LoopbackWire(SecAggClientStages& clients, std::vector<int> plays) : clients_(clients), plays_(std::move(plays)) {}
+  StatusOr<std::string> exchange(int /*client*/, std::string request) {
+    requests.push_back(request);
+    SecAggStage stage;
+    MEMFL_ASSIGN_OR_RETURN(std::string reply, serve_secagg_request(clients_, request, "test server", plays_, &stage));
+    ++per_stage[stage];
+    if (tamper) tamper(stage, &reply);
+    return reply;
+  }
+  std::vector<std::string> requests;
+  std::map<SecAggStage, int> per_stage;
+  std::function<void(SecAggStage, std::string*)> tamper;
+
+ private:
+  SecAggClientStages& clients_;
+  std::vector<int> plays_;
+};
+
+TEST(SecAggWire, EveryStageCrossesAsBytesAndTheMeanIsExact) {
+  LayoutBuilder lb;
+  lb.add("w", DType::kF32, {29}).add("b", DType::kF32, {3});
+  Layout layout = std::move(lb).build().value();
+  const size_t elements = layout.total_bytes() / 4;
+  const std::vector<int> selected = {0, 2, 5};
+  SecAggParams params;
+  params.max_weight = 1;
+  params.quantization_range = (uint64_t{1} << 20) + 1;  // integers quantise exactly
+  auto sa = SecAggRound::start(/*round=*/7, selected, params, layout);
+  ASSERT_TRUE(sa.ok()) << sa.status().message();
+  SecAggClientStages clients;
+  LoopbackWire wire(clients, selected);
+  int ended = -1;
+  std::vector<int> dropped;
+  RemoteSecAggChannel channel([&](int c, std::string r) { return wire.exchange(c, std::move(r)); },
+                              [&](int round) { ended = round; }, [&](int c, const Status&) { dropped.push_back(c); });
+  std::vector<int> failed;
+  ASSERT_TRUE((*sa)->exchange_keys(channel, &failed).ok());
+  EXPECT_TRUE(failed.empty());
+  EXPECT_EQ(wire.per_stage[SecAggStage::kAdvertise], 3);
+  EXPECT_EQ(wire.per_stage[SecAggStage::kShareKeys], 3);
+  EXPECT_EQ(wire.per_stage[SecAggStage::kDeliverShares], 3);
+  std::vector<std::vector<float>> updates;
+  for (int c : selected) {
+    Arena model(layout.total_bytes(), MemoryCategory::kModel);
+    auto* f = reinterpret_cast<float*>(model.data());
+    for (size_t i = 0; i < elements; ++i) f[i] = static_cast<float>((static_cast<int>(i) * (c + 2)) % 9 - 4);
+    updates.emplace_back(f, f + elements);
+    MaskingPlace masked(std::make_unique<ArenaPlace>(model), layout, *clients.client(c));
+    ASSERT_TRUE(masked.begin(1.0).ok());
+    auto stream = (*sa)->open_update(client_id(c), 1.0);
+    ASSERT_TRUE(stream.ok());
+    ASSERT_TRUE(stream_place(layout, masked, 16, **stream).ok());
+    ASSERT_TRUE((*stream)->commit().ok());
+  }
+  RecordingOpener aggregator;
+  auto n = (*sa)->unmask_into(channel, aggregator, "secure_aggregate", 64);
+  ASSERT_TRUE(n.ok()) << n.status().message();
+  EXPECT_EQ(*n, 3u);
+  EXPECT_EQ(wire.per_stage[SecAggStage::kUnmask], 3);
+  ASSERT_EQ(aggregator.updates.size(), 1u);
+  std::vector<float> mean(elements);
+  std::memcpy(mean.data(), aggregator.updates[0]->bytes.data(), layout.total_bytes());
+  for (size_t i = 0; i < elements; ++i) {
+    const double want = (updates[0][i] + updates[1][i] + updates[2][i]) / 3.0;
+    ASSERT_EQ(mean[i], static_cast<float>(want)) << i;
+  }
+  EXPECT_TRUE(dropped.empty());
+}
+
+TEST(SecAggWire, TruncatedForeignOrLyingMessagesAreRefusedNamingThePeer) {
+  LayoutBuilder lb;
+  lb.add("w", DType::kF32, {8});
+  Layout layout = std::move(lb).build().value();
+  const std::vector<int> selected = {0, 1, 2};
+  auto sa = SecAggRound::start(3, selected, SecAggParams{}, layout);
+  ASSERT_TRUE(sa.ok());
+  SecAggClientStages clients;
+  LoopbackWire wire(clients, selected);
+  RemoteSecAggChannel channel([&](int c, std::string r) { return wire.exchange(c, std::move(r)); }, [](int) {},
+                              [](int, const Status&) {});
+  std::vector<int> failed;
+  ASSERT_TRUE((*sa)->exchange_keys(channel, &failed).ok());
+  ASSERT_FALSE(wire.requests.empty());
+  // Every strict prefix of every request the server sent is refused, never
+  // read past (ASan would see it).
+  SecAggClientStages fresh;
+  for (const std::string& req : wire.requests) {
+    for (size_t cut = 0; cut < req.size(); ++cut) {
+      SecAggStage stage;
+      auto r = serve_secagg_request(fresh, std::string_view(req).substr(0, cut), "server 127.0.0.1:1", selected,
+                                    &stage);
+      if (cut == 0) {
+        // Empty: the server's "the round's stages are over".
+        ASSERT_TRUE(r.ok());
+        EXPECT_EQ(stage, SecAggStage::kRoundOver);
+        continue;
+      }
+      if (cut < 9) {
+        ASSERT_FALSE(r.ok()) << cut;
+      } else if (r.ok()) {
+        // A prefix that parses must be a complete message: none is.
+        ADD_FAILURE() << "a request cut at " << cut << " of " << req.size() << " bytes parsed";
+      }
+      if (!r.ok()) EXPECT_NE(r.status().message().find("server 127.0.0.1:1"), std::string::npos);
+    }
+  }
+  // A request for a client this process does not play.
+  SecAggStage stage;
+  auto foreign = serve_secagg_request(fresh, wire.requests[0], "server s", {1, 2}, &stage);
+  ASSERT_FALSE(foreign.ok());
+  EXPECT_NE(foreign.status().message().find("client_0, which this process does not play"), std::string::npos)
+      << foreign.status().message();
+  // Replies that lie: another stage, or a count of shares far beyond the
+  // bytes that follow (refused before anything is allocated for them).
+  auto sb = SecAggRound::start(4, selected, SecAggParams{}, layout);
+  ASSERT_TRUE(sb.ok());
+  SecAggClientStages others;
+  LoopbackWire lying(others, selected);
+  lying.tamper = [](SecAggStage st, std::string* reply) {
+    if (st == SecAggStage::kAdvertise) (*reply)[0] = static_cast<char>(SecAggStage::kUnmask);
+  };
+  std::vector<Status> why;
+  RemoteSecAggChannel lying_channel([&](int c, std::string r) { return lying.exchange(c, std::move(r)); },
+                                    [](int) {}, [&](int, const Status& s) { why.push_back(s); });
+  std::vector<int> out;
+  ASSERT_TRUE((*sb)->exchange_keys(lying_channel, &out).ok());
+  EXPECT_EQ(out, selected);  // every advert was refused: nobody is in the round
+  ASSERT_EQ(why.size(), 3u);
+  EXPECT_NE(why[0].message().find("client_0's reply to 'advertise keys': it answers stage 4"), std::string::npos)
+      << why[0].message();
+  auto sc = SecAggRound::start(5, selected, SecAggParams{}, layout);
+  ASSERT_TRUE(sc.ok());
+  SecAggClientStages third;
+  LoopbackWire huge(third, selected);
+  huge.tamper = [](SecAggStage st, std::string* reply) {
+    if (st != SecAggStage::kShareKeys) return;
+    const uint32_t n = 0x7fffffff;  // shares claimed; a few hundred bytes follow
+    std::memcpy(reply->data() + 2, &n, 4);
+  };
+  why.clear();
+  RemoteSecAggChannel huge_channel([&](int c, std::string r) { return huge.exchange(c, std::move(r)); },
+                                   [](int) {}, [&](int, const Status& s) { why.push_back(s); });
+  out.clear();
+  ASSERT_TRUE((*sc)->exchange_keys(huge_channel, &out).ok());
+  EXPECT_EQ(out, selected);
+  ASSERT_FALSE(why.empty());
+  EXPECT_NE(why[0].message().find("client_0's sealed shares: 2147483647 items do not fit"), std::string::npos)
+      << why[0].message();
 }
 
 }  // namespace

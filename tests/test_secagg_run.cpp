@@ -47,10 +47,8 @@ double max_client_element() {
   return M;
 }
 
-TEST(SecAggRun, GlobalModelIsFedAvgWithinTheQuantisationBound) {
-  testing::TempDir tmp;
-  Result r = memfl_cli("run " + write_config(tmp, "") + " -q --out " + tmp.file("run"));
-  ASSERT_EQ(r.exit_code, 0) << r.output;
+// The global model in `path` against plain FedAvg of the same updates.
+void expect_fedavg_within_quantisation_bound(const std::string& path) {
   // Plain FedAvg of the same updates: client c weighs 5·(c+1).
   std::vector<std::vector<int>> all(kRounds, std::vector<int>{0, 1, 2, 3});
   const std::vector<double> want = testing::dummy_fedavg_model(kParams, kScale, all);
@@ -64,7 +62,7 @@ TEST(SecAggRun, GlobalModelIsFedAvgWithinTheQuantisationBound) {
   const double n = kClients, W = 2.5, step = 16.0 / ((1 << 22) - 1);
   const double per_round = n * step * (W + W * M) / (W * (W - n * step));
   const double bound = kRounds * per_round;
-  auto f = SafetensorsFile::open(tmp.file("run/global_model.safetensors"));
+  auto f = SafetensorsFile::open(path);
   ASSERT_TRUE(f.ok()) << f.status().to_string();
   size_t k = 0;
   double worst = 0;
@@ -80,8 +78,61 @@ TEST(SecAggRun, GlobalModelIsFedAvgWithinTheQuantisationBound) {
   ASSERT_EQ(k, want.size());
   // Quantised, not copied: the model is off plain FedAvg's f32 result somewhere.
   EXPECT_GT(worst, 0.0);
+}
+
+TEST(SecAggRun, GlobalModelIsFedAvgWithinTheQuantisationBound) {
+  testing::TempDir tmp;
+  Result r = memfl_cli("run " + write_config(tmp, "") + " -q --out " + tmp.file("run"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  expect_fedavg_within_quantisation_bound(tmp.file("run/global_model.safetensors"));
   EXPECT_NE(r.output.find("secure aggregation unmasked the mean of 4 clients"), std::string::npos) << r.output;
 }
+
+#ifdef MEMFL_TEST_GRPC
+// The same experiment as separate processes: the keys, shares and unmasking
+// requests cross each client's gRPC session, the masked words its data
+// channel; the server folds only masked words.
+TEST(SecAggRun, OverGrpcTheGlobalModelIsFedAvgWithinTheQuantisationBound) {
+  testing::TempDir tmp;
+  Result r = memfl_cli("launch " + write_config(tmp, "  round_timeout_s: 60\n") + " --clients 4 --out " +
+                       tmp.file("grpc"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  expect_fedavg_within_quantisation_bound(tmp.file("grpc/server/global_model.safetensors"));
+  const std::string log = testing::read_file(tmp.file("grpc/server.log"));
+  for (int round = 1; round <= kRounds; ++round) {
+    EXPECT_NE(log.find(fmt::format("round {}: secure aggregation unmasked the mean of 4 clients (0 dropped)", round)),
+              std::string::npos)
+        << log;
+  }
+}
+#endif
+
+#ifdef MEMFL_TEST_MPI
+// Ranks of an MPI job: the stages go point to point with each client's
+// rank; through the shared-memory ring with one client a rank, point to
+// point with two clients a rank (a rank answers each stage for both).
+TEST(SecAggRun, OverMpiTheGlobalModelIsFedAvgWithinTheQuantisationBound) {
+  testing::TempDir tmp;
+  const std::string cfg = write_config(tmp, "  round_timeout_s: 60\n");
+  struct Case {
+    std::string name, sets;
+    int ranks;
+  };
+  for (const Case& c : {Case{"ring", "", kClients + 1},
+                        Case{"p2p", " --set server_configs.mpi_shared_memory=false --set server_configs.clients_per_rank=2",
+                             kClients / 2 + 1}}) {
+    Result r = mpirun(c.ranks, cfg + c.sets + " --out " + tmp.file(c.name));
+    ASSERT_EQ(r.exit_code, 0) << c.name << "\n" << r.output;
+    expect_fedavg_within_quantisation_bound(tmp.file(c.name + "/rank_0/global_model.safetensors"));
+    for (int round = 1; round <= kRounds; ++round) {
+      EXPECT_NE(
+          r.output.find(fmt::format("round {}: secure aggregation unmasked the mean of 4 clients (0 dropped)", round)),
+          std::string::npos)
+          << c.name << "\n" << r.output;
+    }
+  }
+}
+#endif
 
 TEST(SecAggRun, ServerOptimizerActsOnTheUnmaskedMean) {
   testing::TempDir tmp;

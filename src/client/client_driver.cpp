@@ -140,6 +140,12 @@ StatusOr<bool> ClientDriver::play_round(ClientTransport& transport, LocalModel& 
     ArenaPlace into(round_model != nullptr ? *round_model : model.arena());
     MEMFL_RETURN_IF_ERROR(transport.receive(into));
   }
+  // Secure aggregation: the keys are exchanged before training, so that
+  // the update can be masked as it leaves.
+  if (cfg_.secagg.enable) {
+    mark(round, "secagg_keys");
+    MEMFL_RETURN_IF_ERROR(serve_secure_aggregation(transport, offer.clients, SecAggStage::kDeliverShares));
+  }
   for (int c : offer.clients) {
     if (round_model != nullptr) std::memcpy(model.arena().data(), round_model->data(), model.layout().total_bytes());
     mark(round, "train");
@@ -153,8 +159,29 @@ StatusOr<bool> ClientDriver::play_round(ClientTransport& transport, LocalModel& 
     MEMFL_ASSIGN_OR_RETURN(std::unique_ptr<ModelPlace> from, upload_place(up, c, up.delta_base));
     MEMFL_RETURN_IF_ERROR(transport.send(meta, *from));
   }
+  if (cfg_.secagg.enable) {
+    // The server unmasks the sum once every upload is in.
+    mark(round, "secagg_unmask");
+    MEMFL_RETURN_IF_ERROR(serve_secure_aggregation(transport, offer.clients, SecAggStage::kUnmask));
+  }
   mark(round, "idle");
   return false;
+}
+
+Status ClientDriver::serve_secure_aggregation(ClientTransport& transport, const std::vector<int>& clients,
+                                              SecAggStage until) {
+  const std::string peer = std::string(transport.name()) + " server";
+  // A process that plays several clients answers `until` once for each.
+  size_t answered = 0;
+  while (answered < clients.size()) {
+    MEMFL_ASSIGN_OR_RETURN(std::string request, transport.next_secagg_request());
+    SecAggStage stage = SecAggStage::kRoundOver;
+    MEMFL_ASSIGN_OR_RETURN(std::string reply, serve_secagg_request(secagg_, request, peer, clients, &stage));
+    if (stage == SecAggStage::kRoundOver) return Status::Ok();
+    MEMFL_RETURN_IF_ERROR(transport.send_secagg_reply(std::move(reply)));
+    if (stage == until) ++answered;
+  }
+  return Status::Ok();
 }
 
 StatusOr<int> ClientDriver::run(ClientTransport& transport, LocalModel& model, const ClientRunOptions& options) {

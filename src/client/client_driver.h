@@ -30,6 +30,7 @@
 #include "compress/settings.h"
 #include "memory/sampler.h"
 #include "secagg/channel.h"
+#include "secagg/wire.h"
 
 namespace memfl {
 
@@ -121,6 +122,9 @@ class ClientDriver {
   std::map<int, Arena> residuals_;  // error feedback: one per client this process plays
   SecAggClientStages secagg_;       // secure aggregation: each client's keys for the round
 
+  // Answers the server's secure-aggregation requests for `clients` over
+  // `transport` until `until` is answered or the round's stages are over.
+  Status serve_secure_aggregation(ClientTransport& transport, const std::vector<int>& clients, SecAggStage until);
   // One round; true when the server said the run is over.
   StatusOr<bool> play_round(ClientTransport& transport, LocalModel& model, Arena* round_model, MemorySampler* sampler);
 };

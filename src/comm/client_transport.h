@@ -106,6 +106,11 @@ inline StatusOr<uint64_t> stream_place(const Layout& layout, ModelPlace& from, s
   return sent;
 }
 
+// The largest secure-aggregation message a transport carries (a share is
+// ≈ 150 bytes; 2^16 clients' worth of them fit): a larger one is refused
+// before it is read.
+inline constexpr size_t kMaxSecAggMessage = size_t{64} << 20;
+
 // The server has begun a round for this process: which of its clients train
 // (one for a gRPC client; an MPI rank may run several virtual clients), on
 // the model about to be received.
@@ -157,6 +162,16 @@ class ClientTransport {
   // One client's update: `meta`, then the model's bytes read from `from`.
   // Returns once the server accepted it.
   virtual Status send(const UpdateMeta& meta, ModelPlace& from) = 0;
+  // Secure aggregation's stages ride on the transport as opaque bytes
+  // (secagg/wire.h gives them meaning): the server's next request for the
+  // clients this process plays (empty: the round's stages are over), and
+  // the reply to it. Neither is larger than kMaxSecAggMessage.
+  virtual StatusOr<std::string> next_secagg_request() {
+    return failed_precondition("the {} transport does not carry secure aggregation's key exchange", name());
+  }
+  virtual Status send_secagg_reply(std::string /*reply*/) {
+    return failed_precondition("the {} transport does not carry secure aggregation's key exchange", name());
+  }
   // A round failed with `why`: OK when the transport has a new session and
   // the client may go on with the next round (a server that restarted);
   // otherwise the error that ends the client.

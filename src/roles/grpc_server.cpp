@@ -19,6 +19,7 @@
 #include "roles/async_server.h"
 #include "server/global_model.h"
 #include "server/model_worker.h"
+#include "secagg/wire.h"
 #include "server/round_driver.h"
 #include "compress/settings.h"
 
@@ -94,6 +95,12 @@ Status run_grpc_server(const ExperimentConfig& cfg, const RoleOptions& opts) {
   RoundDriverOptions dopts;
   dopts.run_dir = opts.run_dir;
   dopts.role = "server";
+  // Secure aggregation's stages: each a request and a reply over the
+  // client's session.
+  RemoteSecAggChannel secagg([&](int c, std::string req) { return transport->secagg_exchange(c, std::move(req)); },
+                             [&](int) { transport->secagg_end_round(); },
+                             [&](int c, const Status& why) { transport->secagg_drop(c, why.message()); });
+  dopts.secure_aggregation = &secagg;
   dopts.resume = opts.resume;
   std::unique_ptr<ModelWorker> evaluator;
   if (sc.do_server_eval && !is_spec_only(cfg)) {

@@ -15,6 +15,7 @@
 #include "roles/async_server.h"
 #include "roles/mpi_ranks.h"
 #include "schedule/scheduler.h"
+#include "secagg/wire.h"
 #include "server/global_model.h"
 #include "server/model_worker.h"
 #include "server/round_driver.h"
@@ -68,7 +69,9 @@ Status run_mpi_server(const ExperimentConfig& cfg, int world, const std::string&
                             cfg.server.clients_per_rank));
     }
   }
-  ServerStreams streams(layout, chunk, shm, cfg.compressor.enable_compression);
+  // Compressed frames and secure aggregation's masked words (one more
+  // word, the masked weight, after the last chunk) arrive framed.
+  ServerStreams streams(layout, chunk, shm, cfg.compressor.enable_compression || cfg.secagg.enable);
   MpiServerTransport transport(cfg, layout, streams, world);
   if (const char* hold = std::getenv("MEMFL_HOLD_COLLECT_MS"))
     transport.set_collect_hold(std::chrono::milliseconds(std::atoi(hold)));
@@ -89,6 +92,12 @@ Status run_mpi_server(const ExperimentConfig& cfg, int world, const std::string&
   RoundDriverOptions dopts;
   dopts.run_dir = dir;
   dopts.role = "mpi server";
+  // Secure aggregation's stages: a request and a reply per call, point to
+  // point with the client's rank.
+  RemoteSecAggChannel secagg([&](int c, std::string req) { return transport.secagg_exchange(c, std::move(req)); },
+                             [&](int) { transport.secagg_end_round(); },
+                             [&](int c, const Status& why) { transport.secagg_drop(c, why.message()); });
+  dopts.secure_aggregation = &secagg;
   dopts.resume = resume;
   std::unique_ptr<ModelWorker> evaluator;
   if (cfg.server.do_server_eval && !is_spec_only(cfg)) {

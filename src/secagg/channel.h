@@ -33,6 +33,10 @@ class SecAggChannel {
   virtual StatusOr<std::vector<RevealedShare>> unmask(int client, const UnmaskRequest& request) = 0;
   // The round is over: its keys and seeds are forgotten.
   virtual void end_round(int round) = 0;
+  // `client` is out of the round's key exchange (it failed a stage, or what
+  // it sent was refused): a transport ends that client's part in the round
+  // so that nobody waits for its masked upload.
+  virtual void drop(int /*client*/, const Status& /*why*/) {}
 };
 
 // The clients' side, for every client this process plays (thread-safe: the

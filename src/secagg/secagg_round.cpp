@@ -84,6 +84,7 @@ Status SecAggRound::exchange_keys(SecAggChannel& channel, std::vector<int>* fail
     spdlog::warn("round {}: secure aggregation: {} is out of the round: {}", round_, client_id(c), why.message());
     failed->push_back(c);
     out_.push_back(c);
+    channel.drop(c, why);
   };
   for (int c : selected_) {
     auto a = channel.advertise(c, round_, selected_, settings_);

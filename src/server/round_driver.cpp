@@ -159,7 +159,7 @@ Status RoundDriver::play_round(int round, RoundMetrics* m, bool* redo) {
     if (opts_.secure_aggregation == nullptr) {
       return failed_precondition(
           "server_configs.secure_aggregation.enable: the {} transport does not carry secure aggregation's key "
-          "exchange yet; run it in process (memfl run)",
+          "exchange",
           transport_.name());
     }
     const SecAggConfig& a = cfg_.secagg;
@@ -356,7 +356,7 @@ Status RoundDriver::run() {
     // Refused before any client waits on a round.
     return failed_precondition(
         "server_configs.secure_aggregation.enable: the {} transport does not carry secure aggregation's key "
-        "exchange yet; run it in process (memfl run)",
+        "exchange",
         transport_.name());
   }
   MEMFL_RETURN_IF_ERROR(check_server_memory_bound(cfg_, global_));

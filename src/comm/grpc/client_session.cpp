@@ -139,6 +139,13 @@ StatusOr<std::unique_ptr<GrpcClientSession>> GrpcClientSession::connect(const Se
         "client (memfl client)",
         o.server_uri);
   }
+  if (cfg.ok() && cfg->secagg.enable) {
+    (void)s->transport_->close();
+    return failed_precondition(
+        "server {} runs secure aggregation (server_configs.secure_aggregation.enable); the Python client does not "
+        "mask its updates — use the C++ client (memfl client)",
+        o.server_uri);
+  }
   return s;
 }
 

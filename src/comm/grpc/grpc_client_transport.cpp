@@ -399,4 +399,23 @@ Status GrpcClientTransport::close() {
   return Status::Ok();
 }
 
+StatusOr<std::string> GrpcClientTransport::next_secagg_request() {
+  wire::ClientMessage poll;
+  poll.mutable_secagg_poll()->set_round(round_);
+  MEMFL_RETURN_IF_ERROR(write_client_message(*stream_, poll, peer_));
+  DecodedFrame d;
+  wire::ServerMessage msg;
+  MEMFL_RETURN_IF_ERROR(read_server_message(*stream_, peer_, &d, &msg));
+  if (d.is_chunk || !msg.has_secagg_request()) {
+    return data_loss("server {}: expected a secure aggregation request", peer_);
+  }
+  return std::move(*msg.mutable_secagg_request()->mutable_payload());
+}
+
+Status GrpcClientTransport::send_secagg_reply(std::string reply) {
+  wire::ClientMessage m;
+  m.mutable_secagg_reply()->set_payload(std::move(reply));
+  return write_client_message(*stream_, m, peer_);
+}
+
 }  // namespace memfl

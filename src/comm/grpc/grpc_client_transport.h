@@ -84,6 +84,8 @@ class GrpcClientTransport final : public ClientTransport {
   StatusOr<RoundOffer> next_round() override;
   Status receive(ModelPlace& into) override;
   Status send(const UpdateMeta& meta, ModelPlace& from) override;
+  StatusOr<std::string> next_secagg_request() override;
+  Status send_secagg_reply(std::string reply) override;
   Status recover(const Status& why) override;
   Status close() override;
 

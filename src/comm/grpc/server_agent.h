@@ -75,6 +75,9 @@ struct ClientSlot {
   // opened with it.
   uint64_t data_ticket = 0;
   std::shared_ptr<DataSocket> data;
+  // Secure aggregation: a stage's request waiting for this client's poll,
+  // and its reply (server_transport_sync.cpp).
+  std::optional<std::string> secagg_request, secagg_reply;
   // Ends the data connection and its ticket (the session holding a copy
   // sees its reads and writes fail at once).
   void close_data() {
@@ -133,6 +136,14 @@ class ServerAgent final : public ServerTransport {
   }
   // Asynchronous serving: see GrpcServerTransport::serve_async.
   Status serve_async(AsyncUpdateHandler& core, Arena& global, const AsyncServeOptions& options);
+  // Secure aggregation's stages (secagg/wire.h): hands `request` to
+  // `client`'s next poll and waits for its reply, secure_aggregation.timeout
+  // seconds at most (0: the upload's deadline); a client that does not
+  // answer is out.
+  StatusOr<std::string> secagg_exchange(int client, std::string request);
+  // Polls get "round over" until the next broadcast.
+  void secagg_end_round();
+  void secagg_drop(int client, const std::string& why);
   // data_channel: tcp — listens beside the gRPC port; sessions registered
   // from then on are offered it.
   Status start_data_channel();
@@ -238,6 +249,7 @@ class ServerAgent final : public ServerTransport {
   uint64_t bytes_down_ = 0, bytes_up_ = 0;
   // Naive mode: every client's serialised model, held until the end of the upload phase.
   std::vector<std::pair<int, std::pair<double, std::vector<std::byte>>>> naive_updates_;
+  bool secagg_round_over_ = false;  // the round's secure aggregation has ended
   int data_port_ = 0;         // 0: no TCP port offered
   bool offers_data_ = false;  // a data channel (TCP port or Unix socket) is offered
   // Last: destroyed first, so its thread stops before what it touches.

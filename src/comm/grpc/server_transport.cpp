@@ -20,6 +20,7 @@
 #include <grpcpp/impl/codegen/method_handler.h>
 #include <spdlog/spdlog.h>
 
+#include "comm/client_transport.h"
 #include "comm/grpc/server_agent.h"
 
 namespace memfl {
@@ -218,6 +219,38 @@ grpc::Status ServerAgent::session(grpc::ServerContext* ctx, grpc::ServerReaderWr
         spdlog::info("{}: chunks on the gRPC stream ({})", peer, msg.data_channel_declined().reason());
       }
       data_ticket = 0;
+    } else if (msg.has_secagg_poll()) {
+      // Secure aggregation: the client waits for its next stage's request
+      // (secagg_exchange posts it), or hears that the round's is over.
+      std::string request;
+      {
+        std::unique_lock lock(mu_);
+        auto& s = slots_[static_cast<size_t>(id)];
+        cv_.wait(lock, [&] {
+          return s.secagg_request || secagg_round_over_ || s.failed || s.session != my_session ||
+                 phase_ == Phase::kFinished;
+        });
+        if (s.failed || s.session != my_session) {
+          lock.unlock();
+          return on_exit({grpc::StatusCode::ABORTED, peer + " was dropped from the run"});
+        }
+        if (s.secagg_request) {
+          request = std::move(*s.secagg_request);
+          s.secagg_request.reset();
+        }  // else empty: the round's stages are over
+      }
+      wire::ServerMessage r;
+      r.mutable_secagg_request()->set_payload(std::move(request));
+      stream->Write(encode_message(r));
+    } else if (msg.has_secagg_reply()) {
+      if (msg.secagg_reply().payload().size() > kMaxSecAggMessage) {
+        return on_exit({grpc::StatusCode::INVALID_ARGUMENT, peer + ": secure aggregation reply too large"});
+      }
+      std::lock_guard lock(mu_);
+      auto& s = slots_[static_cast<size_t>(id)];
+      if (s.session != my_session) return grpc::Status::OK;
+      s.secagg_reply = msg.secagg_reply().payload();
+      cv_.notify_all();
     } else if (msg.has_bye()) {
       std::lock_guard lock(mu_);
       if (slots_[static_cast<size_t>(id)].session == my_session) slots_[static_cast<size_t>(id)].ctx = nullptr;
@@ -332,6 +365,11 @@ Status GrpcServerTransport::collect(int round, const std::vector<int>& selected,
   return impl_->agent.collect(round, selected, global, aggregator, out);
 }
 std::vector<int> GrpcServerTransport::take_rejoined() { return impl_->agent.take_rejoined(); }
+StatusOr<std::string> GrpcServerTransport::secagg_exchange(int client, std::string request) {
+  return impl_->agent.secagg_exchange(client, std::move(request));
+}
+void GrpcServerTransport::secagg_end_round() { impl_->agent.secagg_end_round(); }
+void GrpcServerTransport::secagg_drop(int client, const std::string& why) { impl_->agent.secagg_drop(client, why); }
 Status GrpcServerTransport::serve_async(AsyncUpdateHandler& core, Arena& global, const AsyncServeOptions& options) {
   return impl_->agent.serve_async(core, global, options);
 }

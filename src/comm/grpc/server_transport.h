@@ -43,6 +43,15 @@ class GrpcServerTransport final : public ServerTransport {
   // goes to a spool slot, checked chunk by chunk, and `core` applies it with
   // its staleness once whole. Returns after options.total updates.
   Status serve_async(AsyncUpdateHandler& core, Arena& global, const AsyncServeOptions& options);
+  // Secure aggregation's stages over the clients' sessions, as opaque bytes
+  // (roles/grpc_server.cpp makes them a secagg RemoteSecAggChannel): hands
+  // `request` to `client`'s next poll and returns its reply (a client that
+  // does not answer within secure_aggregation.timeout is out); polls hear
+  // that the round's stages are over until the next broadcast; a client
+  // left out of the key exchange is dropped.
+  StatusOr<std::string> secagg_exchange(int client, std::string request);
+  void secagg_end_round();
+  void secagg_drop(int client, const std::string& why);
 
  private:
   GrpcServerTransport() = default;

@@ -5,6 +5,7 @@
 #include "comm/grpc/server_agent.h"
 
 #include <algorithm>
+#include <cmath>
 
 #include <spdlog/spdlog.h>
 
@@ -60,7 +61,7 @@ grpc::Status ServerAgent::receive_update(grpc::ServerContext* ctx, grpc::ServerR
   }
   uint64_t received = 0;
   Status bad = read_update_frames(ctx, stream, peer, layout.total_bytes(), &read_ahead_budget_, &received, data, chunk_,
-                                  cfg_.compressor.enable_compression,
+                                  cfg_.compressor.enable_compression || cfg_.secagg.enable,
                                   [&](const DecodedFrame& d) { return update->accept(d.header, d.payload()); });
   if (bad.ok()) bad = update->commit();
   wire::ServerMessage ack;
@@ -118,6 +119,8 @@ Status ServerAgent::broadcast(int round, const std::vector<int>& selected, const
   // restored model again: its checksums are computed again too). No sender
   // runs until the phase below says so.
   down_sums_.reset(++broadcasts_, layout_.total_bytes(), chunk_);
+  secagg_round_over_ = false;
+  for (auto& s : slots_) s.secagg_request.reset(), s.secagg_reply.reset();
   round_ = round;
   phase_ = Phase::kBroadcast;
   cv_.notify_all();
@@ -200,6 +203,46 @@ Status ServerAgent::collect(int round, const std::vector<int>&, const Arena&, Up
   out->bytes_up = bytes_up_;
   if (up_start_) out->upload_seconds = std::chrono::duration<double>(up_end_ - *up_start_).count();
   return Status::Ok();
+}
+
+StatusOr<std::string> ServerAgent::secagg_exchange(int client, std::string request) {
+  std::unique_lock lock(mu_);
+  if (client < 0 || static_cast<size_t>(client) >= slots_.size()) {
+    return invalid_argument("secure aggregation: no client_{} in this run", client);
+  }
+  auto& s = slots_[static_cast<size_t>(client)];
+  if (s.failed) return Status(StatusCode::kUnavailable, fmt::format("client_{} is out of the run", client));
+  s.secagg_reply.reset();
+  s.secagg_request = std::move(request);
+  cv_.notify_all();
+  const int wait_s = cfg_.secagg.timeout > 0 ? static_cast<int>(std::ceil(cfg_.secagg.timeout))
+                                             : cfg_.server.upload_deadline_s();
+  if (wait_for(lock, Clock::now() + std::chrono::seconds(wait_s), [&] { return s.secagg_reply || s.failed; }) &&
+      s.secagg_reply) {
+    std::string reply = std::move(*s.secagg_reply);
+    s.secagg_reply.reset();
+    return reply;
+  }
+  s.secagg_request.reset();
+  const std::string why = s.failed ? fmt::format("client_{} left during secure aggregation", client)
+                                   : fmt::format("client_{} did not answer secure aggregation within {} s "
+                                                 "(server_configs.secure_aggregation.timeout)",
+                                                 client, wait_s);
+  fail_locked(client, fmt::format("round {}: {}", round_, why), /*cancel=*/true);
+  return Status(StatusCode::kUnavailable, why);
+}
+
+void ServerAgent::secagg_end_round() {
+  std::lock_guard lock(mu_);
+  secagg_round_over_ = true;
+  cv_.notify_all();
+}
+
+void ServerAgent::secagg_drop(int client, const std::string& why) {
+  std::lock_guard lock(mu_);
+  if (client >= 0 && static_cast<size_t>(client) < slots_.size()) {
+    fail_locked(client, fmt::format("round {}: secure aggregation: {}", round_, why), /*cancel=*/true);
+  }
 }
 
 }  // namespace memfl::grpc_detail

@@ -71,6 +71,25 @@ Status MpiClientTransport::send(const UpdateMeta& meta, ModelPlace& from) {
   return Status::Ok();
 }
 
+StatusOr<std::string> MpiClientTransport::next_secagg_request() {
+  uint64_t n = 0;
+  quiet_recv(&n, sizeof n, 0, kTagSecAggRequest);
+  if (n > kMaxSecAggMessage) {
+    abort_job(fmt::format("rank {}: the server announced a secure aggregation request of {} bytes (at most {})", rank_,
+                          n, kMaxSecAggMessage));
+  }
+  std::string request(n, '\0');
+  if (n > 0) quiet_recv(request.data(), static_cast<int>(n), 0, kTagSecAggRequest);
+  return request;
+}
+
+Status MpiClientTransport::send_secagg_reply(std::string reply) {
+  const uint64_t n = reply.size();
+  MPI_Send(&n, sizeof n, MPI_BYTE, 0, kTagSecAggReply, MPI_COMM_WORLD);
+  MPI_Send(reply.data(), static_cast<int>(n), MPI_BYTE, 0, kTagSecAggReply, MPI_COMM_WORLD);
+  return Status::Ok();
+}
+
 Status MpiClientTransport::close() {
   if (closed_) return Status::Ok();
   closed_ = true;

@@ -23,6 +23,8 @@ class MpiClientTransport final : public ClientTransport {
   StatusOr<RoundOffer> next_round() override;
   Status receive(ModelPlace& into) override;
   Status send(const UpdateMeta& meta, ModelPlace& from) override;
+  StatusOr<std::string> next_secagg_request() override;
+  Status send_secagg_reply(std::string reply) override;
   // Tells the server this rank has written its outputs (it may end the job).
   Status close() override;
 

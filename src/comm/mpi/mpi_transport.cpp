@@ -9,6 +9,7 @@
 #include <atomic>
 #include <csignal>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <memory>
@@ -207,6 +208,10 @@ Status MpiServerTransport::broadcast(int round, const std::vector<int>& selected
     if (excluded_[static_cast<size_t>(r)]) continue;
     if (ranks.empty() || ranks.back() != r) ranks.push_back(r);
   }
+  round_ = round;
+  round_ranks_ = ranks;
+  round_selected_ = selected;
+  secagg_unmask_asked_.clear();
   const auto t = Clock::now();
   for (int r = 1; r < world_; ++r) {
     if (excluded_[static_cast<size_t>(r)]) continue;
@@ -517,6 +522,71 @@ void MpiServerTransport::finish(int) {
                                        mpi_detail::kIdle, deadline)) {
     for (auto& rq : byes) mpi_detail::cancel_receive(&rq);
   }
+}
+
+StatusOr<std::string> MpiServerTransport::secagg_exchange(int client, std::string request) {
+  if (client < 0 || client >= cfg_.server.num_clients) {
+    return invalid_argument("secure aggregation: no client_{} in this run", client);
+  }
+  const int r = rank_of_client(client, cfg_.server.clients_per_rank);
+  if (excluded_.empty()) excluded_.assign(static_cast<size_t>(world_), false);
+  if (excluded_[static_cast<size_t>(r)]) {
+    return Status(StatusCode::kUnavailable, fmt::format("client_{} (rank {}) is out of the run", client, r));
+  }
+  // The first byte names the stage (secagg/wire.h); 4: unmask.
+  if (!request.empty() && static_cast<uint8_t>(request[0]) == 4) ++secagg_unmask_asked_[r];
+  const int wait_s = cfg_.secagg.timeout > 0 ? static_cast<int>(std::ceil(cfg_.secagg.timeout))
+                                             : cfg_.server.upload_deadline_s();
+  const auto deadline = Clock::now() + std::chrono::seconds(wait_s);
+  const auto lost = [&](const char* what) {
+    const std::string why = fmt::format("client_{} (rank {}) did not {} secure aggregation's request within {} s "
+                                        "(server_configs.secure_aggregation.timeout)",
+                                        client, r, what, wait_s);
+    exclude(r, round_, why);
+    return Status(StatusCode::kUnavailable, why);
+  };
+  // Sent without blocking: a rank that stalled must not hold the server.
+  const uint64_t n = request.size();
+  MPI_Request sends[2];
+  MPI_Isend(&n, sizeof n, MPI_BYTE, r, kTagSecAggRequest, MPI_COMM_WORLD, &sends[0]);
+  MPI_Isend(request.data(), static_cast<int>(n), MPI_BYTE, r, kTagSecAggRequest, MPI_COMM_WORLD, &sends[1]);
+  uint64_t m = 0;
+  MPI_Request rq;
+  MPI_Irecv(&m, sizeof m, MPI_BYTE, r, kTagSecAggReply, MPI_COMM_WORLD, &rq);
+  if (!mpi_detail::quiet_waitall_until(1, &rq, MPI_STATUS_IGNORE, mpi_detail::kIdle, deadline)) {
+    mpi_detail::cancel_receive(&rq);
+    for (auto& s : sends) MPI_Request_free(&s);  // let go: the rank is out
+    return lost("answer");
+  }
+  mpi_detail::quiet_waitall(2, sends, MPI_STATUSES_IGNORE, mpi_detail::kIdle);
+  if (m > kMaxSecAggMessage) {
+    abort_job(fmt::format("rank {} announced a secure aggregation reply of {} bytes (at most {})", r, m,
+                          kMaxSecAggMessage));
+  }
+  std::string reply(m, '\0');
+  MPI_Irecv(reply.data(), static_cast<int>(m), MPI_BYTE, r, kTagSecAggReply, MPI_COMM_WORLD, &rq);
+  if (!mpi_detail::quiet_waitall_until(1, &rq, MPI_STATUS_IGNORE, mpi_detail::kIdle, deadline)) {
+    mpi_detail::cancel_receive(&rq);
+    return lost("finish its reply to");
+  }
+  return reply;
+}
+
+void MpiServerTransport::secagg_end_round() {
+  const int k = cfg_.server.clients_per_rank;
+  for (int r : round_ranks_) {
+    if (excluded_[static_cast<size_t>(r)]) continue;
+    const auto clients = std::count_if(round_selected_.begin(), round_selected_.end(),
+                                       [&](int c) { return rank_of_client(c, k) == r; });
+    if (secagg_unmask_asked_[r] >= clients) continue;  // it has stopped listening
+    const uint64_t none = 0;
+    MPI_Send(&none, sizeof none, MPI_BYTE, r, kTagSecAggRequest, MPI_COMM_WORLD);
+  }
+}
+
+void MpiServerTransport::secagg_drop(int client, const std::string& why) {
+  if (client < 0 || client >= cfg_.server.num_clients) return;
+  exclude(rank_of_client(client, cfg_.server.clients_per_rank), round_, "was left out of secure aggregation: " + why);
 }
 
 }  // namespace memfl

@@ -30,6 +30,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -58,6 +59,8 @@ enum MpiTag : int {
   kTagSlotGrant,   // the server lends slot s to a client (upload)
   kTagBye,         // a client rank has written its outputs after the last round
   kTagExcluded,    // the run ended without this client rank, which missed a deadline
+  kTagSecAggRequest,  // secure aggregation: a stage's request (length, then bytes; length 0: stages over)
+  kTagSecAggReply,    // a client rank's reply to it (length, then bytes)
 };
 
 // The server's word to each client rank at a round's start (kTagModelBegin):
@@ -271,6 +274,15 @@ class MpiServerTransport final : public ServerTransport {
   // between probes. Returns after options.total updates, once the ranks
   // still training have sent theirs (not applied); finish() then ends them.
   Status serve_async(AsyncUpdateHandler& core, Arena& global, const AsyncServeOptions& options);
+  // Secure aggregation's stages as opaque bytes (roles/mpi_server.cpp makes
+  // them a secagg RemoteSecAggChannel): `request` to the rank of `client`,
+  // and its reply, secure_aggregation.timeout seconds at most (0: the
+  // upload's deadline) — a rank that does not answer is out of the run.
+  StatusOr<std::string> secagg_exchange(int client, std::string request);
+  // The round's stages are over: ranks still waiting for an unmasking
+  // request (their clients were not asked) are told so.
+  void secagg_end_round();
+  void secagg_drop(int client, const std::string& why);
 
  private:
   void exclude(int rank, int round, const std::string& why);
@@ -281,6 +293,9 @@ class MpiServerTransport final : public ServerTransport {
   ServerStreams& streams_;
   int world_;
   std::vector<bool> excluded_;  // by rank
+  int round_ = 0;                                  // the current round
+  std::vector<int> round_ranks_, round_selected_;  // its participating ranks and clients
+  std::map<int, int> secagg_unmask_asked_;         // by rank: unmasking requests sent this round
   size_t most_together_ = 0;
   std::chrono::milliseconds collect_hold_{0};
 };
