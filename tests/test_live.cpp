@@ -331,7 +331,8 @@ TEST(LiveEndpoint, RunServesMetricsHealthAndRefusesBadRequests) {
        {"memfl_round", "memfl_rounds_completed_total", "memfl_clients_selected", "memfl_received_bytes_total",
         "memfl_sent_bytes_total", "memfl_last_round_seconds", "memfl_test_accuracy", "memfl_test_loss",
         "memfl_resident_memory_bytes", "memfl_resident_memory_peak_bytes", "memfl_resident_memory_anon_bytes",
-        "memfl_resident_memory_file_bytes", "memfl_memory_bound_bytes", "memfl_threads", "memfl_open_fds",
+        "memfl_resident_memory_file_bytes", "memfl_memory_bound_bytes", "memfl_memory_baseline_bytes",
+        "memfl_threads", "memfl_open_fds",
         "memfl_ledger_bytes"}) {
     EXPECT_TRUE(first.type.count(name)) << name << " missing";
   }
@@ -361,6 +362,10 @@ TEST(LiveEndpoint, RunServesMetricsHealthAndRefusesBadRequests) {
   EXPECT_TRUE(later.errors.empty()) << joined(later.errors);
   EXPECT_GT(later.value("memfl_sent_bytes_total"), 0);
   EXPECT_GT(later.value("memfl_memory_bound_bytes"), 0);
+  // The baseline is what the process held before its model: something, and
+  // no more than it holds now with the model.
+  EXPECT_GT(later.value("memfl_memory_baseline_bytes"), 0);
+  EXPECT_LE(later.value("memfl_memory_baseline_bytes"), later.value("memfl_resident_memory_peak_bytes"));
   EXPECT_GE(later.value("memfl_test_accuracy"), 0.0);
   EXPECT_LE(later.value("memfl_test_accuracy"), 1.0);
 

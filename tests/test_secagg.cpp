@@ -810,6 +810,58 @@ TEST(SecAggWire, EveryStageCrossesAsBytesAndTheMeanIsExact) {
   EXPECT_TRUE(dropped.empty());
 }
 
+// A server whose aggregator writes over the global model sums the masked
+// words in the model's own memory (RoundDriver, once the broadcast is done):
+// the same exact mean, the weight's word kept apart, and nothing of the
+// model's old bytes read.
+TEST(SecAggRoundSeam, SumInTheModelsMemoryGivesTheSameMean) {
+  LayoutBuilder lb;
+  lb.add("w", DType::kF32, {21}).add("b", DType::kF32, {4});
+  Layout layout = std::move(lb).build().value();
+  const size_t elements = layout.total_bytes() / 4;
+  const std::vector<int> selected = {1, 3, 4};
+  SecAggParams params;
+  params.max_weight = 4;
+  params.quantization_range = (uint64_t{1} << 20) + 1;
+  Arena global(layout.total_bytes(), MemoryCategory::kModel);
+  auto* g = reinterpret_cast<float*>(global.data());
+  for (size_t i = 0; i < elements; ++i) g[i] = 1e30f;  // the old model: must not leak into the sum
+  auto sa = SecAggRound::start(2, selected, params, layout,
+                               std::span(reinterpret_cast<uint32_t*>(global.data()), elements));
+  ASSERT_TRUE(sa.ok()) << sa.status().message();
+  EXPECT_EQ((*sa)->sum_bytes(), 4u);  // only the weight's word beside the model
+  SecAggClientStages clients;
+  std::vector<int> failed;
+  ASSERT_TRUE((*sa)->exchange_keys(clients, &failed).ok());
+  std::vector<std::vector<float>> updates;
+  const std::vector<double> weights = {1, 2, 4};  // sample counts: ratios 1/4, 2/4, 4/4
+  for (size_t j = 0; j < selected.size(); ++j) {
+    const int c = selected[j];
+    Arena model(layout.total_bytes(), MemoryCategory::kModel);
+    auto* f = reinterpret_cast<float*>(model.data());
+    for (size_t i = 0; i < elements; ++i) f[i] = static_cast<float>((static_cast<int>(i) + 3 * c) % 7 - 3);
+    updates.emplace_back(f, f + elements);
+    MaskingPlace masked(std::make_unique<ArenaPlace>(model), layout, *clients.client(c));
+    ASSERT_TRUE(masked.begin(weights[j]).ok());
+    auto stream = (*sa)->open_update(client_id(c), weights[j]);
+    ASSERT_TRUE(stream.ok());
+    ASSERT_TRUE(stream_place(layout, masked, 28, **stream).ok());  // 7 words a chunk: the last one straddles
+    ASSERT_TRUE((*stream)->commit().ok());
+  }
+  RecordingOpener aggregator;
+  auto n = (*sa)->unmask_into(clients, aggregator, "secure_aggregate", 36);
+  ASSERT_TRUE(n.ok()) << n.status().message();
+  ASSERT_EQ(aggregator.updates.size(), 1u);
+  std::vector<float> mean(elements);
+  std::memcpy(mean.data(), aggregator.updates[0]->bytes.data(), layout.total_bytes());
+  // Weighted by sample count: (1·u₁ + 2·u₃ + 4·u₄) / 7, each product an
+  // integer over 4 that the quantisation keeps exactly.
+  for (size_t i = 0; i < elements; ++i) {
+    const double want = (1 * updates[0][i] + 2 * updates[1][i] + 4 * updates[2][i]) / 7.0;
+    ASSERT_NEAR(mean[i], want, 1e-6) << i;
+  }
+}
+
 TEST(SecAggWire, TruncatedForeignOrLyingMessagesAreRefusedNamingThePeer) {
   LayoutBuilder lb;
   lb.add("w", DType::kF32, {8});
@@ -844,7 +896,9 @@ TEST(SecAggWire, TruncatedForeignOrLyingMessagesAreRefusedNamingThePeer) {
         // A prefix that parses must be a complete message: none is.
         ADD_FAILURE() << "a request cut at " << cut << " of " << req.size() << " bytes parsed";
       }
-      if (!r.ok()) EXPECT_NE(r.status().message().find("server 127.0.0.1:1"), std::string::npos);
+      if (!r.ok()) {
+        EXPECT_NE(r.status().message().find("server 127.0.0.1:1"), std::string::npos);
+      }
     }
   }
   // A request for a client this process does not play.

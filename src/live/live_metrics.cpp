@@ -59,6 +59,7 @@ struct State {
   std::atomic<uint64_t> bytes_sent{0}, bytes_received{0};
   std::atomic<double> last_round_seconds{NAN}, test_accuracy{NAN}, test_loss{NAN}, train_loss{NAN};
   std::atomic<int64_t> bound_bytes{0}, budget_bytes{0};
+  std::atomic<int64_t> baseline_bytes{0};  // RSS when the endpoint started, before the role's model
 
   std::mutex mu;  // guards what follows; held for a push or a copy only
   std::string role = "memfl";
@@ -158,6 +159,9 @@ void enable(std::string role) {
     std::lock_guard lock(g->mu);
     g->role = std::move(role);
   }
+  // What the process held before its model (libraries, the runtime): the
+  // stated bound is on top of it.
+  g->baseline_bytes.store(read_rss_bytes(), std::memory_order_relaxed);
   g->running.store(true);
   g->enabled.store(true);
   // memory/ and io/ know nothing of this folder: they call what is set here.
@@ -343,6 +347,9 @@ std::string prometheus_text() {
   w.metric("memfl_memory_bound_bytes", "gauge",
            "The role's stated bound: global model + aggregator state + working bytes (0: not stated)",
            static_cast<double>(g->bound_bytes.load(rel)));
+  w.metric("memfl_memory_baseline_bytes", "gauge",
+           "Resident bytes before the role built its model (libraries, the runtime); the bound is on top of it",
+           static_cast<double>(g->baseline_bytes.load(rel)));
   w.metric("memfl_memory_budget_bytes", "gauge", "server_configs.memory_budget the bound is checked against",
            static_cast<double>(g->budget_bytes.load(rel)));
   const LedgerSnapshot ledger = Ledger::instance().snapshot();
@@ -439,6 +446,7 @@ std::string state_json() {
   j["rss_bytes"] = read_rss_bytes();
   j["peak_rss_bytes"] = read_peak_rss_bytes();
   j["memory_bound_bytes"] = g->bound_bytes.load(rel);
+  j["memory_baseline_bytes"] = g->baseline_bytes.load(rel);
   const LedgerSnapshot ledger = Ledger::instance().snapshot();
   json lj = json::object();
   for (size_t c = 0; c < ledger.current.size(); ++c)

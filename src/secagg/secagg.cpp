@@ -348,10 +348,15 @@ StatusOr<std::vector<RevealedShare>> SecAggClient::unmask(const UnmaskRequest& r
 // ---------------------------------------------------------------- server
 
 SecAggServer::SecAggServer(int round, std::vector<int> selected, SecAggSettings settings, std::span<uint32_t> sum)
-    : round_(round), selected_(std::move(selected)), s_(settings), sum_(sum) {
+    : SecAggServer(round, std::move(selected), settings, sum.first(sum.size() - 1), &sum.back()) {}
+
+SecAggServer::SecAggServer(int round, std::vector<int> selected, SecAggSettings settings, std::span<uint32_t> body,
+                           uint32_t* tail)
+    : round_(round), selected_(std::move(selected)), s_(settings), body_(body), tail_(tail) {
   std::sort(selected_.begin(), selected_.end());
   for (size_t i = 0; i < selected_.size(); ++i) peers_[selected_[i]].x = static_cast<uint32_t>(i + 1);
-  std::fill(sum_.begin(), sum_.end(), 0u);
+  std::fill(body_.begin(), body_.end(), 0u);
+  *tail_ = 0;
 }
 
 StatusOr<SecAggServer::Peer*> SecAggServer::peer(int client, const char* stage) {
@@ -433,22 +438,26 @@ Status SecAggServer::add_masked_chunk(int client, uint64_t element_offset, std::
     return invalid_argument("client_{}: masked chunk at element {}, expected {} (repeated or out of order)", client,
                             element_offset, p->uploaded);
   }
-  if (chunk.size() > sum_.size() - element_offset) {
-    return invalid_argument("client_{}: masked vector longer than {} elements (chunk at {} of {})", client, sum_.size(),
+  const uint64_t total = total_elements();
+  if (chunk.size() > total - element_offset) {
+    return invalid_argument("client_{}: masked vector longer than {} elements (chunk at {} of {})", client, total,
                             element_offset, chunk.size());
   }
   // Unsigned addition wraps mod 2^32, and 2^32 is a multiple of every
   // allowed modulus: the sum is reduced once, when it is unmasked.
-  uint32_t* dst = sum_.data() + element_offset;
-  for (size_t i = 0; i < chunk.size(); ++i) dst[i] += chunk[i];
+  const size_t in_body = std::min<uint64_t>(chunk.size(), body_.size() - element_offset);
+  uint32_t* dst = body_.data() + element_offset;
+  for (size_t i = 0; i < in_body; ++i) dst[i] += chunk[i];
+  if (in_body < chunk.size()) *tail_ += chunk[in_body];  // the weight's word
   p->uploaded += chunk.size();
   return Status::Ok();
 }
 
 Status SecAggServer::finish_upload(int client) {
   MEMFL_ASSIGN_OR_RETURN(Peer * p, peer(client, "the end of an upload"));
-  if (p->uploaded != sum_.size()) {
-    return invalid_argument("client_{}: masked vector of {} elements, expected {}", client, p->uploaded, sum_.size());
+  if (p->uploaded != total_elements()) {
+    return invalid_argument("client_{}: masked vector of {} elements, expected {}", client, p->uploaded,
+                            total_elements());
   }
   p->complete = true;
   return Status::Ok();
@@ -460,7 +469,7 @@ StatusOr<UnmaskRequest> SecAggServer::unmask_request() {
   for (const auto& [c, p] : peers_) {
     if (p.uploaded > 0 && !p.complete) {
       return aborted("client_{}: its upload broke after {} of {} masked elements were summed; the round is redone", c,
-                     p.uploaded, sum_.size());
+                     p.uploaded, total_elements());
     }
     if (p.complete) {
       survivors_.push_back(c);
@@ -574,8 +583,8 @@ Status SecAggServer::reconstruct() {
 
 Status SecAggServer::unmask_chunk(uint64_t element_offset, std::span<uint32_t> chunk) const {
   if (!reconstructed_) return failed_precondition("round {}: unmasking before the secrets were reconstructed", round_);
-  if (element_offset > sum_.size() || chunk.size() > sum_.size() - element_offset) {
-    return internal_error("unmask_chunk: elements [{}, +{}) of {}", element_offset, chunk.size(), sum_.size());
+  if (element_offset > total_elements() || chunk.size() > total_elements() - element_offset) {
+    return internal_error("unmask_chunk: elements [{}, +{}) of {}", element_offset, chunk.size(), total_elements());
   }
   for (const MaskStream& b : self_masks_) b.apply(element_offset, chunk, -1);
   for (const auto& [sign, mask] : dropped_pairwise_) mask.apply(element_offset, chunk, -sign);

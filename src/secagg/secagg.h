@@ -171,6 +171,10 @@ class SecAggServer {
  public:
   // `sum`: model elements + 1 words the masked sum lives in (zeroed here).
   SecAggServer(int round, std::vector<int> selected, SecAggSettings settings, std::span<uint32_t> sum);
+  // The same with the sum in two places: the model's words in `body` (the
+  // global model's own memory, say) and the weight's word in `*tail`.
+  SecAggServer(int round, std::vector<int> selected, SecAggSettings settings, std::span<uint32_t> body,
+               uint32_t* tail);
 
   Status add_advert(const KeyAdvert& advert);
   // Stage 2: adverts of `client`'s neighbours that advertised (itself included).
@@ -198,7 +202,7 @@ class SecAggServer {
 
   const std::vector<int>& survivors() const { return survivors_; }
   const std::vector<int>& dropped() const { return dropped_; }
-  uint64_t total_elements() const { return sum_.size(); }
+  uint64_t total_elements() const { return body_.size() + 1; }
 
  private:
   struct Peer {
@@ -215,7 +219,8 @@ class SecAggServer {
   int round_;
   std::vector<int> selected_;
   SecAggSettings s_;
-  std::span<uint32_t> sum_;
+  std::span<uint32_t> body_;  // the sum's words but the last
+  uint32_t* tail_;            // the last: the weights'
   std::map<int, Peer> peers_;
   std::map<int, std::vector<SealedShare>> inboxes_;  // by recipient
   std::vector<int> survivors_, dropped_;

@@ -64,18 +64,31 @@ class SecAggRound::Stream final : public UpdateStream {
   std::vector<uint32_t> words_;
 };
 
-SecAggRound::SecAggRound(int round, std::vector<int> selected, SecAggSettings settings, const Layout& layout)
+SecAggRound::SecAggRound(int round, std::vector<int> selected, SecAggSettings settings, const Layout& layout,
+                         std::span<uint32_t> sum_words)
     : round_(round), selected_(std::move(selected)), settings_(settings), layout_(layout) {
-  sum_.resize(layout_.total_bytes() / 4 + 1);
-  server_ = std::make_unique<SecAggServer>(round_, selected_, settings_, sum_);
+  uint32_t* weight = &weight_word_;
+  if (sum_words.empty()) {
+    own_.resize(layout_.total_bytes() / 4 + 1);
+    body_ = std::span(own_).first(own_.size() - 1);
+    weight = &own_.back();
+  } else {
+    body_ = sum_words;
+  }
+  server_ = std::make_unique<SecAggServer>(round_, selected_, settings_, body_, weight);
 }
 
 StatusOr<std::unique_ptr<SecAggRound>> SecAggRound::start(int round, std::vector<int> selected,
-                                                          const SecAggParams& params, const Layout& layout) {
+                                                          const SecAggParams& params, const Layout& layout,
+                                                          std::span<uint32_t> sum_words) {
   MEMFL_RETURN_IF_ERROR(check_secagg_layout(layout));
+  if (!sum_words.empty() && sum_words.size() != layout.total_bytes() / 4) {
+    return internal_error("secure aggregation: a sum of {} words for a model of {} bytes", sum_words.size(),
+                          layout.total_bytes());
+  }
   std::sort(selected.begin(), selected.end());
   MEMFL_ASSIGN_OR_RETURN(SecAggSettings s, SecAggSettings::resolve(params, selected.size()));
-  return std::unique_ptr<SecAggRound>(new SecAggRound(round, std::move(selected), s, layout));
+  return std::unique_ptr<SecAggRound>(new SecAggRound(round, std::move(selected), s, layout, sum_words));
 }
 
 Status SecAggRound::exchange_keys(SecAggChannel& channel, std::vector<int>* failed) {
@@ -139,9 +152,10 @@ StatusOr<size_t> SecAggRound::unmask_into(SecAggChannel& channel, UpdateOpener& 
   if (!rec.ok()) {
     return aborted("round {}: secure aggregation cannot unmask: {}", round_, rec.message());
   }
-  const uint64_t elements = sum_.size() - 1;
-  MEMFL_RETURN_IF_ERROR(server_->unmask_chunk(elements, std::span(sum_).subspan(elements, 1)));
-  const double weight = server_->total_weight(sum_[elements]);
+  const uint64_t elements = body_.size();
+  uint32_t& weight_word = own_.empty() ? weight_word_ : own_.back();
+  MEMFL_RETURN_IF_ERROR(server_->unmask_chunk(elements, std::span(&weight_word, 1)));
+  const double weight = server_->total_weight(weight_word);
   if (!(weight > 0)) return aborted("round {}: secure aggregation: the unmasked weights sum to {}", round_, weight);
   // Chunk by chunk: the sum's words unmasked in place, the mean's f32s in
   // one chunk-sized buffer, straight on to the aggregator.
@@ -150,7 +164,9 @@ StatusOr<size_t> SecAggRound::unmask_into(SecAggChannel& channel, UpdateOpener& 
   std::vector<float> mean(std::min<uint64_t>(words_per_chunk, elements));
   for (uint64_t e = 0; e < elements; e += words_per_chunk) {
     const size_t n = std::min<uint64_t>(words_per_chunk, elements - e);
-    auto words = std::span(sum_).subspan(e, n);
+    // In place: the aggregator's one update then writes the mean over the
+    // words just read (it writes a round's first update, never reads it).
+    auto words = body_.subspan(e, n);
     MEMFL_RETURN_IF_ERROR(server_->unmask_chunk(e, words));
     server_->dequantize(words, weight, std::span(mean).first(n));
     auto bytes = std::as_bytes(std::span(mean).first(n));

@@ -17,6 +17,7 @@
 
 #include <memory>
 #include <mutex>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -29,8 +30,12 @@ namespace memfl {
 
 class SecAggRound final : public UpdateOpener {
  public:
+  // `sum_words`: where the masked sum of the model's words lives — the
+  // global model's own memory, when nothing reads it until the aggregator
+  // writes the round's mean over it (the server then holds no second
+  // model); empty: a buffer of its own.
   static StatusOr<std::unique_ptr<SecAggRound>> start(int round, std::vector<int> selected, const SecAggParams& params,
-                                                      const Layout& layout);
+                                                      const Layout& layout, std::span<uint32_t> sum_words = {});
   // Stages 1–2 with every selected client; a client that fails a stage is
   // out of the round (listed in `failed`; a bad message names it in the log).
   Status exchange_keys(SecAggChannel& channel, std::vector<int>* failed);
@@ -41,18 +46,22 @@ class SecAggRound final : public UpdateOpener {
   // upload that broke part-way) and is redone.
   StatusOr<size_t> unmask_into(SecAggChannel& channel, UpdateOpener& into, const std::string& name,
                                size_t chunk = 1 << 20);
-  // What the server holds for the round: the masked sum (model + 4 bytes).
-  size_t sum_bytes() const { return sum_.size() * sizeof(uint32_t); }
+  // What the round holds beside the global model: the masked sum (model +
+  // 4 bytes) or, summing in the model's memory, 4 bytes.
+  size_t sum_bytes() const { return (own_.empty() ? 1 : own_.size()) * sizeof(uint32_t); }
 
  private:
   class Stream;
-  SecAggRound(int round, std::vector<int> selected, SecAggSettings settings, const Layout& layout);
+  SecAggRound(int round, std::vector<int> selected, SecAggSettings settings, const Layout& layout,
+              std::span<uint32_t> sum_words);
 
   int round_;
   std::vector<int> selected_;
   SecAggSettings settings_;
   const Layout& layout_;
-  std::vector<uint32_t> sum_;
+  std::vector<uint32_t> own_;  // the sum, when it has no place given
+  std::span<uint32_t> body_;   // the sum's model words
+  uint32_t weight_word_ = 0;   // summing in place: the weights' word
   std::mutex mu_;  // the server's state: streams add chunks from several threads
   std::unique_ptr<SecAggServer> server_;
   std::vector<int> out_;  // clients that failed a key-exchange stage

@@ -56,6 +56,12 @@ class GlobalModel {
   // `contributors`: how many client updates the aggregate is of, when the
   // aggregator saw fewer (secure aggregation hands it one mean); 0: its count.
   Status finish_round(int round, int contributors = 0);
+  // Whether the aggregator writes the round's result over the global
+  // model's own memory (not a next checkpoint file): then, once the model is
+  // broadcast, nothing reads it from memory before the aggregator writes
+  // (the undo and the server optimizers' pre-round model are the
+  // checkpoint, or the seed), and secure aggregation can sum there.
+  bool folds_over_model() const { return !mapped_ && aggregator_->sums_in_place(); }
   // Writes the checkpoint after a round (nothing to do when the global model
   // is the checkpoint file).
   Status write_checkpoint(int round);

@@ -169,7 +169,14 @@ Status RoundDriver::play_round(int round, RoundMetrics* m, bool* redo) {
                               a.clipping_range,
                               static_cast<uint64_t>(a.quantization_range),
                               static_cast<uint64_t>(a.modulus_range)};
-    MEMFL_ASSIGN_OR_RETURN(secure, SecAggRound::start(round, selected, params, global_.layout()));
+    // Once the model has left (the transport is done with it before the
+    // upload) and the aggregator will write its one update over it, the
+    // masked sum lives in the model's own memory: no second model.
+    std::span<uint32_t> in_model;
+    if (transport_.broadcast_done_before_collect() && global_.folds_over_model()) {
+      in_model = std::span(reinterpret_cast<uint32_t*>(global_.arena().data()), global_.layout().total_bytes() / 4);
+    }
+    MEMFL_ASSIGN_OR_RETURN(secure, SecAggRound::start(round, selected, params, global_.layout(), in_model));
     sampler_.mark(round, "secagg_keys");
     MEMFL_RETURN_IF_ERROR(secure->exchange_keys(*opts_.secure_aggregation, &key_failed));
   }
