@@ -331,9 +331,8 @@ TEST(LiveEndpoint, RunServesMetricsHealthAndRefusesBadRequests) {
        {"memfl_round", "memfl_rounds_completed_total", "memfl_clients_selected", "memfl_received_bytes_total",
         "memfl_sent_bytes_total", "memfl_last_round_seconds", "memfl_test_accuracy", "memfl_test_loss",
         "memfl_resident_memory_bytes", "memfl_resident_memory_peak_bytes", "memfl_resident_memory_anon_bytes",
-        "memfl_resident_memory_file_bytes", "memfl_memory_bound_bytes", "memfl_memory_baseline_bytes",
-        "memfl_threads", "memfl_open_fds",
-        "memfl_ledger_bytes"}) {
+        "memfl_resident_memory_file_bytes", "memfl_memory_bound_bytes", "memfl_memory_baseline_bytes", "memfl_threads",
+        "memfl_open_fds", "memfl_ledger_bytes"}) {
     EXPECT_TRUE(first.type.count(name)) << name << " missing";
   }
   EXPECT_EQ(http_get(port, "/healthz").status, 200);

@@ -826,8 +826,8 @@ TEST(SecAggRoundSeam, SumInTheModelsMemoryGivesTheSameMean) {
   Arena global(layout.total_bytes(), MemoryCategory::kModel);
   auto* g = reinterpret_cast<float*>(global.data());
   for (size_t i = 0; i < elements; ++i) g[i] = 1e30f;  // the old model: must not leak into the sum
-  auto sa = SecAggRound::start(2, selected, params, layout,
-                               std::span(reinterpret_cast<uint32_t*>(global.data()), elements));
+  auto sa =
+      SecAggRound::start(2, selected, params, layout, std::span(reinterpret_cast<uint32_t*>(global.data()), elements));
   ASSERT_TRUE(sa.ok()) << sa.status().message();
   EXPECT_EQ((*sa)->sum_bytes(), 4u);  // only the weight's word beside the model
   SecAggClientStages clients;
@@ -882,8 +882,8 @@ TEST(SecAggWire, TruncatedForeignOrLyingMessagesAreRefusedNamingThePeer) {
   for (const std::string& req : wire.requests) {
     for (size_t cut = 0; cut < req.size(); ++cut) {
       SecAggStage stage;
-      auto r = serve_secagg_request(fresh, std::string_view(req).substr(0, cut), "server 127.0.0.1:1", selected,
-                                    &stage);
+      auto r =
+          serve_secagg_request(fresh, std::string_view(req).substr(0, cut), "server 127.0.0.1:1", selected, &stage);
       if (cut == 0) {
         // Empty: the server's "the round's stages are over".
         ASSERT_TRUE(r.ok());
@@ -917,8 +917,8 @@ TEST(SecAggWire, TruncatedForeignOrLyingMessagesAreRefusedNamingThePeer) {
     if (st == SecAggStage::kAdvertise) (*reply)[0] = static_cast<char>(SecAggStage::kUnmask);
   };
   std::vector<Status> why;
-  RemoteSecAggChannel lying_channel([&](int c, std::string r) { return lying.exchange(c, std::move(r)); },
-                                    [](int) {}, [&](int, const Status& s) { why.push_back(s); });
+  RemoteSecAggChannel lying_channel([&](int c, std::string r) { return lying.exchange(c, std::move(r)); }, [](int) {},
+                                    [&](int, const Status& s) { why.push_back(s); });
   std::vector<int> out;
   ASSERT_TRUE((*sb)->exchange_keys(lying_channel, &out).ok());
   EXPECT_EQ(out, selected);  // every advert was refused: nobody is in the round
@@ -935,8 +935,8 @@ TEST(SecAggWire, TruncatedForeignOrLyingMessagesAreRefusedNamingThePeer) {
     std::memcpy(reply->data() + 2, &n, 4);
   };
   why.clear();
-  RemoteSecAggChannel huge_channel([&](int c, std::string r) { return huge.exchange(c, std::move(r)); },
-                                   [](int) {}, [&](int, const Status& s) { why.push_back(s); });
+  RemoteSecAggChannel huge_channel([&](int c, std::string r) { return huge.exchange(c, std::move(r)); }, [](int) {},
+                                   [&](int, const Status& s) { why.push_back(s); });
   out.clear();
   ASSERT_TRUE((*sc)->exchange_keys(huge_channel, &out).ok());
   EXPECT_EQ(out, selected);

@@ -94,8 +94,8 @@ TEST(SecAggRun, GlobalModelIsFedAvgWithinTheQuantisationBound) {
 // channel; the server folds only masked words.
 TEST(SecAggRun, OverGrpcTheGlobalModelIsFedAvgWithinTheQuantisationBound) {
   testing::TempDir tmp;
-  Result r = memfl_cli("launch " + write_config(tmp, "  round_timeout_s: 60\n") + " --clients 4 --out " +
-                       tmp.file("grpc"));
+  Result r =
+      memfl_cli("launch " + write_config(tmp, "  round_timeout_s: 60\n") + " --clients 4 --out " + tmp.file("grpc"));
   ASSERT_EQ(r.exit_code, 0) << r.output;
   expect_fedavg_within_quantisation_bound(tmp.file("grpc/server/global_model.safetensors"));
   const std::string log = testing::read_file(tmp.file("grpc/server.log"));
@@ -118,9 +118,10 @@ TEST(SecAggRun, OverMpiTheGlobalModelIsFedAvgWithinTheQuantisationBound) {
     std::string name, sets;
     int ranks;
   };
-  for (const Case& c : {Case{"ring", "", kClients + 1},
-                        Case{"p2p", " --set server_configs.mpi_shared_memory=false --set server_configs.clients_per_rank=2",
-                             kClients / 2 + 1}}) {
+  for (const Case& c :
+       {Case{"ring", "", kClients + 1},
+        Case{"p2p", " --set server_configs.mpi_shared_memory=false --set server_configs.clients_per_rank=2",
+             kClients / 2 + 1}}) {
     Result r = mpirun(c.ranks, cfg + c.sets + " --out " + tmp.file(c.name));
     ASSERT_EQ(r.exit_code, 0) << c.name << "\n" << r.output;
     expect_fedavg_within_quantisation_bound(tmp.file(c.name + "/rank_0/global_model.safetensors"));
@@ -128,7 +129,8 @@ TEST(SecAggRun, OverMpiTheGlobalModelIsFedAvgWithinTheQuantisationBound) {
       EXPECT_NE(
           r.output.find(fmt::format("round {}: secure aggregation unmasked the mean of 4 clients (0 dropped)", round)),
           std::string::npos)
-          << c.name << "\n" << r.output;
+          << c.name << "\n"
+          << r.output;
     }
   }
 }

@@ -280,7 +280,7 @@ const std::vector<KeySpec>& schema() {
       {"server_configs.secure_aggregation.clipping_range", Type::kFloat, "8.0", {}, 1, 1e12, "each weighted element is clipped to [-clipping_range, clipping_range] before quantisation", F(secagg.clipping_range)},
       {"server_configs.secure_aggregation.quantization_range", Type::kInt, "4194304", {}, 2, 4294967296, "quantised elements lie in [0, quantization_range); stochastic rounding", I(secagg.quantization_range)},
       {"server_configs.secure_aggregation.modulus_range", Type::kInt, "4294967296", {}, 2, 4294967296, "masked sums are taken modulo this (a power of two, at most 2^32; must exceed clients x (quantization_range - 1))", I(secagg.modulus_range)},
-      {"server_configs.secure_aggregation.timeout", Type::kFloat, "0", {}, 0, 1e9, "seconds a key-exchange stage waits for the selected clients (0 = the round's own deadline)", F(secagg.timeout)},
+      {"server_configs.secure_aggregation.timeout", Type::kFloat, "0", {}, 0, 1e9, "seconds the server waits for a client's reply to a secure-aggregation stage (0 = server_configs.upload_timeout_s)", F(secagg.timeout)},
       // clang-format on
       // client_configs.model_configs
       {"client_configs.model_configs.model_name", Type::kString, "CNN", known_model_names(), -kInf, kInf,

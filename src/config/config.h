@@ -191,11 +191,11 @@ struct SecAggConfig {
   // Shares needed to reconstruct a secret: at most 1 a proportion of
   // num_shares, above 1 a count.
   double reconstruction_threshold = 0.67;
-  double max_weight = 1000;        // a client's weight is min(sample count, this) / this
-  double clipping_range = 8.0;     // each weighted element is clipped to ±this before quantisation
-  int64_t quantization_range = 1 << 22;  // quantised values lie in [0, this)
+  double max_weight = 1000;                  // a client's weight is min(sample count, this) / this
+  double clipping_range = 8.0;               // each weighted element is clipped to ±this before quantisation
+  int64_t quantization_range = 1 << 22;      // quantised values lie in [0, this)
   int64_t modulus_range = int64_t{1} << 32;  // masked sums are taken mod this (a power of two ≤ 2^32)
-  double timeout = 0;              // seconds a key-exchange stage waits for clients (0 = the round's own deadline)
+  double timeout = 0;  // seconds the server waits for a client's reply to a stage (0: the upload's deadline)
 };
 
 struct MemoryConfig {

@@ -6,7 +6,12 @@
 #include <cmath>
 #include <cstring>
 
+#include "common/parallel.h"
+
 namespace memfl {
+
+// Words of a chunk one core masks or unmasks at least (256 KiB).
+constexpr size_t kParallelMaskWords = size_t{1} << 16;
 
 namespace {
 
@@ -265,8 +270,13 @@ uint32_t SecAggClient::quantise(double v) {
 }
 
 void SecAggClient::add_masks(uint64_t element_offset, std::span<uint32_t> out) const {
-  self_mask_->apply(element_offset, out, +1);
-  for (const auto& [v, mask] : pairwise_) mask.apply(element_offset, out, client_ < v ? +1 : -1);
+  // The keystreams are the cost (≈ 1 GB/s a core each): a big chunk is cut
+  // among the cores; each word gets the same masks whatever the cut.
+  parallel_for(out.size(), kParallelMaskWords, [&](size_t a, size_t b) {
+    auto part = out.subspan(a, b - a);
+    self_mask_->apply(element_offset + a, part, +1);
+    for (const auto& [v, mask] : pairwise_) mask.apply(element_offset + a, part, client_ < v ? +1 : -1);
+  });
 }
 
 Status SecAggClient::mask_chunk(uint64_t element_offset, std::span<const float> values, std::span<uint32_t> out) {
@@ -586,12 +596,16 @@ Status SecAggServer::unmask_chunk(uint64_t element_offset, std::span<uint32_t> c
   if (element_offset > total_elements() || chunk.size() > total_elements() - element_offset) {
     return internal_error("unmask_chunk: elements [{}, +{}) of {}", element_offset, chunk.size(), total_elements());
   }
-  for (const MaskStream& b : self_masks_) b.apply(element_offset, chunk, -1);
-  for (const auto& [sign, mask] : dropped_pairwise_) mask.apply(element_offset, chunk, -sign);
-  if (s_.modulus_range < (uint64_t{1} << 32)) {
-    const auto m = static_cast<uint32_t>(s_.modulus_range - 1);
-    for (uint32_t& w : chunk) w &= m;
-  }
+  // Cut among the cores as the clients' masking is (same words, any cut).
+  parallel_for(chunk.size(), kParallelMaskWords, [&](size_t a, size_t b) {
+    auto part = chunk.subspan(a, b - a);
+    for (const MaskStream& m : self_masks_) m.apply(element_offset + a, part, -1);
+    for (const auto& [sign, mask] : dropped_pairwise_) mask.apply(element_offset + a, part, -sign);
+    if (s_.modulus_range < (uint64_t{1} << 32)) {
+      const auto m = static_cast<uint32_t>(s_.modulus_range - 1);
+      for (uint32_t& w : part) w &= m;
+    }
+  });
   return Status::Ok();
 }
 

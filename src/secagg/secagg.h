@@ -173,8 +173,7 @@ class SecAggServer {
   SecAggServer(int round, std::vector<int> selected, SecAggSettings settings, std::span<uint32_t> sum);
   // The same with the sum in two places: the model's words in `body` (the
   // global model's own memory, say) and the weight's word in `*tail`.
-  SecAggServer(int round, std::vector<int> selected, SecAggSettings settings, std::span<uint32_t> body,
-               uint32_t* tail);
+  SecAggServer(int round, std::vector<int> selected, SecAggSettings settings, std::span<uint32_t> body, uint32_t* tail);
 
   Status add_advert(const KeyAdvert& advert);
   // Stage 2: adverts of `client`'s neighbours that advertised (itself included).

@@ -62,7 +62,7 @@ class SecAggRound final : public UpdateOpener {
   std::vector<uint32_t> own_;  // the sum, when it has no place given
   std::span<uint32_t> body_;   // the sum's model words
   uint32_t weight_word_ = 0;   // summing in place: the weights' word
-  std::mutex mu_;  // the server's state: streams add chunks from several threads
+  std::mutex mu_;              // the server's state: streams add chunks from several threads
   std::unique_ptr<SecAggServer> server_;
   std::vector<int> out_;  // clients that failed a key-exchange stage
 };

@@ -149,11 +149,16 @@ void request_head(SecAggStage stage, int client, int round, Writer* w) {
 
 const char* secagg_stage_name(SecAggStage s) {
   switch (s) {
-    case SecAggStage::kRoundOver: return "round over";
-    case SecAggStage::kAdvertise: return "advertise keys";
-    case SecAggStage::kShareKeys: return "share keys";
-    case SecAggStage::kDeliverShares: return "deliver shares";
-    case SecAggStage::kUnmask: return "unmask";
+    case SecAggStage::kRoundOver:
+      return "round over";
+    case SecAggStage::kAdvertise:
+      return "advertise keys";
+    case SecAggStage::kShareKeys:
+      return "share keys";
+    case SecAggStage::kDeliverShares:
+      return "deliver shares";
+    case SecAggStage::kUnmask:
+      return "unmask";
   }
   return "unknown";
 }
@@ -342,7 +347,8 @@ StatusOr<std::string> serve_secagg_request(SecAggChannel& stages, std::string_vi
         }
       });
     }
-    case SecAggStage::kRoundOver: break;
+    case SecAggStage::kRoundOver:
+      break;
   }
   return std::string();
 }

@@ -250,8 +250,8 @@ class ServerAgent final : public ServerTransport {
   // Naive mode: every client's serialised model, held until the end of the upload phase.
   std::vector<std::pair<int, std::pair<double, std::vector<std::byte>>>> naive_updates_;
   bool secagg_round_over_ = false;  // the round's secure aggregation has ended
-  int data_port_ = 0;         // 0: no TCP port offered
-  bool offers_data_ = false;  // a data channel (TCP port or Unix socket) is offered
+  int data_port_ = 0;               // 0: no TCP port offered
+  bool offers_data_ = false;        // a data channel (TCP port or Unix socket) is offered
   // Last: destroyed first, so its thread stops before what it touches.
   DataListener data_listener_;
 };

@@ -215,8 +215,8 @@ StatusOr<std::string> ServerAgent::secagg_exchange(int client, std::string reque
   s.secagg_reply.reset();
   s.secagg_request = std::move(request);
   cv_.notify_all();
-  const int wait_s = cfg_.secagg.timeout > 0 ? static_cast<int>(std::ceil(cfg_.secagg.timeout))
-                                             : cfg_.server.upload_deadline_s();
+  const int wait_s =
+      cfg_.secagg.timeout > 0 ? static_cast<int>(std::ceil(cfg_.secagg.timeout)) : cfg_.server.upload_deadline_s();
   if (wait_for(lock, Clock::now() + std::chrono::seconds(wait_s), [&] { return s.secagg_reply || s.failed; }) &&
       s.secagg_reply) {
     std::string reply = std::move(*s.secagg_reply);
@@ -225,9 +225,10 @@ StatusOr<std::string> ServerAgent::secagg_exchange(int client, std::string reque
   }
   s.secagg_request.reset();
   const std::string why = s.failed ? fmt::format("client_{} left during secure aggregation", client)
-                                   : fmt::format("client_{} did not answer secure aggregation within {} s "
-                                                 "(server_configs.secure_aggregation.timeout)",
-                                                 client, wait_s);
+                                   : fmt::format(
+                                         "client_{} did not answer secure aggregation within {} s "
+                                         "(server_configs.secure_aggregation.timeout)",
+                                         client, wait_s);
   fail_locked(client, fmt::format("round {}: {}", round_, why), /*cancel=*/true);
   return Status(StatusCode::kUnavailable, why);
 }

@@ -535,13 +535,14 @@ StatusOr<std::string> MpiServerTransport::secagg_exchange(int client, std::strin
   }
   // The first byte names the stage (secagg/wire.h); 4: unmask.
   if (!request.empty() && static_cast<uint8_t>(request[0]) == 4) ++secagg_unmask_asked_[r];
-  const int wait_s = cfg_.secagg.timeout > 0 ? static_cast<int>(std::ceil(cfg_.secagg.timeout))
-                                             : cfg_.server.upload_deadline_s();
+  const int wait_s =
+      cfg_.secagg.timeout > 0 ? static_cast<int>(std::ceil(cfg_.secagg.timeout)) : cfg_.server.upload_deadline_s();
   const auto deadline = Clock::now() + std::chrono::seconds(wait_s);
   const auto lost = [&](const char* what) {
-    const std::string why = fmt::format("client_{} (rank {}) did not {} secure aggregation's request within {} s "
-                                        "(server_configs.secure_aggregation.timeout)",
-                                        client, r, what, wait_s);
+    const std::string why = fmt::format(
+        "client_{} (rank {}) did not {} secure aggregation's request within {} s "
+        "(server_configs.secure_aggregation.timeout)",
+        client, r, what, wait_s);
     exclude(r, round_, why);
     return Status(StatusCode::kUnavailable, why);
   };
@@ -560,8 +561,8 @@ StatusOr<std::string> MpiServerTransport::secagg_exchange(int client, std::strin
   }
   mpi_detail::quiet_waitall(2, sends, MPI_STATUSES_IGNORE, mpi_detail::kIdle);
   if (m > kMaxSecAggMessage) {
-    abort_job(fmt::format("rank {} announced a secure aggregation reply of {} bytes (at most {})", r, m,
-                          kMaxSecAggMessage));
+    abort_job(
+        fmt::format("rank {} announced a secure aggregation reply of {} bytes (at most {})", r, m, kMaxSecAggMessage));
   }
   std::string reply(m, '\0');
   MPI_Irecv(reply.data(), static_cast<int>(m), MPI_BYTE, r, kTagSecAggReply, MPI_COMM_WORLD, &rq);
@@ -576,8 +577,8 @@ void MpiServerTransport::secagg_end_round() {
   const int k = cfg_.server.clients_per_rank;
   for (int r : round_ranks_) {
     if (excluded_[static_cast<size_t>(r)]) continue;
-    const auto clients = std::count_if(round_selected_.begin(), round_selected_.end(),
-                                       [&](int c) { return rank_of_client(c, k) == r; });
+    const auto clients =
+        std::count_if(round_selected_.begin(), round_selected_.end(), [&](int c) { return rank_of_client(c, k) == r; });
     if (secagg_unmask_asked_[r] >= clients) continue;  // it has stopped listening
     const uint64_t none = 0;
     MPI_Send(&none, sizeof none, MPI_BYTE, r, kTagSecAggRequest, MPI_COMM_WORLD);

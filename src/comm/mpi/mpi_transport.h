@@ -54,11 +54,11 @@ enum MpiTag : int {
   kTagChunkData,
   kTagModelReceived,
   kTagUpdateMeta,
-  kTagSlotHeader,  // shared-memory ring: a chunk is in slot s (WireSlotHeader)
-  kTagSlotDone,    // a client has copied slot s out (download)
-  kTagSlotGrant,   // the server lends slot s to a client (upload)
-  kTagBye,         // a client rank has written its outputs after the last round
-  kTagExcluded,    // the run ended without this client rank, which missed a deadline
+  kTagSlotHeader,     // shared-memory ring: a chunk is in slot s (WireSlotHeader)
+  kTagSlotDone,       // a client has copied slot s out (download)
+  kTagSlotGrant,      // the server lends slot s to a client (upload)
+  kTagBye,            // a client rank has written its outputs after the last round
+  kTagExcluded,       // the run ended without this client rank, which missed a deadline
   kTagSecAggRequest,  // secure aggregation: a stage's request (length, then bytes; length 0: stages over)
   kTagSecAggReply,    // a client rank's reply to it (length, then bytes)
 };
@@ -292,7 +292,7 @@ class MpiServerTransport final : public ServerTransport {
   const Layout& layout_;
   ServerStreams& streams_;
   int world_;
-  std::vector<bool> excluded_;  // by rank
+  std::vector<bool> excluded_;                     // by rank
   int round_ = 0;                                  // the current round
   std::vector<int> round_ranks_, round_selected_;  // its participating ranks and clients
   std::map<int, int> secagg_unmask_asked_;         // by rank: unmasking requests sent this round
