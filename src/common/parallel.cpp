@@ -84,10 +84,13 @@ class Pool {
  private:
   static void run(const Task& t) {
     (*t.batch->fn)(t.begin, t.end);
-    if (t.batch->left.fetch_sub(1) == 1) {
-      std::lock_guard lock(t.batch->mu);
-      t.batch->done.notify_all();
-    }
+    // The count drops under the batch's lock: the caller sees it at zero
+    // only after this thread has let go of the lock, and then returns and
+    // ends the batch (on its stack). Dropping it before taking the lock let
+    // the caller return first, and this thread then locked a mutex that no
+    // longer existed (a glibc assertion in a client masking 1 GiB chunks).
+    std::lock_guard lock(t.batch->mu);
+    if (t.batch->left.fetch_sub(1) == 1) t.batch->done.notify_all();
   }
 
   void work() {
