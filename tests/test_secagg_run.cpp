@@ -35,33 +35,40 @@ std::string write_config(const testing::TempDir& tmp, const std::string& extra) 
   return path;
 }
 
+// Rounds of the test's experiment and the clients in each.
+using Rounds = std::vector<std::vector<int>>;
+Rounds every_client() { return Rounds(kRounds, std::vector<int>{0, 1, 2, 3}); }
+
 // The largest |element| any client sends in any round: the global model's
 // (FedAvg's, the oracle's) plus the largest DummyTrainer change, s·n·5.
-double max_client_element() {
+double max_client_element(const Rounds& rounds) {
   double M = 0;
-  for (int rounds = 0; rounds <= kRounds; ++rounds) {
-    const auto g = testing::dummy_fedavg_model(
-        kParams, kScale, std::vector<std::vector<int>>(static_cast<size_t>(rounds), std::vector<int>{0, 1, 2, 3}));
+  for (size_t r = 0; r <= rounds.size(); ++r) {
+    const auto g = testing::dummy_fedavg_model(kParams, kScale, Rounds(rounds.begin(), rounds.begin() + r));
     for (double v : g) M = std::max(M, std::abs(v) + kScale * kClients * 5);
   }
   return M;
 }
 
+// The quantisation bound of one round with `clients`: ratios rᶜ =
+// 5(c+1)/max_weight (W their sum), step = 2·8/(2²² − 1), every client
+// element below M in magnitude:  |m̂ − m| ≤ n·step·(W + W·M) / (W·(W − n·step)).
+double round_bound(const std::vector<int>& clients, double M) {
+  const double n = static_cast<double>(clients.size()), step = 16.0 / ((1 << 22) - 1);
+  double W = 0;
+  for (int c : clients) W += 5.0 * (c + 1) / 20.0;
+  return n * step * (W + W * M) / (W * (W - n * step));
+}
+
 // The global model in `path` against plain FedAvg of the same updates.
-void expect_fedavg_within_quantisation_bound(const std::string& path) {
-  // Plain FedAvg of the same updates: client c weighs 5·(c+1).
-  std::vector<std::vector<int>> all(kRounds, std::vector<int>{0, 1, 2, 3});
-  const std::vector<double> want = testing::dummy_fedavg_model(kParams, kScale, all);
-  // Per round, with ratios rᶜ = 5(c+1)/max_weight (W = 2.5), step = 2·8/(2²² − 1)
-  // and every client element below M in magnitude:
-  //   |m̂ − m| ≤ n·step·(W + W·M) / (W·(W − n·step));
-  // the mean is the global model plus a fixed change, so an error carries
+void expect_fedavg_within_quantisation_bound(const std::string& path, const Rounds& rounds = every_client()) {
+  const std::vector<double> want = testing::dummy_fedavg_model(kParams, kScale, rounds);
+  // The mean is the global model plus a fixed change, so an error carries
   // into the next round one for one: the bounds add up over the rounds.
-  const double M = max_client_element();
+  const double M = max_client_element(rounds);
   ASSERT_LT(M, 8.0) << "the updates must lie inside clipping_range for the bound to hold";
-  const double n = kClients, W = 2.5, step = 16.0 / ((1 << 22) - 1);
-  const double per_round = n * step * (W + W * M) / (W * (W - n * step));
-  const double bound = kRounds * per_round;
+  double bound = 0;
+  for (const auto& clients : rounds) bound += round_bound(clients, M);
   auto f = SafetensorsFile::open(path);
   ASSERT_TRUE(f.ok()) << f.status().to_string();
   size_t k = 0;
@@ -104,6 +111,29 @@ TEST(SecAggRun, OverGrpcTheGlobalModelIsFedAvgWithinTheQuantisationBound) {
               std::string::npos)
         << log;
   }
+}
+#endif
+
+#ifdef MEMFL_TEST_GRPC
+// A client that shared its keys and then left before the first chunk of its
+// update (its connection dropped): SecAgg+ takes its pairwise masks out of
+// the others' uploads with the shares its neighbours reveal, and the round
+// is the mean of the three others; the client is out for the rest of the run.
+TEST(SecAggRun, OverGrpcAClientGoneAfterSharingKeysIsRecovered) {
+  testing::TempDir tmp;
+  setenv("MEMFL_FAULT", "disconnect_before_upload", 1);
+  setenv("MEMFL_FAULT_CLIENT", "1", 1);
+  Result r = memfl_cli(
+      "launch " + write_config(tmp, "    num_shares: 3\n    reconstruction_threshold: 2\n  round_timeout_s: 60\n") +
+      " --clients 4 --out " + tmp.file("grpc"));
+  unsetenv("MEMFL_FAULT");
+  unsetenv("MEMFL_FAULT_CLIENT");
+  const std::string log = testing::read_file(tmp.file("grpc/server.log"));
+  EXPECT_NE(r.output.find("some clients failed (the server finished)"), std::string::npos) << r.output;
+  EXPECT_NE(log.find("round 1: secure aggregation unmasked the mean of 3 clients (1 dropped)"), std::string::npos)
+      << log;
+  expect_fedavg_within_quantisation_bound(tmp.file("grpc/server/global_model.safetensors"),
+                                          Rounds(kRounds, std::vector<int>{0, 2, 3}));
 }
 #endif
 
@@ -164,9 +194,9 @@ TEST(SecAggRun, ServerOptimizerActsOnTheUnmaskedMean) {
   // momentum (β = 0.9, lr = 1: the defaults) spreads it over later rounds:
   // the model is off by at most lr·Σ_j Σ_k β^k·e_j ≤ rounds²·max e_j (loose,
   // but could fail), with e_j bounded as in the test above.
-  const double M = max_client_element(), n = kClients, W = 2.5, step = 16.0 / ((1 << 22) - 1);
+  const double M = max_client_element(every_client());
   ASSERT_LT(M, 8.0);
-  const double per_round = n * step * (W + W * M) / (W * (W - n * step));
+  const double per_round = round_bound({0, 1, 2, 3}, M);
   EXPECT_LE(worst, kRounds * kRounds * per_round + 1e-6);
   EXPECT_GT(worst, 0.0);
 }

@@ -21,6 +21,9 @@ class EnvFaults final : public TransferFaults {
   Status before_upload_chunk(size_t index, bool last, ChunkHeader* h) override {
     // MPI announces its upload once, with no header, before its chunks go.
     if (index == 1 || h == nullptr) stop_once("stop_mid_upload");
+    if (kind_ == "disconnect_before_upload" && index == 0 && h != nullptr && uploads_done_ == 0) {
+      return Status(StatusCode::kAborted, "injected fault: disconnected before the first chunk of its upload");
+    }
     if (h == nullptr || uploads_done_ > 0 || !(index == 1 || last)) return Status::Ok();
     if (kind_ == "disconnect_mid_upload") {
       return Status(StatusCode::kAborted, "injected fault: disconnected in the middle of the upload");

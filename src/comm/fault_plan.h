@@ -7,6 +7,8 @@
 // Kinds: wrong_token, wrong_data_ticket (refused at registration);
 // disconnect_mid_upload, bad_checksum, wrong_layout_hash, offset_past_end,
 // extra_bytes (the first upload's second chunk, or its only one);
+// disconnect_before_upload (its metadata sent, none of its first update's
+// chunks: under secure aggregation, a client gone after sharing its keys);
 // stop_in_broadcast, stop_mid_upload (the process stops itself with SIGSTOP,
 // once, as a stalled node would; SIGCONT lets it go on); die_after_round_1
 // (the process exits at once after its part of round 1, as a crashed node).
