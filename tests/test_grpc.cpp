@@ -59,6 +59,11 @@ TEST(Grpc, CnnRunEqualsTheInProcessRunBitForBit) {
   // Server-side evaluation ran in the model worker, on the same model bytes:
   // the same test accuracy as in process; the server never mapped libtorch.
   EXPECT_EQ(read_csv(tmp.file("grpc/server/metrics.csv"))[2][7], read_csv(tmp.file("inproc/metrics.csv"))[2][7]);
+  // The clients' training accuracy reaches the server's metrics (column 3),
+  // weighted as in process: the same figure.
+  const auto train_acc = read_csv(tmp.file("grpc/server/metrics.csv"))[2][3];
+  EXPECT_GT(std::stod(train_acc), 0.3);
+  EXPECT_EQ(train_acc, read_csv(tmp.file("inproc/metrics.csv"))[2][3]);
   std::ifstream summary(tmp.file("grpc/server/summary.json"));
   const std::string text((std::istreambuf_iterator<char>(summary)), {});
   EXPECT_NE(text.find("\"maps_libtorch\": false"), std::string::npos) << text;

@@ -375,6 +375,42 @@ TEST(LiveEndpoint, RunServesMetricsHealthAndRefusesBadRequests) {
   EXPECT_NE(testing::read_file(run + "/http_address"), "");
 }
 
+// A launched server (a server process and client processes) counts the
+// clients whose session is open; the simulator has none to count.
+TEST(LiveEndpoint, LaunchedServerCountsItsConnectedClients) {
+  testing::TempDir tmp;
+  const std::string run = tmp.file("launch");
+  BackgroundRun bg(
+      "launch --clients 2 --set server_configs.num_clients=2 --set server_configs.num_global_epochs=400"
+      " --set client_configs.train_configs.trainer=DummyTrainer --set client_configs.model_configs.model_name=synthetic"
+      " --set client_configs.model_configs.model_kwargs.num_params=1000000 --http 127.0.0.1:0",
+      run);
+  int port = 0;
+  for (int i = 0; i < 600 && port == 0; ++i) {
+    std::ifstream in(run + "/server/http_address");
+    std::string a;
+    if (in && std::getline(in, a) && a.find(':') != std::string::npos) port = std::stoi(a.substr(a.rfind(':') + 1));
+    std::this_thread::sleep_for(100ms);
+  }
+  ASSERT_GT(port, 0) << bg.log();
+  double connected = std::nan("");
+  for (int i = 0; i < 300 && !(connected == 2); ++i) {
+    connected = scraped(port, "memfl_clients_connected");
+    std::this_thread::sleep_for(50ms);
+  }
+  EXPECT_EQ(connected, 2) << bg.log();
+  EXPECT_EQ(bg.wait(), 0) << bg.log();
+  // In process there are no client processes: no such gauge.
+  BackgroundRun sim(live_run_args(40), tmp.file("sim"));
+  const int sim_port = sim.port();
+  ASSERT_GT(sim_port, 0) << sim.log();
+  Exposition e;
+  for (int i = 0; i < 100 && e.samples.empty(); ++i) (void)scraped(sim_port, "memfl_round", &e);
+  EXPECT_FALSE(e.samples.empty());
+  EXPECT_EQ(e.type.count("memfl_clients_connected"), 0u);
+  EXPECT_EQ(sim.wait(), 0) << sim.log();
+}
+
 TEST(LiveEndpoint, TokenIsRequiredExceptForHealth) {
   testing::TempDir tmp;
   const std::string run = tmp.file("run");

@@ -39,6 +39,9 @@ TEST(Mpi, ThreeRanksEqualTheInProcessRunBitForBit) {
   auto metrics = read_csv(tmp.file("mpi/rank_0/metrics.csv"));
   ASSERT_EQ(metrics.size(), 3u);
   EXPECT_GT(std::stod(metrics[2][7]), 0.3) << "accuracy above chance";
+  // The ranks' training accuracy reaches rank 0's metrics (column 3), as in process.
+  EXPECT_GT(std::stod(metrics[2][3]), 0.3);
+  EXPECT_EQ(metrics[2][3], read_csv(tmp.file("inproc/metrics.csv"))[2][3]);
   // memfl report reads every rank.
   Result rep = memfl_cli("report " + tmp.file("mpi"));
   ASSERT_EQ(rep.exit_code, 0) << rep.output;

@@ -153,6 +153,7 @@ StatusOr<bool> ClientDriver::play_round(ClientTransport& transport, LocalModel& 
     mark(round, "upload");
     UpdateMeta meta{.round = round, .client = c, .sample_count = up.sample_count, .metrics = {}};
     meta.metrics["train_loss"] = up.trained.train_loss;
+    meta.metrics["train_accuracy"] = up.trained.train_accuracy;
     meta.metrics["val_accuracy"] = up.trained.val_accuracy;
     meta.metrics["local_steps"] = static_cast<double>(up.local_steps);
     if (up.has_epsilon) meta.metrics["epsilon"] = up.epsilon;

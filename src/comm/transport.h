@@ -84,6 +84,9 @@ class ServerTransport {
   // Clients that were out and have come back since the last call (a client
   // process restarted after it died): the driver selects them again.
   virtual std::vector<int> take_rejoined() { return {}; }
+  // Clients whose process is connected now (a gRPC session open, an MPI
+  // rank still in the job); -1 where clients are not processes.
+  virtual int connected_clients() { return -1; }
 };
 
 // One client update: where its bytes wait and what the server knows of it.

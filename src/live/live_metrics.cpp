@@ -56,6 +56,7 @@ struct State {
   std::atomic<bool> asynchronous{false};
   std::atomic<int64_t> async_version{0}, async_updates{0};
   std::atomic<int64_t> clients_selected{0}, clients_dropped_total{0}, clients_updates_total{0};
+  std::atomic<int64_t> clients_connected{-1};
   std::atomic<uint64_t> bytes_sent{0}, bytes_received{0};
   std::atomic<double> last_round_seconds{NAN}, test_accuracy{NAN}, test_loss{NAN}, train_loss{NAN};
   std::atomic<int64_t> bound_bytes{0}, budget_bytes{0};
@@ -200,6 +201,11 @@ void round_started(int round, const std::vector<int>& selected) {
   }
 }
 
+void clients_connected(int connected) {
+  if (!enabled()) return;
+  g->clients_connected.store(connected, std::memory_order_relaxed);
+}
+
 void client_updated(int client, int round, uint64_t bytes_down, uint64_t bytes_up) {
   if (!enabled()) return;
   g->clients_updates_total.fetch_add(1, std::memory_order_relaxed);
@@ -322,6 +328,11 @@ std::string prometheus_text() {
            static_cast<double>(clients_listed));
   w.metric("memfl_clients_selected", "gauge", "Clients selected for the current round",
            static_cast<double>(g->clients_selected.load(rel)));
+  if (const int64_t connected = g->clients_connected.load(rel); connected >= 0) {
+    w.metric("memfl_clients_connected", "gauge",
+             "Clients whose process is connected: a gRPC session open, an MPI rank still in the job",
+             static_cast<double>(connected));
+  }
   w.metric("memfl_client_updates_total", "counter", "Client updates counted into an aggregate",
            static_cast<double>(g->clients_updates_total.load(rel)));
   w.metric("memfl_clients_dropped_total", "counter", "Selected clients that sent no whole update",
@@ -447,6 +458,7 @@ std::string state_json() {
   j["peak_rss_bytes"] = read_peak_rss_bytes();
   j["memory_bound_bytes"] = g->bound_bytes.load(rel);
   j["memory_baseline_bytes"] = g->baseline_bytes.load(rel);
+  j["clients_connected"] = g->clients_connected.load(rel);
   const LedgerSnapshot ledger = Ledger::instance().snapshot();
   json lj = json::object();
   for (size_t c = 0; c < ledger.current.size(); ++c)

@@ -49,6 +49,8 @@ void set_memory_bound(int64_t bound_bytes, int64_t budget_bytes);
 
 // Round driver: round `round` starts with `selected` clients.
 void round_started(int round, const std::vector<int>& selected);
+// Round driver: clients whose process is connected (-1: not processes).
+void clients_connected(int connected);
 // Round driver: `client`'s update of `round` counted, with the bytes it
 // took (model down, update up); or it failed and is out.
 void client_updated(int client, int round, uint64_t bytes_down, uint64_t bytes_up);

@@ -144,6 +144,7 @@ Status RoundDriver::play_round(int round, RoundMetrics* m, bool* redo) {
   if (selected.empty()) return failed_precondition("round {}: every selected client has failed", round);
   m->round = round;
   live::round_started(round, selected);
+  live::clients_connected(transport_.connected_clients());
 
   sampler_.mark(round, "broadcast");
   crash_point(round, "broadcast");

@@ -9,6 +9,7 @@
 //   server_transport_naive.cpp  memory_mode: naive — whole copies of the model and of every update
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -133,6 +134,11 @@ class ServerAgent final : public ServerTransport {
   std::vector<int> take_rejoined() override {
     std::lock_guard lock(mu_);
     return std::exchange(rejoined_, {});
+  }
+  int connected_clients() override {
+    std::lock_guard lock(mu_);
+    return static_cast<int>(
+        std::count_if(slots_.begin(), slots_.end(), [](const ClientSlot& s) { return s.ctx != nullptr && !s.failed; }));
   }
   // Asynchronous serving: see GrpcServerTransport::serve_async.
   Status serve_async(AsyncUpdateHandler& core, Arena& global, const AsyncServeOptions& options);

@@ -365,6 +365,7 @@ Status GrpcServerTransport::collect(int round, const std::vector<int>& selected,
   return impl_->agent.collect(round, selected, global, aggregator, out);
 }
 std::vector<int> GrpcServerTransport::take_rejoined() { return impl_->agent.take_rejoined(); }
+int GrpcServerTransport::connected_clients() { return impl_->agent.connected_clients(); }
 StatusOr<std::string> GrpcServerTransport::secagg_exchange(int client, std::string request) {
   return impl_->agent.secagg_exchange(client, std::move(request));
 }

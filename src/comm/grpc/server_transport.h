@@ -38,6 +38,7 @@ class GrpcServerTransport final : public ServerTransport {
   // Tells clients the run is over and stops serving (once; also on destruction).
   void finish(int last_round) override;
   std::vector<int> take_rejoined() override;
+  int connected_clients() override;
   // Asynchronous FL over the same sessions: each client gets the model as
   // it is when it asks (and, from FedCompass, its local steps), its update
   // goes to a spool slot, checked chunk by chunk, and `core` applies it with

@@ -86,6 +86,7 @@ grpc::Status ServerAgent::receive_update(grpc::ServerContext* ctx, grpc::ServerR
   s.info.client = id;
   s.info.sample_count = md.sample_count();
   s.info.train_loss = md.metrics().count("train_loss") ? md.metrics().at("train_loss") : 0;
+  s.info.train_accuracy = md.metrics().count("train_accuracy") ? md.metrics().at("train_accuracy") : 0;
   s.info.has_validation = md.metrics().count("val_accuracy") > 0;
   s.info.val_weight = md.sample_count();
   s.info.val_accuracy = s.info.has_validation ? md.metrics().at("val_accuracy") : 0;

@@ -55,8 +55,13 @@ Status MpiClientTransport::send(const UpdateMeta& meta, ModelPlace& from) {
     auto it = meta.metrics.find(key);
     return it != meta.metrics.end() ? it->second : 0.0;
   };
-  WireUpdateMeta md{meta.round,           meta.client, meta.sample_count, metric("train_loss"), metric("val_accuracy"),
-                    metric("local_steps")};
+  WireUpdateMeta md{meta.round,
+                    meta.client,
+                    meta.sample_count,
+                    metric("train_loss"),
+                    metric("val_accuracy"),
+                    metric("local_steps"),
+                    metric("train_accuracy")};
   MPI_Send(&md, sizeof md, MPI_BYTE, 0, kTagUpdateMeta, MPI_COMM_WORLD);
   MEMFL_RETURN_IF_ERROR(faults_->before_upload_chunk(0, false, nullptr));
   if (from.framed()) {

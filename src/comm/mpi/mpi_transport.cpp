@@ -341,6 +341,7 @@ Status MpiServerTransport::collect(int round, const std::vector<int>& selected, 
       info.client = md.client;
       info.sample_count = md.sample_count;
       info.train_loss = md.train_loss;
+      info.train_accuracy = md.train_accuracy;
       info.has_validation = true;
       info.val_weight = md.sample_count;
       info.val_accuracy = md.val_accuracy;

@@ -27,6 +27,7 @@
 
 #include <mpi.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -75,6 +76,7 @@ struct WireUpdateMeta {
   int32_t round, client;
   double sample_count, train_loss, val_accuracy;
   double local_steps;  // the steps it took (asynchronous runs log them)
+  double train_accuracy;
 };
 
 // A peer's wrong bytes are not survivable in an MPI job (no rank can leave
@@ -260,6 +262,10 @@ class MpiServerTransport final : public ServerTransport {
   // Ranks that missed a deadline: out of the run (MPI cannot take a rank
   // back, and one that stalls would hang MPI_Finalize).
   std::vector<int> excluded_ranks() const;
+  int connected_clients() override {
+    const int out = static_cast<int>(std::count(excluded_.begin(), excluded_.end(), true));
+    return (world_ - 1 - out) * cfg_.server.clients_per_rank;
+  }
   // The most updates received together in one batch so far (summary.json:
   // updates_received_together).
   size_t most_received_together() const { return most_together_; }
