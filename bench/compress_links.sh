@@ -12,6 +12,7 @@
 # Usage: bench/compress_links.sh [BUILD_DIR] [MODEL_MB] [ROUNDS] [REPS]   (root)
 #        RATES="100mbit 1gbit" by default.
 set -euo pipefail
+. "$(dirname "$0")/synthetic_config.sh"
 BUILD=${1:-build}
 MB=${2:-64}
 ROUNDS=${3:-4}
@@ -27,23 +28,8 @@ TMP=$(mktemp -d /tmp/memfl_compress_links.XXXXXX)
 TAG=$(($$ % 100000))
 trap '"$NS" down $TAG 4; rm -rf "$TMP"' EXIT
 "$NS" up $TAG 4
-cat > "$TMP/c.yaml" <<YAML
-client_configs:
-  train_configs:
-    trainer: DummyTrainer
-    dummy_update_scale: 0.001
-  model_configs:
-    model_name: synthetic
-    model_kwargs:
-      num_params: $((MB * 262144))
-server_configs:
-  num_clients: 4
-  num_global_epochs: $ROUNDS
-  comm_configs:
-    grpc_configs:
-      server_uri: 10.77.0.1:50051
-      connect_timeout_s: 60
-YAML
+write_synthetic_config "$TMP/c.yaml" $((MB * 262144)) "num_clients: 4" "num_global_epochs: $ROUNDS" "comm_configs:" \
+  "  grpc_configs:" "    server_uri: 10.77.0.1:50051" "    connect_timeout_s: 60"
 C=client_configs.comm_configs.compressor_configs
 run() {  # rate variant rep
   local rate=$1 variant=$2 rep=$3 extra=()

@@ -11,6 +11,7 @@
 # RSS ÷ model, whole and above the process's baseline (summary.json).
 # Usage: [RATE=1gbit] [NETEM=...] bench/mpi_netns.sh [BUILD_DIR] [MODEL_MB] [ROUNDS] [CLIENTS]   (root)
 set -euo pipefail
+. "$(dirname "$0")/synthetic_config.sh"
 BUILD=${1:-build}
 MB=${2:-64}
 ROUNDS=${3:-6}
@@ -37,19 +38,7 @@ elif [ -n "${NETEM:-}" ]; then
 fi
 if [ "$QDISC" = none ] && [ "$RATE" != none ]; then QDISC="tbf rate $RATE burst 256kb latency 50ms"; fi
 if [ "$QDISC" != none ]; then "$NS" shape "$TAG" "$CLIENTS" "$QDISC"; fi
-cat > "$TMP/c.yaml" <<YAML
-client_configs:
-  train_configs:
-    trainer: DummyTrainer
-    dummy_update_scale: 0.001
-  model_configs:
-    model_name: synthetic
-    model_kwargs:
-      num_params: $((MB * 262144))
-server_configs:
-  num_global_epochs: $ROUNDS
-  do_server_eval: false
-YAML
+write_synthetic_config "$TMP/c.yaml" $((MB * 262144)) "num_global_epochs: $ROUNDS" "do_server_eval: false"
 {
   echo "10.77.0.1 slots=1"
   for ((i = 0; i < CLIENTS; i++)); do echo "10.77.0.$((10 + i)) slots=1"; done

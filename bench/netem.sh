@@ -6,6 +6,7 @@
 # link: mean round seconds and broadcast/upload GB/s (metrics.csv), rounds 2+.
 # Usage: bench/netem.sh [BUILD_DIR] [MODEL_MB] [ROUNDS]   (root)
 set -euo pipefail
+. "$(dirname "$0")/synthetic_config.sh"
 BUILD=${1:-build}
 MB=${2:-64}
 ROUNDS=${3:-6}
@@ -21,23 +22,8 @@ TMP=$(mktemp -d /tmp/memfl_netem.XXXXXX)
 TAG=$(($$ % 100000))
 trap '"$NS" down $TAG 4; rm -rf "$TMP"' EXIT
 "$NS" up $TAG 4
-cat > "$TMP/c.yaml" <<YAML
-client_configs:
-  train_configs:
-    trainer: DummyTrainer
-    dummy_update_scale: 0.001
-  model_configs:
-    model_name: synthetic
-    model_kwargs:
-      num_params: $((MB * 262144))
-server_configs:
-  num_clients: 4
-  num_global_epochs: $ROUNDS
-  comm_configs:
-    grpc_configs:
-      server_uri: 10.77.0.1:50051
-      connect_timeout_s: 60
-YAML
+write_synthetic_config "$TMP/c.yaml" $((MB * 262144)) "num_clients: 4" "num_global_epochs: $ROUNDS" "comm_configs:" \
+  "  grpc_configs:" "    server_uri: 10.77.0.1:50051" "    connect_timeout_s: 60"
 for link in clean shaped; do
   if [ $link = shaped ]; then "$NS" shape $TAG 4 "$SHAPED"; fi
   rm -rf "$TMP/run"

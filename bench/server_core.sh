@@ -12,6 +12,7 @@
 # since it has no dummy_delay_s key) for the before/after comparison.
 # Usage: bench/server_core.sh [BUILD_DIR] > bench_server_core.jsonl
 set -euo pipefail
+. "$(dirname "$0")/synthetic_config.sh"
 BUILD=${1:-build}
 MEMFL="$BUILD/memfl"
 OLD=${OLD:-}
@@ -52,24 +53,8 @@ for section in $SECTIONS; do
     ;;
   resume)
     cfg=$TMP/resume.yaml
-    cat > "$cfg" <<YAML
-client_configs:
-  train_configs:
-    trainer: DummyTrainer
-    dummy_update_scale: 0.001
-  model_configs:
-    model_name: synthetic
-    model_kwargs:
-      num_params: 268435456
-server_configs:
-  num_clients: 4
-  num_global_epochs: 3
-  round_timeout_s: 600
-  comm_configs:
-    grpc_configs:
-      server_uri: 127.0.0.1:$((20000 + $$ % 20000))
-      connect_timeout_s: 120
-YAML
+    write_synthetic_config "$cfg" 268435456 "num_clients: 4" "num_global_epochs: 3" "round_timeout_s: 600" \
+      "comm_configs:" "  grpc_configs:" "    server_uri: 127.0.0.1:$((20000 + $$ % 20000))" "    connect_timeout_s: 120"
     # In process: killed in round 2's upload, resumed.
     rm -rf "$TMP/run"
     MEMFL_CRASH_AT=2:upload "$MEMFL" run "$cfg" -q --out "$TMP/run" >/dev/null 2>&1 || true

@@ -13,6 +13,7 @@
 # (see below).
 # Usage: bench/soak.sh [BUILD_DIR] [ROUNDS] [MODEL_MB] [OUT_DIR]
 set -euo pipefail
+. "$(dirname "$0")/synthetic_config.sh"
 BUILD=${1:-build}
 ROUNDS=${2:-200}
 MB=${3:-256}
@@ -22,26 +23,9 @@ KILL_EVERY=${KILL_EVERY:-20}
 STALL_EVERY=${STALL_EVERY:-30}
 mkdir -p "$OUT"
 PORT=$((30000 + $$ % 20000))
-cat > "$OUT/soak.yaml" <<YAML
-client_configs:
-  train_configs:
-    trainer: DummyTrainer
-    dummy_update_scale: 0.001
-  model_configs:
-    model_name: synthetic
-    model_kwargs:
-      num_params: $((MB * 262144))
-server_configs:
-  num_clients: 4
-  num_global_epochs: $ROUNDS
-  round_timeout_s: 120
-  broadcast_timeout_s: 5
-  upload_timeout_s: 20
-  comm_configs:
-    grpc_configs:
-      server_uri: 127.0.0.1:$PORT
-      connect_timeout_s: 120
-YAML
+write_synthetic_config "$OUT/soak.yaml" $((MB * 262144)) "num_clients: 4" "num_global_epochs: $ROUNDS" \
+  "round_timeout_s: 120" "broadcast_timeout_s: 5" "upload_timeout_s: 20" "comm_configs:" "  grpc_configs:" \
+  "    server_uri: 127.0.0.1:$PORT" "    connect_timeout_s: 120"
 rm -rf "$OUT/server" "$OUT"/done
 for c in 0 1 2 3; do
   ( while [ ! -f "$OUT/done" ]; do
