@@ -250,14 +250,17 @@ Reply http_get(int port, const std::string& path, const std::string& extra_heade
   return r;
 }
 
-// A `memfl run` in the background, its endpoint's port read from
-// RUN/http_address once it is up.
+// A `memfl` command in the background (`prefix` before it: mpirun), its
+// endpoint's port read from RUN/`address_file` once it is up.
 class BackgroundRun {
  public:
-  BackgroundRun(const std::string& args, const std::string& out) : out_(out) {
+  BackgroundRun(const std::string& args, const std::string& out, const std::string& prefix = "",
+                std::string address_file = "http_address")
+      : out_(out), address_file_(std::move(address_file)) {
     pid_ = fork();
     if (pid_ == 0) {
-      const std::string cmd = std::string(MEMFL_BINARY) + " " + args + " --out " + out + " > " + out + ".log 2>&1";
+      const std::string cmd =
+          prefix + std::string(MEMFL_BINARY) + " " + args + " --out " + out + " > " + out + ".log 2>&1";
       execl("/bin/sh", "sh", "-c", cmd.c_str(), static_cast<char*>(nullptr));
       _exit(127);
     }
@@ -271,7 +274,7 @@ class BackgroundRun {
   // The bound port, or 0 when the run ended (or 60 s passed) first.
   int port() {
     for (int i = 0; i < 600; ++i) {
-      std::ifstream in(out_ + "/http_address");
+      std::ifstream in(out_ + "/" + address_file_);
       std::string a;
       if (in && std::getline(in, a) && a.find(':') != std::string::npos) return std::stoi(a.substr(a.rfind(':') + 1));
       if (waitpid(pid_, &status_, WNOHANG) == pid_) {
@@ -290,7 +293,7 @@ class BackgroundRun {
   std::string log() const { return testing::read_file(out_ + ".log"); }
 
  private:
-  std::string out_;
+  std::string out_, address_file_;
   pid_t pid_ = -1;
   int status_ = 0;
   bool reaped_ = false;
@@ -375,23 +378,19 @@ TEST(LiveEndpoint, RunServesMetricsHealthAndRefusesBadRequests) {
   EXPECT_NE(testing::read_file(run + "/http_address"), "");
 }
 
+// Two DummyTrainer clients of a 4 MB synthetic model, many short rounds.
+const std::string kSyntheticTwoClients =
+    " --set server_configs.num_clients=2 --set server_configs.num_global_epochs=400"
+    " --set client_configs.train_configs.trainer=DummyTrainer --set client_configs.model_configs.model_name=synthetic"
+    " --set client_configs.model_configs.model_kwargs.num_params=1000000";
+
 // A launched server (a server process and client processes) counts the
 // clients whose session is open; the simulator has none to count.
 TEST(LiveEndpoint, LaunchedServerCountsItsConnectedClients) {
   testing::TempDir tmp;
   const std::string run = tmp.file("launch");
-  BackgroundRun bg(
-      "launch --clients 2 --set server_configs.num_clients=2 --set server_configs.num_global_epochs=400"
-      " --set client_configs.train_configs.trainer=DummyTrainer --set client_configs.model_configs.model_name=synthetic"
-      " --set client_configs.model_configs.model_kwargs.num_params=1000000 --http 127.0.0.1:0",
-      run);
-  int port = 0;
-  for (int i = 0; i < 600 && port == 0; ++i) {
-    std::ifstream in(run + "/server/http_address");
-    std::string a;
-    if (in && std::getline(in, a) && a.find(':') != std::string::npos) port = std::stoi(a.substr(a.rfind(':') + 1));
-    std::this_thread::sleep_for(100ms);
-  }
+  BackgroundRun bg("launch --clients 2" + kSyntheticTwoClients + " --http 127.0.0.1:0", run, "", "server/http_address");
+  const int port = bg.port();
   ASSERT_GT(port, 0) << bg.log();
   double connected = std::nan("");
   for (int i = 0; i < 300 && !(connected == 2); ++i) {
@@ -410,6 +409,37 @@ TEST(LiveEndpoint, LaunchedServerCountsItsConnectedClients) {
   EXPECT_EQ(e.type.count("memfl_clients_connected"), 0u);
   EXPECT_EQ(sim.wait(), 0) << sim.log();
 }
+
+#ifdef MEMFL_TEST_MPI
+// Rank 0 of an MPI job serves the endpoint: its round counter moves, and
+// it counts the client ranks still in the job.
+TEST(LiveEndpoint, MpiRankZeroServesMetricsWithItsRanksConnected) {
+  testing::TempDir tmp;
+  setenv("OMPI_ALLOW_RUN_AS_ROOT", "1", 1);
+  setenv("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1", 1);
+  const std::string run = tmp.file("mpi");
+  BackgroundRun bg("mpi" + kSyntheticTwoClients + " --http 127.0.0.1:0", run, "mpirun -np 3 --oversubscribe ",
+                   "rank_0/http_address");
+  const int port = bg.port();
+  ASSERT_GT(port, 0) << bg.log();
+  // The gauge appears with the first round.
+  Exposition first;
+  for (int i = 0; i < 300 && !(first.value("memfl_clients_connected") == 2); ++i) {
+    (void)scraped(port, "memfl_round", &first);
+    std::this_thread::sleep_for(50ms);
+  }
+  EXPECT_TRUE(first.errors.empty()) << joined(first.errors);
+  EXPECT_EQ(first.value("memfl_clients_connected"), 2) << bg.log();
+  const double r1 = first.value("memfl_rounds_completed_total");
+  double r2 = r1;
+  for (int i = 0; i < 300 && !(r2 > r1); ++i) {
+    std::this_thread::sleep_for(50ms);
+    r2 = scraped(port, "memfl_rounds_completed_total");
+  }
+  EXPECT_GT(r2, r1) << bg.log();
+  EXPECT_EQ(bg.wait(), 0) << bg.log();
+}
+#endif
 
 TEST(LiveEndpoint, TokenIsRequiredExceptForHealth) {
   testing::TempDir tmp;
