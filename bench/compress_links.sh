@@ -1,16 +1,20 @@
 #!/usr/bin/env bash
 # Compressed updates over shaped links: the server and 4 DummyTrainer clients
 # over gRPC, each in a network namespace (tests/netem/netns.sh), a MODEL_MB MiB
-# model, ROUNDS rounds, every link limited by tbf to each rate in RATES, once
-# uncompressed and once with the quantiser (SZ2Compressor) at REL 1e-3 with
-# error feedback; the runs alternate, REPS times. One JSON line per run: mean
-# round, broadcast and upload seconds over rounds 2+, bytes up on the wire and
-# raw, and the server's peak RSS ÷ the model.
+# model, ROUNDS rounds, every link limited by tbf to each rate in RATES:
+# uncompressed (plain), with the quantiser (SZ2Compressor) at REL 1e-3 with
+# error feedback on the uploads (sz2_rel1e-3_feedback), and the same with the
+# broadcast sent as its lossy change too (sz2_rel1e-3_feedback_broadcast); the
+# variants rotate, REPS times. One JSON line per run: mean round, broadcast
+# and upload seconds over rounds 3+ (round 2's broadcast is the first that can
+# go as a change), bytes down and up on the wire and raw, and the server's
+# peak RSS ÷ the model.
 # The clients' updates are the DummyTrainer's: the global model plus noise of
 # dummy_update_scale, a change that is noise to every codec (the ratio is a
 # floor: Fashion-MNIST CNN updates compress more, docs/BENCHMARKS.md).
 # Usage: bench/compress_links.sh [BUILD_DIR] [MODEL_MB] [ROUNDS] [REPS]   (root)
-#        RATES="100mbit 1gbit" by default.
+#        RATES="100mbit 1gbit" and VARIANTS="plain sz2_rel1e-3_feedback
+#        sz2_rel1e-3_feedback_broadcast" by default.
 set -euo pipefail
 . "$(dirname "$0")/synthetic_config.sh"
 BUILD=${1:-build}
@@ -18,6 +22,7 @@ MB=${2:-64}
 ROUNDS=${3:-4}
 REPS=${4:-1}
 RATES=${RATES:-"100mbit 1gbit"}
+VARIANTS=(${VARIANTS:-plain sz2_rel1e-3_feedback sz2_rel1e-3_feedback_broadcast})
 MEMFL=$(realpath "$BUILD/memfl")
 NS=$(dirname "$(realpath "$0")")/../tests/netem/netns.sh
 if ! "$NS" check-ns; then
@@ -33,10 +38,11 @@ write_synthetic_config "$TMP/c.yaml" $((MB * 262144)) "num_clients: 4" "num_glob
 C=client_configs.comm_configs.compressor_configs
 run() {  # rate variant rep
   local rate=$1 variant=$2 rep=$3 extra=()
-  if [ "$variant" = sz2_rel1e-3_feedback ]; then
+  if [ "$variant" != plain ]; then
     extra=(--set $C.enable_compression=true --set $C.lossy_compressor=SZ2Compressor --set $C.error_bound=1e-3
            --set $C.error_feedback=true)
   fi
+  if [ "$variant" = sz2_rel1e-3_feedback_broadcast ]; then extra+=(--set $C.broadcast_compression=lossy); fi
   rm -rf "$TMP/run"
   for c in 0 1 2 3; do
     "$NS" exec $TAG $c "$MEMFL" client "$TMP/c.yaml" --client-id $c -q --out "$TMP/run/client_$c" "${extra[@]}" \
@@ -47,7 +53,7 @@ run() {  # rate variant rep
   python3 - "$TMP/run/server" "$rate" "$variant" "$rep" "$MB" <<'PY'
 import csv, json, sys
 d, rate, variant, rep, mb = sys.argv[1:6]
-rows = [r for r in csv.DictReader(open(d + "/metrics.csv")) if int(r["round"]) >= 2]
+rows = [r for r in csv.DictReader(open(d + "/metrics.csv")) if int(r["round"]) >= 3]
 summary = json.load(open(d + "/summary.json"))
 mean = lambda xs: sum(xs) / len(xs)
 model = int(mb) * 262144 * 4
@@ -57,6 +63,7 @@ print(json.dumps({
     "round_seconds": round(mean([float(r["round_seconds"]) for r in rows]), 3),
     "broadcast_seconds": round(mean([float(r["download_seconds"]) for r in rows]), 3),
     "upload_seconds": round(mean([float(r["upload_seconds"]) for r in rows]), 3),
+    "bytes_down": int(mean([int(r["bytes_down"]) for r in rows])),
     "bytes_up": int(mean([int(r["bytes_up"]) for r in rows])),
     "bytes_up_raw": int(mean([int(r["bytes_up_raw"]) for r in rows])),
     "server_peak_rss_bytes": summary.get("peak_rss_bytes"),
@@ -67,7 +74,7 @@ PY
 for rate in $RATES; do
   "$NS" shape $TAG 4 "tbf rate $rate burst 256kb latency 50ms"
   for ((rep = 1; rep <= REPS; rep++)); do
-    if ((rep % 2)); then order="plain sz2_rel1e-3_feedback"; else order="sz2_rel1e-3_feedback plain"; fi
-    for v in $order; do run "$rate" "$v" "$rep"; done
+    n=${#VARIANTS[@]}
+    for ((i = 0; i < n; i++)); do run "$rate" "${VARIANTS[$(((i + rep - 1) % n))]}" "$rep"; done
   done
 done

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "comm/chunk.h"
+#include "compress/broadcast_delta.h"
 #include "compress/decoding_opener.h"
 #include "compress/frame.h"
 #include "compress/lossless.h"
@@ -400,6 +401,107 @@ TEST_P(FrameChunks, LosslessOnlyRebuildsTheModelBitForBit) {
 
 // 7 bytes cuts every element; 1000 cuts tensors mid-way; 4 MiB is one frame.
 INSTANTIATE_TEST_SUITE_P(Compress, FrameChunks, ::testing::Values(7, 1000, 4096, 4 << 20));
+
+// --- the broadcast as its change ---------------------------------------------
+
+// The server codes round 4's model y as its change from round 3's x, which
+// its clients hold. Afterwards its own model is, bit for bit, what a client
+// holding x rebuilds from the frames (checked as any chunk, rebuilt in
+// place), each lossy element within the bound of y and the rest exactly y.
+TEST(BroadcastDelta, TheServerKeepsWhatItsClientsRebuildWithinTheBound) {
+  const Layout layout = model_layout();
+  const size_t total = layout.total_bytes();
+  const size_t chunk = 1007;  // edges inside elements and inside tensors
+  testing::TempDir tmp;
+  for (Lossy lossy : {Lossy::kZfp, Lossy::kQuantizer}) {
+    if (!lossy_available(lossy)) continue;
+    const std::string codec(lossy_codec_name(lossy));
+    Arena x(total, MemoryCategory::kModel), y(total, MemoryCategory::kModel), global(total, MemoryCategory::kModel),
+        client(total, MemoryCategory::kModel);
+    make_models(layout, x, y, 33);
+    const double bound = 1e-2;
+    BroadcastDelta delta(layout, settings(lossy, /*rel=*/true, bound, /*ef=*/true), tmp.path.string(), chunk);
+
+    // Round 3: nothing held yet — the model goes as its bytes, unchanged.
+    std::memcpy(global.data(), x.data(), total);
+    ASSERT_TRUE(delta.prepare(3, global).ok()) << codec;
+    EXPECT_EQ(delta.from_round(), -1);
+    EXPECT_EQ(std::memcmp(global.data(), x.data(), total), 0) << codec;
+    std::memcpy(client.data(), x.data(), total);  // what the client received
+
+    // Round 4: the aggregate y, coded against x.
+    std::memcpy(global.data(), y.data(), total);
+    const Status prepared = delta.prepare(4, global);
+    ASSERT_TRUE(prepared.ok()) << codec << ": " << prepared.message();
+    EXPECT_EQ(delta.from_round(), 3);
+    EXPECT_EQ(delta.to_round(), 4);
+    EXPECT_EQ(delta.stats().raw_bytes, total);
+    // Smaller than the model, though its random lossless tensors stay whole.
+    EXPECT_LT(delta.stats().frame_bytes, total) << codec;
+
+    ArenaBaseModel held(client);
+    ArenaWriter writer(layout, client, "server");
+    auto decoded = decoding_stream(std::make_unique<WriterStream>(writer), layout, &held, "server", chunk);
+    std::vector<std::byte> buffer;
+    uint64_t frame_bytes = 0;
+    for (uint64_t off = 0; off < total; off += chunk) {
+      auto frame = delta.frame(off, &buffer);
+      ASSERT_TRUE(frame.ok()) << frame.status().message();
+      frame_bytes += frame->size();
+      const ChunkHeader h{layout.hash(), off, frame->size(), chunk_checksum(*frame)};
+      const Status st = decoded->accept(h, *frame);
+      ASSERT_TRUE(st.ok()) << codec << " at " << off << ": " << st.message();
+    }
+    ASSERT_TRUE(decoded->commit().ok());
+    EXPECT_EQ(frame_bytes, delta.stats().frame_bytes);
+    EXPECT_EQ(std::memcmp(client.data(), global.data(), total), 0) << codec << ": the client rebuilt other bits";
+
+    for (const auto& e : layout.entries()) {
+      const bool lossy_tensor = dtype_is_float(e.dtype) && e.numel() > 64 && e.name.find("weight") != std::string::npos;
+      if (!lossy_tensor) {
+        EXPECT_EQ(std::memcmp(global.data() + e.offset, y.data() + e.offset, e.nbytes()), 0) << codec << " " << e.name;
+        continue;
+      }
+      double lo = INFINITY, hi = -INFINITY;
+      for (size_t i = 0; i < e.numel(); ++i) {
+        const double d = load_float(e.dtype, y.data() + e.offset, i) - load_float(e.dtype, x.data() + e.offset, i);
+        lo = std::min(lo, d);
+        hi = std::max(hi, d);
+      }
+      const double tol = bound * (hi - lo);
+      for (size_t i = 0; i < e.numel(); ++i) {
+        const float want = load_float(e.dtype, y.data() + e.offset, i);
+        const float got = load_float(e.dtype, global.data() + e.offset, i);
+        const double allowed = tol + half_ulp(e.dtype, want) + half_ulp(e.dtype, got) + half_ulp(DType::kF32, want);
+        ASSERT_LE(std::fabs(static_cast<double>(got) - want), allowed) << codec << " " << e.name << " element " << i;
+      }
+    }
+    const LayoutEntry& fc = *layout.find("fc.weight");
+    EXPECT_NE(std::memcmp(global.data() + fc.offset, y.data() + fc.offset, fc.nbytes()), 0)
+        << codec << ": a lossy tensor came back exact";
+
+    // A frame damaged on the way is refused, naming the chunk.
+    {
+      std::memcpy(client.data(), x.data(), total);
+      ArenaBaseModel again(client);
+      ArenaWriter w2(layout, client, "server");
+      auto d2 = decoding_stream(std::make_unique<WriterStream>(w2), layout, &again, "server 127.0.0.1:1", chunk);
+      auto frame = delta.frame(0, &buffer);
+      ASSERT_TRUE(frame.ok());
+      buffer[buffer.size() / 2] ^= std::byte{0x40};
+      const ChunkHeader h{layout.hash(), 0, buffer.size(), chunk_checksum(std::span<const std::byte>(buffer))};
+      const Status bad = d2->accept(h, std::span<const std::byte>(buffer));
+      EXPECT_FALSE(bad.ok()) << codec;
+      EXPECT_NE(bad.message().find("server 127.0.0.1:1"), std::string::npos) << bad.message();
+    }
+
+    // A round that does not follow the one held (a resumed run, a skipped
+    // prepare): its bytes again, and no frames to send.
+    ASSERT_TRUE(delta.prepare(6, global).ok());
+    EXPECT_EQ(delta.from_round(), -1);
+    EXPECT_FALSE(delta.frame(0, &buffer).ok());
+  }
+}
 
 TEST(ErrorFeedback, TheResidualIsWhatTheServerDidNotGetAndReturnsNextRound) {
   const Layout layout = model_layout();

@@ -90,16 +90,17 @@ std::vector<Path> every_path(const std::string& cfg, const std::string& out) {
   return paths;
 }
 
-// bytes_up of every round in a run's metrics.csv.
-std::vector<double> bytes_up(const std::string& dir) {
+// Column `name` (bytes_up, bytes_down) of every round in a run's metrics.csv.
+std::vector<double> bytes_column(const std::string& dir, const std::string& name) {
   auto rows = read_csv(dir + "/metrics.csv");
   std::vector<double> out;
   if (rows.empty()) return out;
   size_t col = 0;
-  while (col < rows[0].size() && rows[0][col] != "bytes_up") ++col;
+  while (col < rows[0].size() && rows[0][col] != name) ++col;
   for (size_t r = 1; r < rows.size(); ++r) out.push_back(std::stod(rows[r].at(col)));
   return out;
 }
+std::vector<double> bytes_up(const std::string& dir) { return bytes_column(dir, "bytes_up"); }
 
 struct CompressedCase {
   std::string name, compressor;
@@ -107,6 +108,7 @@ struct CompressedCase {
   // one: per round, the weighted mean of errors each within its client's
   // tolerance, so at most the largest; over the rounds, their sum.
   double tolerance;
+  bool lossy_broadcast = false;  // broadcast_compression: lossy
 };
 
 void PrintTo(const CompressedCase& c, std::ostream* os) { *os << c.name; }
@@ -150,8 +152,21 @@ TEST_P(CompressedUpdates, EveryPathGivesTheSameModelWithinTheBound) {
   } else {
     EXPECT_TRUE(testing::model_equals(reference, want)) << "lossless compression must change nothing";
   }
+  const std::vector<double> raw_down = bytes_column(tmp.file("plain"), "bytes_down");
   for (const auto& p : paths) {
     EXPECT_TRUE(same_model(reference, p.dir + "/global_model.safetensors")) << p.name;
+    if (c.lossy_broadcast && p.name.starts_with("grpc")) {
+      // The first broadcast goes as its bytes; each later one as frames of
+      // its change, which every client rebuilt to the server's bits (or the
+      // models above would differ).
+      const std::vector<double> down = bytes_column(p.dir, "bytes_down");
+      ASSERT_EQ(down.size(), static_cast<size_t>(kRounds)) << p.name;
+      EXPECT_GE(down[0], raw_down[0]) << p.name;
+      for (int r = 1; r < kRounds; ++r) {
+        EXPECT_LT(down[static_cast<size_t>(r)], raw_down[static_cast<size_t>(r)] / 2)
+            << p.name << " round " << r + 1 << ": bytes_down counts the frames on the wire";
+      }
+    }
     const std::vector<double> up = bytes_up(p.dir);
     ASSERT_EQ(up.size(), static_cast<size_t>(kRounds)) << p.name;
     for (int r = 0; r < kRounds; ++r) {
@@ -188,6 +203,15 @@ INSTANTIATE_TEST_SUITE_P(
                                      "      enable_compression: true\n      lossy_compressor: SZ3Compressor\n"
                                      "      error_bound: 0.01\n      error_feedback: true\n",
                                      1.05 * 0.01 * kRange},
+                      // The broadcast as its change too: each of rounds 2 and 3
+                      // starts from a model within the bound of the aggregate
+                      // (the change's range is the mean update's, at most
+                      // kRange, grown by the codec's error: 1.05), on top of
+                      // the uploads' kRounds bounds.
+                      CompressedCase{"sz3_rel_lossy_broadcast",
+                                     "      enable_compression: true\n      lossy_compressor: SZ3Compressor\n"
+                                     "      error_bound: 0.01\n      broadcast_compression: lossy\n",
+                                     1.05 * (2 * kRounds - 1) * 0.01 * kRange, true},
                       CompressedCase{"zfp_abs",
                                      "      enable_compression: true\n      lossy_compressor: ZFPCompressor\n"
                                      "      lossless_compressor: blosc\n      error_bounding_mode: ABS\n"

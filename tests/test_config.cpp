@@ -110,6 +110,7 @@ TEST(Config, AppflsCompressorBlockLoadsAsWritten) {
   EXPECT_DOUBLE_EQ(c->compressor.error_bound, 1e-3);
   EXPECT_EQ(c->compressor.param_cutoff, 1024);
   EXPECT_FALSE(c->compressor.error_feedback);
+  EXPECT_EQ(c->compressor.broadcast_compression, "none");
   // An unknown codec name is refused naming the key and the choices.
   const std::string e = error_of("", {"client_configs.comm_configs.compressor_configs.lossy_compressor=SZ4"});
   EXPECT_HAS(e, "lossy_compressor");
@@ -133,6 +134,17 @@ TEST(Config, CompressionThatCannotHoldItsPromiseIsRefusedNamingTheKeys) {
       error_of("", with({"server_configs.scheduler=AsyncScheduler", "server_configs.aggregator=FedAsyncAggregator"})),
       "gradient_based: true");
   EXPECT_HAS(error_of("", with({"server_configs.memory_mode=naive"})), "memory_mode: naive");
+  // A lossy broadcast needs compression on, a lossy codec, and one model
+  // every client held the round before.
+  EXPECT_HAS(error_of("", {k + "broadcast_compression=lossy"}),
+             "broadcast_compression: lossy' needs " + k + "enable_compression: true");
+  EXPECT_HAS(error_of("", with({k + "lossy_compressor=none", k + "broadcast_compression=lossy"})),
+             "broadcast_compression: lossy' needs a lossy_compressor");
+  EXPECT_HAS(error_of("", with({k + "broadcast_compression=lossy", "server_configs.scheduler=AsyncScheduler",
+                                "server_configs.aggregator=FedAsyncAggregator",
+                                "server_configs.aggregator_kwargs.gradient_based=true"})),
+             "broadcast_compression: lossy' needs a synchronous aggregator");
+  EXPECT_HAS(error_of("", with({k + "broadcast_compression=zstd"})), "broadcast_compression");
   // What they ask for instead loads.
   EXPECT_TRUE(
       load_config_text("", "exp.yaml",
@@ -143,6 +155,9 @@ TEST(Config, CompressionThatCannotHoldItsPromiseIsRefusedNamingTheKeys) {
       load_config_text("", "exp.yaml",
                        with({"server_configs.aggregator_kwargs.dp_fedavg_clip_norm=1", k + "lossy_compressor=none"}))
           .ok());
+  auto lossy_broadcast = load_config_text("", "exp.yaml", with({k + "broadcast_compression=lossy"}));
+  ASSERT_TRUE(lossy_broadcast.ok()) << lossy_broadcast.status().message();
+  EXPECT_EQ(lossy_broadcast->compressor.broadcast_compression, "lossy");
 }
 
 TEST(Config, TheTcpDataChannelWithTlsIsRefusedNamingBothKeys) {

@@ -653,13 +653,10 @@ Status FedAvgAggregator::finalize(Arena& global) {
     if (s.state == SlotState::kPending) s.state = SlotState::kOut;
   }
   Status drained = advance_locked();
-  if (!drained.ok())
-    return Status(StatusCode::kAborted,
-                  fmt::format("round {}: {}; the round must be redone", round_, drained.message()));
+  if (!drained.ok()) return aborted("round {}: {}; the round must be redone", round_, drained.message());
   if (!tainted_by_.empty()) {
-    return Status(StatusCode::kAborted, fmt::format("round {}: the update of {} broke after part of it was counted; "
-                                                    "the round must be redone",
-                                                    round_, tainted_by_));
+    return aborted("round {}: the update of {} broke after part of it was counted; the round must be redone", round_,
+                   tainted_by_);
   }
   if (committed_ == 0 || total_weight_ <= 0) {
     return failed_precondition("round {}: no client update completed; the global model is unchanged", round_);

@@ -1,6 +1,7 @@
 #include "client/client_driver.h"
 
 #include <cstring>
+#include <utility>
 
 #include <spdlog/spdlog.h>
 
@@ -85,7 +86,8 @@ StatusOr<TripUpdate> ClientDriver::train(LocalModel& model, int client, int roun
       MEMFL_ASSIGN_OR_RETURN(base_,
                              make_model_arena(cfg_, layout.total_bytes(), run_dir_, MemoryCategory::kCommBuffers));
     }
-    keep_base(layout, base_, model.arena());
+    // A base that received this round's model (lossy broadcast) holds it already.
+    if (!std::exchange(base_is_received_, false)) keep_base(layout, base_, model.arena());
     delta_base = &base_;
   }
   int seed_round = round;
@@ -136,6 +138,18 @@ StatusOr<bool> ClientDriver::play_round(ClientTransport& transport, LocalModel& 
   if (ShardedModelIo* shards = round_model == nullptr ? receive_shards(model) : nullptr) {
     ShardsPlace into(*shards);
     MEMFL_RETURN_IF_ERROR(transport.receive(into));
+  } else if (round_model == nullptr && compression_.lossy_broadcast) {
+    // The broadcast may come as the change from the model received last
+    // round: that model stays in the base kept for lossy deltas, where the
+    // new one is rebuilt, then copied to be trained.
+    if (base_.empty()) {
+      MEMFL_ASSIGN_OR_RETURN(
+          base_, make_model_arena(cfg_, model.layout().total_bytes(), run_dir_, MemoryCategory::kCommBuffers));
+    }
+    ArenaPlace into(base_, /*keeps_received_model=*/true);
+    MEMFL_RETURN_IF_ERROR(transport.receive(into));
+    std::memcpy(model.arena().data(), base_.data(), model.layout().total_bytes());
+    base_is_received_ = true;
   } else {
     ArenaPlace into(round_model != nullptr ? *round_model : model.arena());
     MEMFL_RETURN_IF_ERROR(transport.receive(into));
@@ -144,7 +158,10 @@ StatusOr<bool> ClientDriver::play_round(ClientTransport& transport, LocalModel& 
   // the update can be masked as it leaves.
   if (cfg_.secagg.enable) {
     mark(round, "secagg_keys");
-    MEMFL_RETURN_IF_ERROR(serve_secure_aggregation(transport, offer.clients, SecAggStage::kDeliverShares));
+    MEMFL_ASSIGN_OR_RETURN(bool over, serve_secure_aggregation(transport, offer.clients, SecAggStage::kDeliverShares));
+    // Ended before its keys were in (the server gave up on the round):
+    // there is nothing to mask an update with.
+    if (over) return false;
   }
   for (int c : offer.clients) {
     if (round_model != nullptr) std::memcpy(model.arena().data(), round_model->data(), model.layout().total_bytes());
@@ -161,28 +178,30 @@ StatusOr<bool> ClientDriver::play_round(ClientTransport& transport, LocalModel& 
     MEMFL_RETURN_IF_ERROR(transport.send(meta, *from));
   }
   if (cfg_.secagg.enable) {
-    // The server unmasks the sum once every upload is in.
+    // The server unmasks the sum once every upload is in; the client
+    // listens until it says the round is over, so no transport needs to
+    // know which of its clients will be asked for shares.
     mark(round, "secagg_unmask");
-    MEMFL_RETURN_IF_ERROR(serve_secure_aggregation(transport, offer.clients, SecAggStage::kUnmask));
+    MEMFL_RETURN_IF_ERROR(serve_secure_aggregation(transport, offer.clients, SecAggStage::kRoundOver).status());
   }
   mark(round, "idle");
   return false;
 }
 
-Status ClientDriver::serve_secure_aggregation(ClientTransport& transport, const std::vector<int>& clients,
-                                              SecAggStage until) {
+StatusOr<bool> ClientDriver::serve_secure_aggregation(ClientTransport& transport, const std::vector<int>& clients,
+                                                      SecAggStage until) {
   const std::string peer = std::string(transport.name()) + " server";
   // A process that plays several clients answers `until` once for each.
   size_t answered = 0;
-  while (answered < clients.size()) {
+  while (until == SecAggStage::kRoundOver || answered < clients.size()) {
     MEMFL_ASSIGN_OR_RETURN(std::string request, transport.next_secagg_request());
     SecAggStage stage = SecAggStage::kRoundOver;
     MEMFL_ASSIGN_OR_RETURN(std::string reply, serve_secagg_request(secagg_, request, peer, clients, &stage));
-    if (stage == SecAggStage::kRoundOver) return Status::Ok();
+    if (stage == SecAggStage::kRoundOver) return true;
     MEMFL_RETURN_IF_ERROR(transport.send_secagg_reply(std::move(reply)));
     if (stage == until) ++answered;
   }
-  return Status::Ok();
+  return false;
 }
 
 StatusOr<int> ClientDriver::run(ClientTransport& transport, LocalModel& model, const ClientRunOptions& options) {

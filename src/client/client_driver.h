@@ -113,6 +113,7 @@ class ClientDriver {
   const DatasetSplits* data_;
   const std::vector<ClientPartition>& parts_;
   bool record_privacy_, keep_base_;
+  bool base_is_received_ = false;    // base_ holds this round's model as received
   std::mutex mu_;                    // the per-client counters below
   std::map<int, int64_t> trips_;     // asynchronous: each trip trains with its own seed
   std::map<int, int64_t> dp_steps_;  // DP-SGD steps over every round, per client
@@ -123,8 +124,11 @@ class ClientDriver {
   SecAggClientStages secagg_;       // secure aggregation: each client's keys for the round
 
   // Answers the server's secure-aggregation requests for `clients` over
-  // `transport` until `until` is answered or the round's stages are over.
-  Status serve_secure_aggregation(ClientTransport& transport, const std::vector<int>& clients, SecAggStage until);
+  // `transport` until `until` is answered for each of them, or (`until` =
+  // kRoundOver) until the server says the round's stages are over; true
+  // when it said so.
+  StatusOr<bool> serve_secure_aggregation(ClientTransport& transport, const std::vector<int>& clients,
+                                          SecAggStage until);
   // One round; true when the server said the run is over.
   StatusOr<bool> play_round(ClientTransport& transport, LocalModel& model, Arena* round_model, MemorySampler* sampler);
 };

@@ -52,12 +52,18 @@ class ModelPlace {
   virtual StatusOr<std::span<const std::byte>> frame(uint64_t offset, size_t length) {
     return failed_precondition("this place sends its model's bytes as they are, not as frames");
   }
+  // Whether what the place receives stays in its arena, untouched, until
+  // the next broadcast: then a transport may ask for that broadcast as the
+  // change from it (compressor_configs.broadcast_compression) and rebuild
+  // the new model in place.
+  virtual bool keeps_received_model() const { return false; }
 };
 
 class ArenaPlace final : public ModelPlace {
  public:
-  explicit ArenaPlace(Arena& arena) : arena_(arena) {}
+  explicit ArenaPlace(Arena& arena, bool keeps_received_model = false) : arena_(arena), keeps_(keeps_received_model) {}
   Arena* arena() override { return &arena_; }
+  bool keeps_received_model() const override { return keeps_; }
   std::unique_ptr<ModelWriter> writer(const Layout& layout, std::string peer) override {
     return std::make_unique<ArenaWriter>(layout, arena_, std::move(peer));
   }
@@ -67,6 +73,7 @@ class ArenaPlace final : public ModelPlace {
 
  private:
   Arena& arena_;
+  bool keeps_;
 };
 
 class ShardsPlace final : public ModelPlace {

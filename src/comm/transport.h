@@ -18,6 +18,7 @@
 
 #include <functional>
 #include <memory>
+#include <span>
 #include <utility>
 
 #include "comm/chunk.h"
@@ -63,6 +64,23 @@ class UpdateOpener {
   virtual StatusOr<std::unique_ptr<UpdateStream>> open_update(const std::string& client_id, double sample_count) = 0;
 };
 
+// The round's global model as compressed frames of its change from the
+// model its clients received the round before
+// (compressor_configs.broadcast_compression: lossy), made once by the server
+// (compress/broadcast_delta.h) and sent to each client that holds that
+// model; the others get the model's bytes.
+class BroadcastFrames {
+ public:
+  virtual ~BroadcastFrames() = default;
+  // The frames turn round from_round()'s model into round to_round()'s
+  // (−1: none made yet), one per chunk of chunk_bytes() in model order.
+  virtual int from_round() const = 0;
+  virtual int to_round() const = 0;
+  virtual size_t chunk_bytes() const = 0;
+  // The frame of the chunk at model offset `offset`, into `buffer`.
+  virtual StatusOr<std::span<const std::byte>> frame(uint64_t offset, std::vector<std::byte>* buffer) const = 0;
+};
+
 class ServerTransport {
  public:
   virtual ~ServerTransport() = default;
@@ -87,6 +105,9 @@ class ServerTransport {
   // Clients whose process is connected now (a gRPC session open, an MPI
   // rank still in the job); -1 where clients are not processes.
   virtual int connected_clients() { return -1; }
+  // Where the broadcast's frames are, for a transport that sends them
+  // (null: none). Set once; read during broadcast().
+  virtual void set_broadcast_frames(const BroadcastFrames* /*frames*/) {}
 };
 
 // One client update: where its bytes wait and what the server knows of it.

@@ -70,6 +70,11 @@ template <typename... Args>
 Status resource_exhausted(fmt::format_string<Args...> f, Args&&... args) {
   return Status(StatusCode::kResourceExhausted, fmt::format(f, std::forward<Args>(args)...));
 }
+// A round that cannot complete and is played again (nothing committed).
+template <typename... Args>
+Status aborted(fmt::format_string<Args...> f, Args&&... args) {
+  return {StatusCode::kAborted, fmt::format(f, std::forward<Args>(args)...)};
+}
 template <typename... Args>
 Status internal_error(fmt::format_string<Args...> f, Args&&... args) {
   return {StatusCode::kInternal, fmt::format(f, std::forward<Args>(args)...)};

@@ -69,6 +69,19 @@ class DecodingUpdateOpener final : public UpdateOpener {
   uint64_t max_raw_;
 };
 
+// A receiver's checked writer as a stream for decoding_stream (a client
+// rebuilding a broadcast's frames into its arena): commit() is finish().
+class WriterStream final : public UpdateStream {
+ public:
+  explicit WriterStream(ModelWriter& writer) : writer_(writer) {}
+  using ChunkSink::accept;
+  Status accept(const ChunkHeader& h, Payload payload) override { return writer_.accept(h, payload); }
+  Status commit() override { return writer_.finish(); }
+
+ private:
+  ModelWriter& writer_;
+};
+
 // The same decorator around one stream (asynchronous servers open their
 // spool writers themselves).
 std::unique_ptr<UpdateStream> decoding_stream(std::unique_ptr<UpdateStream> inner, const Layout& layout,

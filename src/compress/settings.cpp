@@ -26,6 +26,7 @@ CompressionSettings compression_settings(const ExperimentConfig& cfg) {
   s.error_bound = c.error_bound;
   s.param_cutoff = c.param_cutoff;
   s.error_feedback = c.error_feedback && s.lossy != Lossy::kNone;
+  s.lossy_broadcast = s.enabled && s.lossy != Lossy::kNone && c.broadcast_compression == "lossy";
   return s;
 }
 
@@ -34,7 +35,8 @@ std::string describe_compression(const CompressionSettings& s) {
   std::string lossy = s.lossy == Lossy::kNone ? "no lossy codec"
                                               : fmt::format("{} → {}, {} {}", s.lossy_name, lossy_codec_name(s.lossy),
                                                             s.relative ? "REL" : "ABS", s.error_bound);
-  return fmt::format("{}; lossless {}{}", lossy, lossless_name(s.lossless), s.error_feedback ? "; error feedback" : "");
+  return fmt::format("{}; lossless {}{}{}", lossy, lossless_name(s.lossless),
+                     s.error_feedback ? "; error feedback" : "", s.lossy_broadcast ? "; lossy broadcast" : "");
 }
 
 nlohmann::ordered_json compression_summary(const CompressionSettings& s) {
@@ -49,6 +51,7 @@ nlohmann::ordered_json compression_summary(const CompressionSettings& s) {
     j["error_bound"] = s.error_bound;
     j["param_cutoff"] = s.param_cutoff;
     j["error_feedback"] = s.error_feedback;
+    j["broadcast_compression"] = s.lossy_broadcast ? "lossy" : "none";
   }
   return j;
 }

@@ -22,6 +22,9 @@
 //                      the rest (biases, norms, counters) go lossless.
 //   error_feedback     the client keeps what the codec lost and adds it to its
 //                      next update.
+//   broadcast_compression  (memfl's) lossy: the global model leaves as its
+//                      change since the last broadcast, coded like an update
+//                      (compress/broadcast_delta.h).
 #pragma once
 
 #include <string>
@@ -44,6 +47,8 @@ struct CompressionSettings {
   double error_bound = 1e-3;
   int64_t param_cutoff = 1024;
   bool error_feedback = false;
+  // broadcast_compression: lossy (compress/broadcast_delta.h).
+  bool lossy_broadcast = false;
   // Whether `entry` goes through the lossy codec (APPFL's rule, above).
   bool lossy_tensor(const LayoutEntry& entry) const;
 };

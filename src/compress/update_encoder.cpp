@@ -103,6 +103,7 @@ Status UpdateEncoder::begin(ModelPlace& model, const Arena* base, Arena* residua
         hi = std::max(hi, block[i]);
       }
     }
+    if (base_done_) base_done_(layout_.entries()[e].offset, layout_.entries()[e].nbytes());
     const double range = static_cast<double>(hi) - static_cast<double>(lo);
     const double tol = s_.error_bound * range;
     tolerance_[e] = std::isfinite(tol) && tol > 0 ? tol : 0;  // a constant change: nothing to gain, sent exact
@@ -260,6 +261,7 @@ StatusOr<std::span<const std::byte>> UpdateEncoder::encode(uint64_t offset, size
                      frame_.data());
   std::memcpy(frame_.data() + kFrameHeaderBytes, out.data(), out.size());
   if (r_ != nullptr) update_residual(offset, length);
+  if (base_done_) base_done_(offset, length);
   stats_.raw_bytes += length;
   stats_.frame_bytes += frame_.size();
   return std::span<const std::byte>(frame_);

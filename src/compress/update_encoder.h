@@ -19,6 +19,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <vector>
@@ -50,6 +51,13 @@ class UpdateEncoder {
   // each once. Valid until the next call.
   StatusOr<std::span<const std::byte>> encode(uint64_t offset, size_t length);
   const EncodedStats& stats() const { return stats_; }
+  // The bytes the receiver rebuilds from the last frame (their checksum is
+  // the frame's raw checksum, so a receiver that checks it holds these).
+  std::span<const std::byte> rebuilt() const { return recon_; }
+  // Called with each range of model bytes whose base the encoder has read
+  // for the last time (a file-backed base can drop those pages: the server's
+  // broadcast keeps the model its clients hold that way, outside its RSS).
+  void set_base_done(std::function<void(uint64_t offset, size_t length)> done) { base_done_ = std::move(done); }
   // Each lossy tensor's tolerance for this update (0: not lossy this time).
   const std::vector<double>& tolerances() const { return tolerance_; }
 
@@ -76,6 +84,7 @@ class UpdateEncoder {
   // One chunk's worth each: what a stream in flight costs the client.
   std::vector<std::byte> ybuf_, inner_, recon_, body_, frame_, payload_, target_;
   std::vector<float> delta_, decoded_, target_delta_;
+  std::function<void(uint64_t, size_t)> base_done_;
   size_t open_raw_ = SIZE_MAX;  // inner_ offset of the raw segment being extended
   uint32_t segments_ = 0;
 };

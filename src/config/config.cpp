@@ -265,13 +265,14 @@ const std::vector<KeySpec>& schema() {
       {"client_configs.train_configs.dp.accountant", Type::kString, "rdp", {"rdp"}, -kInf, kInf, "DP-SGD: privacy accountant", S(train.dp.accountant)},
       {"client_configs.train_configs.dp.delta", Type::kFloat, "1e-5", {}, 1e-300, 0.999999, "DP-SGD: δ of the reported (ε, δ)", F(train.dp.delta)},
       // client_configs.comm_configs.compressor_configs: APPFL's keys (compress/settings.h)
-      {"client_configs.comm_configs.compressor_configs.enable_compression", Type::kBool, "false", {}, -kInf, kInf, "compress each client update chunk by chunk (frames; broadcasts stay uncompressed). For slow links: a core encodes 0.06-0.3 GB/s, so on loopback or fast LANs uploads get slower, not faster (docs/guide/compression.md)", B(compressor.enable_compression)},
+      {"client_configs.comm_configs.compressor_configs.enable_compression", Type::kBool, "false", {}, -kInf, kInf, "compress each client update chunk by chunk (frames; broadcasts stay uncompressed unless broadcast_compression says otherwise). For slow links: a core encodes 0.06-0.3 GB/s, so on loopback or fast LANs uploads get slower, not faster (docs/guide/compression.md)", B(compressor.enable_compression)},
       {"client_configs.comm_configs.compressor_configs.lossy_compressor", Type::kString, "ZFPCompressor", {"ZFPCompressor", "SZ2Compressor", "SZ3Compressor", "SZxCompressor", "none"}, -kInf, kInf, "lossy codec for the update's change from the global model: ZFPCompressor (libzfp, fixed accuracy); the SZ names run memfl's error-bounded quantiser (Debian has no SZ); none: lossless only", S(compressor.lossy_compressor)},
       {"client_configs.comm_configs.compressor_configs.lossless_compressor", Type::kString, "zstd", {"zstd", "gzip", "zlib", "lzma", "blosc", "none"}, -kInf, kInf, "lossless stage of every frame", S(compressor.lossless_compressor)},
       {"client_configs.comm_configs.compressor_configs.error_bounding_mode", Type::kString, "REL", {"ABS", "REL"}, -kInf, kInf, "ABS: every element within error_bound; REL: within error_bound × the tensor's value range (of its change this round)", S(compressor.error_bounding_mode)},
       {"client_configs.comm_configs.compressor_configs.error_bound", Type::kFloat, "1e-3", {}, 1e-30, 1e30, "the lossy codecs' bound (see error_bounding_mode)", F(compressor.error_bound)},
       {"client_configs.comm_configs.compressor_configs.param_cutoff", Type::kInt, "1024", {}, 0, 9.2e18, "tensors with at most this many elements, and tensors whose name lacks 'weight', go lossless", I(compressor.param_cutoff)},
       {"client_configs.comm_configs.compressor_configs.error_feedback", Type::kBool, "false", {}, -kInf, kInf, "the client keeps what lossy compression lost (a model-sized residual, file-backed when the model is) and adds it to its next update", B(compressor.error_feedback)},
+      {"client_configs.comm_configs.compressor_configs.broadcast_compression", Type::kString, "none", {"none", "lossy"}, -kInf, kInf, "none: the global model leaves as its bytes; lossy: as the change since the model each client received the round before, through lossy_compressor at error_bound (the server keeps the rebuilt model, so every side holds the same bits). Shrinks the broadcast over gRPC; other transports send the rebuilt model's bytes", S(compressor.broadcast_compression)},
       // server_configs.secure_aggregation: Flower's SecAggPlusWorkflow names (secagg/secagg.h)
       {"server_configs.secure_aggregation.enable", Type::kBool, "false", {}, -kInf, kInf, "SecAgg+: the server learns only the sum of the round's updates (masked, quantised, summed mod modulus_range)", B(secagg.enable)},
       {"server_configs.secure_aggregation.num_shares", Type::kFloat, "1", {}, 1e-9, 1e9, "neighbours each client secret-shares its keys with, itself included: <= 1 a proportion of the selected clients, > 1 a count (made odd); 1 = all (SecAgg)", F(secagg.num_shares)},
@@ -1138,8 +1139,14 @@ Status check_secure_aggregation(const ExperimentConfig& c, const std::string& so
 // the libraries this build has (each codec's library is optional in CMake).
 Status check_compressor(const ExperimentConfig& c, const std::string& source) {
   const CompressorConfig& z = c.compressor;
-  if (!z.enable_compression) return Status::Ok();
   const std::string key = "client_configs.comm_configs.compressor_configs.";
+  if (!z.enable_compression) {
+    if (z.broadcast_compression != "none") {
+      return invalid_argument("{}: '{}broadcast_compression: {}' needs {}enable_compression: true", source, key,
+                              z.broadcast_compression, key);
+    }
+    return Status::Ok();
+  }
   const bool lossy = z.lossy_compressor != "none";
   auto missing = [&](const std::string& name, bool built, const char* package) -> Status {
     if (built) return Status::Ok();
@@ -1163,6 +1170,21 @@ Status check_compressor(const ExperimentConfig& c, const std::string& source) {
   if (z.error_feedback && !lossy) {
     return invalid_argument("{}: '{}error_feedback: true' needs a lossy_compressor: lossless compression loses nothing",
                             source, key);
+  }
+  if (z.broadcast_compression == "lossy") {
+    if (!lossy) {
+      return invalid_argument(
+          "{}: '{}broadcast_compression: lossy' needs a lossy_compressor (the broadcast's change goes through it)",
+          source, key);
+    }
+    if (c.server.is_async()) {
+      // Each client starts from a version of its own; there is no one
+      // model they all held the round before.
+      return invalid_argument(
+          "{}: '{}broadcast_compression: lossy' needs a synchronous aggregator (clients of an "
+          "asynchronous server hold different versions)",
+          source, key);
+    }
   }
   if (c.server.memory_mode == "naive") {
     return invalid_argument(

@@ -7,6 +7,7 @@
 //   if (!cfg.ok()) { fmt::print(stderr, "{}\n", cfg.status().message()); return 2; }
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -178,6 +179,11 @@ struct CompressorConfig {
   double error_bound = 1e-3;
   int64_t param_cutoff = 1024;  // tensors with at most this many elements (and non-weights) go lossless
   bool error_feedback = false;  // the client adds what compression lost to its next update
+  // A memfl addition: none (the global model leaves as its bytes) or lossy
+  // (the change since the model a client received the round before, through
+  // the lossy codec at the same bound; server and clients keep the rebuilt
+  // model, so all hold the same bits — compress/broadcast_delta.h).
+  std::string broadcast_compression = "none";
 };
 
 // Flower's SecAggPlusWorkflow settings, under
@@ -223,6 +229,11 @@ struct ExperimentConfig {
   // --colocated-clients`, rank 0 of `memfl mpi` from the ranks on its node).
   // The accumulator's `auto` leaves room for them in the memory budget.
   int colocated_model_copies = 0;
+  // Seconds the server waits for a client's reply to a secure-aggregation
+  // stage: secure_aggregation.timeout, or the upload's deadline when 0.
+  int secagg_deadline_s() const {
+    return secagg.timeout > 0 ? static_cast<int>(std::ceil(secagg.timeout)) : server.upload_deadline_s();
+  }
 };
 
 // Loads YAML text (named `source` in messages), applies `overrides`

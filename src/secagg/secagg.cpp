@@ -16,10 +16,6 @@ constexpr size_t kParallelMaskWords = size_t{1} << 16;
 namespace {
 
 template <typename... Args>
-Status aborted(fmt::format_string<Args...> f, Args&&... args) {
-  return {StatusCode::kAborted, fmt::format(f, std::forward<Args>(args)...)};
-}
-template <typename... Args>
 Status rejected(fmt::format_string<Args...> f, Args&&... args) {
   return {StatusCode::kRejected, fmt::format(f, std::forward<Args>(args)...)};
 }

@@ -8,15 +8,6 @@
 
 namespace memfl {
 
-namespace {
-
-template <typename... Args>
-Status aborted(fmt::format_string<Args...> f, Args&&... args) {
-  return {StatusCode::kAborted, fmt::format(f, std::forward<Args>(args)...)};
-}
-
-}  // namespace
-
 // One client's masked upload: each chunk's header and checksum checked,
 // then its words added into the sum under the round's lock.
 class SecAggRound::Stream final : public UpdateStream {

@@ -259,6 +259,12 @@ Status RoundDriver::play_round(int round, RoundMetrics* m, bool* redo) {
     spdlog::info("round {}: client-level DP-FedAvg ε = {:.3f} (δ = {}, σ = {}, q = {:.4f})", round, dp_fedavg_epsilon_,
                  sc.dp_fedavg_delta, sc.dp_fedavg_noise_multiplier, q);
   }
+  if (broadcast_delta_ && round < sc.num_global_epochs) {
+    // The next broadcast, coded now: the model is replaced by what every
+    // client will rebuild, before it is evaluated and committed.
+    sampler_.mark(round, "encode_broadcast");
+    MEMFL_RETURN_IF_ERROR(broadcast_delta_->prepare(round + 1, global_.arena()));
+  }
 
   // Metrics: sample-weighted means of what clients reported, in client order.
   std::sort(up.committed.begin(), up.committed.end(),
@@ -371,6 +377,16 @@ Status RoundDriver::run() {
   // The checkpoint policy's disk, before any client waits on a round.
   MEMFL_RETURN_IF_ERROR(check_disk());
   if (opts_.resume) MEMFL_RETURN_IF_ERROR(resume());
+  if (compression_.lossy_broadcast) {
+    // The first broadcast goes as its bytes and is what the next one's
+    // change is taken from (compress/broadcast_delta.h).
+    const std::string dir = cfg_.memory.scratch_dir.empty() ? opts_.run_dir : cfg_.memory.scratch_dir;
+    broadcast_delta_ = std::make_unique<BroadcastDelta>(
+        global_.layout(), compression_, dir,
+        grpc_chunk_bytes(cfg_.server.use_model_chunking, cfg_.server.model_chunk_size, global_.layout().total_bytes()));
+    MEMFL_RETURN_IF_ERROR(broadcast_delta_->prepare(first_round_, global_.arena()));
+    transport_.set_broadcast_frames(broadcast_delta_.get());
+  }
   MEMFL_ASSIGN_OR_RETURN(metrics_, MetricsWriter::open((fs::path(opts_.run_dir) / "metrics.csv").string()));
   for (const auto& m : rounds_) MEMFL_RETURN_IF_ERROR(metrics_->append(m));  // the committed rounds, again
   const int last = cfg_.server.num_global_epochs;

@@ -15,9 +15,11 @@
 #pragma once
 
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
+#include "compress/broadcast_delta.h"
 #include "compress/settings.h"
 #include "config/config.h"
 #include "memory/sampler.h"
@@ -93,7 +95,8 @@ class RoundDriver {
   Scheduler& scheduler_;
   MemorySampler& sampler_;
   RoundDriverOptions opts_;
-  CompressionSettings compression_;  // how client updates arrive
+  CompressionSettings compression_;                  // how client updates arrive
+  std::unique_ptr<BroadcastDelta> broadcast_delta_;  // broadcast_compression: lossy
   int first_round_ = 1;
   std::vector<RoundMetrics> rounds_;
   std::unique_ptr<MetricsWriter> metrics_;

@@ -182,6 +182,14 @@ void Arena::release_pages() {
   if (file_backed_) madvise(data_, mapped_, MADV_DONTNEED);
 }
 
+void Arena::release_pages(size_t offset, size_t length) {
+  if (mapped_ == 0 || !file_backed_ || length == 0 || offset >= size_) return;
+  const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  const size_t from = offset / page * page;
+  const size_t to = std::min(mapped_, (std::min(size_, offset + length) + page - 1) / page * page);
+  if (to > from) madvise(data_ + from, to - from, MADV_DONTNEED);
+}
+
 Arena::~Arena() { release(); }
 
 void Arena::release() {

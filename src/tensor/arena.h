@@ -48,6 +48,9 @@ class Arena {
   // Tells the kernel these pages will not be needed soon (file-backed: they
   // may be dropped from the page cache once written back).
   void release_pages();
+  // The same for the pages that hold bytes [offset, offset + length) (whole
+  // pages around them: a shared file mapping loses nothing by it).
+  void release_pages(size_t offset, size_t length);
   ~Arena();
   Arena(const Arena&) = delete;
   Arena& operator=(const Arena&) = delete;

@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 #include <spdlog/spdlog.h>
 
+#include "compress/decoding_opener.h"
 #include "config/config.h"
 #include "tensor/dtype.h"
 
@@ -161,7 +162,7 @@ StatusOr<RoundOffer> GrpcClientTransport::next_round() {
   if (closed_) return failed_precondition("session with {} is closed", peer_);
   if (receiving_) return failed_precondition("round {}: receive() the model before asking for the next round", round_);
   wire::ClientMessage out;
-  out.mutable_get_global_model();
+  out.mutable_get_global_model()->set_held_round(held_round_);
   MEMFL_RETURN_IF_ERROR(write_client_message(*stream_, out, peer_));
   DecodedFrame d;
   wire::ServerMessage msg;
@@ -174,6 +175,12 @@ StatusOr<RoundOffer> GrpcClientTransport::next_round() {
     return data_loss("server {}: its model (layout {:016x}, {} bytes) is not the layout it described ({:016x}, {})",
                      peer_, begin.layout_hash(), begin.total_bytes(), layout_.hash(), layout_.total_bytes());
   }
+  if (begin.change_from_round() != 0 && begin.change_from_round() != held_round_) {
+    return data_loss("server {}: it sends round {}'s model as the change from round {}, but this client holds {}",
+                     peer_, begin.round(), begin.change_from_round(),
+                     held_round_ > 0 ? fmt::format("round {}'s", held_round_) : std::string("none"));
+  }
+  change_from_ = begin.change_from_round();
   round_ = begin.round();
   receiving_ = true;
   offer.round = round_;
@@ -192,7 +199,41 @@ Status GrpcClientTransport::receive(ModelPlace& place) {
   DecodedFrame d;
   wire::ServerMessage msg;
   Arena* arena = place.arena();
-  if (data_ != nullptr && arena != nullptr) {
+  // What this place holds is the reference only once the whole model is in.
+  const bool keeps = place.keeps_received_model() && arena != nullptr;
+  held_round_ = 0;
+  if (change_from_ > 0) {
+    // Frames of the change from the model the place holds: each is checked
+    // (compress/decoding_opener.h) and rebuilt in place, chunk by chunk.
+    if (!keeps)
+      return failed_precondition("round {}: the change from round {} needs the model it was taken from", round_,
+                                 change_from_);
+    ArenaBaseModel held(*arena);
+    auto decoded = decoding_stream(std::make_unique<WriterStream>(*into), layout_, &held, from, chunk_);
+    if (data_ != nullptr) {
+      std::vector<std::byte> buffer(chunk_ + kMaxFrameOverhead);
+      uint64_t received = 0;
+      MEMFL_RETURN_IF_ERROR(read_data_chunks(
+          *data_, layout_.total_bytes(), buffer, &received,
+          [&](const ChunkHeader& h, std::span<const std::byte> bytes) {
+            MEMFL_RETURN_IF_ERROR(decoded->accept(h, bytes));
+            faults_->in_broadcast();
+            return Status::Ok();
+          },
+          chunk_));
+    } else {
+      bool broke = false;
+      MEMFL_RETURN_IF_ERROR(read_chunk_run([&](Frame* f) { return stream_->Read(f); }, [&] { ctx_->TryCancel(); },
+                                           kServerChunkField, from, ChunkRunOptions{.drain = {}},
+                                           [&](const DecodedFrame& frame) {
+                                             MEMFL_RETURN_IF_ERROR(decoded->accept(frame.header, frame.payload()));
+                                             faults_->in_broadcast();
+                                             return Status::Ok();
+                                           },
+                                           &msg, &broke));
+    }
+    MEMFL_RETURN_IF_ERROR(decoded->commit());
+  } else if (data_ != nullptr && arena != nullptr) {
     // Over the data channel into an arena: a header, checked before a byte
     // lands, then the bytes straight into the arena and their checksum
     // there (the chunk is still in cache).
@@ -242,6 +283,7 @@ Status GrpcClientTransport::receive(ModelPlace& place) {
   if (msg.has_error()) return failed_precondition("server {}: {}", peer_, msg.error().message());
   if (!msg.has_model_end()) return data_loss("server {}: unexpected message during the model download", peer_);
   receiving_ = false;
+  if (keeps) held_round_ = round_;
   wire::ClientMessage out;
   out.mutable_model_received();
   return write_client_message(*stream_, out, peer_);

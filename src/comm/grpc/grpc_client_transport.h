@@ -111,6 +111,10 @@ class GrpcClientTransport final : public ClientTransport {
   size_t chunk_ = 0;
   int round_ = -1;
   bool receiving_ = false, closed_ = false;
+  // The round whose model the last place that keeps it received (0: none),
+  // told to the server with each GetGlobalModel; and what this round's
+  // ModelBegin says its chunks are the change from (0: the model's bytes).
+  int held_round_ = 0, change_from_ = 0;
   // A copy of an update's chunk for a place without an arena: gRPC holds
   // it by reference (zero-copy) until it has been sent.
   std::vector<std::byte> staging_;

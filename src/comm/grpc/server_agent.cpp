@@ -4,7 +4,9 @@
 #include "comm/grpc/server_agent.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
+#include <thread>
 #include <vector>
 
 #include <spdlog/spdlog.h>
@@ -119,7 +121,8 @@ void ServerAgent::fail_locked(int id, const std::string& why, bool cancel) {
 }
 
 grpc::Status ServerAgent::send_model(grpc::ServerReaderWriter<Frame, Frame>* stream, int round, const std::string& peer,
-                                     DataSocket* data, int local_steps, std::atomic<int64_t>* progress) {
+                                     DataSocket* data, int local_steps, std::atomic<int64_t>* progress,
+                                     int held_round) {
   auto made_progress = [progress] {
     if (progress != nullptr) progress->store(Clock::now().time_since_epoch().count(), std::memory_order_relaxed);
   };
@@ -129,6 +132,12 @@ grpc::Status ServerAgent::send_model(grpc::ServerReaderWriter<Frame, Frame>* str
   begin.mutable_model_begin()->set_local_steps(local_steps);
   begin.mutable_model_begin()->set_layout_hash(layout.hash());
   begin.mutable_model_begin()->set_total_bytes(layout.total_bytes());
+  // The change from the model the client holds, when the broadcast was
+  // coded from it (broadcast_compression: lossy; compress/broadcast_delta.h).
+  const bool changes = frames_ != nullptr && !async_ && !naive_ && held_round > 0 &&
+                       frames_->from_round() == held_round && frames_->to_round() == round &&
+                       frames_->chunk_bytes() == chunk_;
+  if (changes) begin.mutable_model_begin()->set_change_from_round(held_round);
   if (!stream->Write(encode_message(begin))) return {grpc::StatusCode::UNAVAILABLE, peer + " went away"};
   {
     std::lock_guard lock(mu_);
@@ -142,10 +151,25 @@ grpc::Status ServerAgent::send_model(grpc::ServerReaderWriter<Frame, Frame>* str
   // frameworks do (pickle/torch.save); streaming sends from the arena.
   NaiveSerialised serialised;
   const std::byte* base = naive_ ? serialised.copy(global_->data(), layout.total_bytes()) : global_->data();
+  // One frame at a time, read back from the frames' file; gRPC holds it by
+  // reference until sent, so the next is read once it has let go (the
+  // destructor waits too).
+  NaiveSerialised frame;
+  uint64_t sent = 0;
   for (size_t off = 0; off < layout.total_bytes(); off += chunk_) {
     const size_t len = std::min(chunk_, layout.total_bytes() - off);
     std::span<const std::byte> bytes(base + off, len);
-    ChunkHeader h{layout.hash(), off, len, down_sums_.get(off, bytes)};
+    ChunkHeader h;
+    if (changes) {
+      while (frame.inflight.load() > 0) std::this_thread::sleep_for(std::chrono::microseconds(50));
+      auto f = frames_->frame(off, &frame.bytes);
+      if (!f.ok()) return {grpc::StatusCode::INTERNAL, f.status().message()};
+      bytes = *f;
+      h = ChunkHeader{layout.hash(), off, bytes.size(), chunk_checksum(bytes)};
+    } else {
+      h = ChunkHeader{layout.hash(), off, len, down_sums_.get(off, bytes)};
+    }
+    sent += bytes.size();
     if (data != nullptr) {
       // The kernel copies the bytes before write_chunk returns.
       const Status w = data->write_chunk(h, bytes);
@@ -154,7 +178,8 @@ grpc::Status ServerAgent::send_model(grpc::ServerReaderWriter<Frame, Frame>* str
       continue;
     }
     // One write in flight: Write returns when gRPC has taken the message.
-    if (!stream->Write(encode_chunk_frame(kServerChunkField, h, bytes, naive_ ? &serialised.inflight : &inflight_))) {
+    std::atomic<int64_t>* holds = changes ? &frame.inflight : naive_ ? &serialised.inflight : &inflight_;
+    if (!stream->Write(encode_chunk_frame(kServerChunkField, h, bytes, holds))) {
       return {grpc::StatusCode::UNAVAILABLE, peer + " went away during the broadcast"};
     }
     made_progress();
@@ -163,7 +188,7 @@ grpc::Status ServerAgent::send_model(grpc::ServerReaderWriter<Frame, Frame>* str
   end.mutable_model_end();
   if (!stream->Write(encode_message(end))) return {grpc::StatusCode::UNAVAILABLE, peer + " went away"};
   std::lock_guard lock(mu_);
-  bytes_down_ += layout.total_bytes();
+  bytes_down_ += sent;
   return grpc::Status::OK;
 }
 

@@ -77,8 +77,12 @@ struct ClientSlot {
   uint64_t data_ticket = 0;
   std::shared_ptr<DataSocket> data;
   // Secure aggregation: a stage's request waiting for this client's poll,
-  // and its reply (server_transport_sync.cpp).
+  // and its reply (server_transport_sync.cpp); `secagg_over`: the round it
+  // took part in has ended and its next poll is told so (kept per client,
+  // not cleared by the next broadcast, so a poll that arrives late still
+  // hears it before the next round's first request).
   std::optional<std::string> secagg_request, secagg_reply;
+  bool secagg_over = false;
   // Ends the data connection and its ticket (the session holding a copy
   // sees its reads and writes fail at once).
   void close_data() {
@@ -140,6 +144,7 @@ class ServerAgent final : public ServerTransport {
     return static_cast<int>(
         std::count_if(slots_.begin(), slots_.end(), [](const ClientSlot& s) { return s.ctx != nullptr && !s.failed; }));
   }
+  void set_broadcast_frames(const BroadcastFrames* frames) override { frames_ = frames; }
   // Asynchronous serving: see GrpcServerTransport::serve_async.
   Status serve_async(AsyncUpdateHandler& core, Arena& global, const AsyncServeOptions& options);
   // Secure aggregation's stages (secagg/wire.h): hands `request` to
@@ -147,7 +152,7 @@ class ServerAgent final : public ServerTransport {
   // seconds at most (0: the upload's deadline); a client that does not
   // answer is out.
   StatusOr<std::string> secagg_exchange(int client, std::string request);
-  // Polls get "round over" until the next broadcast.
+  // Every client of the round hears "round over" at its next poll.
   void secagg_end_round();
   void secagg_drop(int client, const std::string& why);
   // data_channel: tcp — listens beside the gRPC port; sessions registered
@@ -213,8 +218,12 @@ class ServerAgent final : public ServerTransport {
   void fail_locked(int id, const std::string& why, bool cancel = false);
   // `data` (may be null): the session's data channel, which then carries the chunks.
   // `progress` (may be null): set to the steady clock's time after each chunk.
+  // `held_round`: the round whose model the client holds (GetGlobalModel);
+  // when the broadcast's frames are the change from it, they go instead of
+  // the model's bytes.
   grpc::Status send_model(grpc::ServerReaderWriter<Frame, Frame>* stream, int round, const std::string& peer,
-                          DataSocket* data, int local_steps = 0, std::atomic<int64_t>* progress = nullptr);
+                          DataSocket* data, int local_steps = 0, std::atomic<int64_t>* progress = nullptr,
+                          int held_round = 0);
   grpc::Status receive_update(grpc::ServerContext* ctx, grpc::ServerReaderWriter<Frame, Frame>* stream, int id,
                               uint64_t session, const wire::UpdateMetadata& md, const std::string& peer,
                               DataSocket* data);
@@ -247,17 +256,17 @@ class ServerAgent final : public ServerTransport {
   // clients. Four (≤ 4 MiB): two clients' uploads read two ahead each; at
   // 4 clients 1 GiB uploads measured the same with 4 or 8 (2.02 GB/s median).
   std::atomic<int> read_ahead_budget_{4};
-  ChunkChecksums down_sums_;  // of the model being broadcast
-  int64_t broadcasts_ = 0;    // rounds mode: the key of down_sums_
+  ChunkChecksums down_sums_;                 // of the model being broadcast
+  const BroadcastFrames* frames_ = nullptr;  // broadcast_compression: lossy
+  int64_t broadcasts_ = 0;                   // rounds mode: the key of down_sums_
   // Transfer timing of the current round.
   std::optional<Clock::time_point> down_start_, up_start_;
   Clock::time_point down_end_, up_end_;
   uint64_t bytes_down_ = 0, bytes_up_ = 0;
   // Naive mode: every client's serialised model, held until the end of the upload phase.
   std::vector<std::pair<int, std::pair<double, std::vector<std::byte>>>> naive_updates_;
-  bool secagg_round_over_ = false;  // the round's secure aggregation has ended
-  int data_port_ = 0;               // 0: no TCP port offered
-  bool offers_data_ = false;        // a data channel (TCP port or Unix socket) is offered
+  int data_port_ = 0;         // 0: no TCP port offered
+  bool offers_data_ = false;  // a data channel (TCP port or Unix socket) is offered
   // Last: destroyed first, so its thread stops before what it touches.
   DataListener data_listener_;
 };

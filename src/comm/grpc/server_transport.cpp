@@ -74,6 +74,7 @@ grpc::Status ServerAgent::session(grpc::ServerContext* ctx, grpc::ServerReaderWr
       s.connected = true;
       s.ctx = ctx;
       my_session = ++s.session;
+      s.secagg_over = false;
       // An earlier session's data connection is not this one's.
       s.close_data();
       s.data_ticket = data_ticket = offers_data_ && reg.data_channel() ? draw_data_ticket() : 0;
@@ -176,7 +177,7 @@ grpc::Status ServerAgent::session(grpc::ServerContext* ctx, grpc::ServerReaderWr
         s.served_round = round;
       }
       if (grpc::Status gs = need_data(); !gs.ok()) return on_exit(gs);
-      grpc::Status gs = send_model(stream, round, peer, data.get());
+      grpc::Status gs = send_model(stream, round, peer, data.get(), 0, nullptr, msg.get_global_model().held_round());
       if (!gs.ok()) return on_exit(gs);
     } else if (msg.has_model_received()) {
       std::lock_guard lock(mu_);
@@ -227,17 +228,18 @@ grpc::Status ServerAgent::session(grpc::ServerContext* ctx, grpc::ServerReaderWr
         std::unique_lock lock(mu_);
         auto& s = slots_[static_cast<size_t>(id)];
         cv_.wait(lock, [&] {
-          return s.secagg_request || secagg_round_over_ || s.failed || s.session != my_session ||
-                 phase_ == Phase::kFinished;
+          return s.secagg_request || s.secagg_over || s.failed || s.session != my_session || phase_ == Phase::kFinished;
         });
         if (s.failed || s.session != my_session) {
           lock.unlock();
           return on_exit({grpc::StatusCode::ABORTED, peer + " was dropped from the run"});
         }
-        if (s.secagg_request) {
+        if (s.secagg_over) {
+          s.secagg_over = false;  // empty: the round's stages are over
+        } else if (s.secagg_request) {
           request = std::move(*s.secagg_request);
           s.secagg_request.reset();
-        }  // else empty: the round's stages are over
+        }
       }
       wire::ServerMessage r;
       r.mutable_secagg_request()->set_payload(std::move(request));
@@ -366,6 +368,9 @@ Status GrpcServerTransport::collect(int round, const std::vector<int>& selected,
 }
 std::vector<int> GrpcServerTransport::take_rejoined() { return impl_->agent.take_rejoined(); }
 int GrpcServerTransport::connected_clients() { return impl_->agent.connected_clients(); }
+void GrpcServerTransport::set_broadcast_frames(const BroadcastFrames* frames) {
+  impl_->agent.set_broadcast_frames(frames);
+}
 StatusOr<std::string> GrpcServerTransport::secagg_exchange(int client, std::string request) {
   return impl_->agent.secagg_exchange(client, std::move(request));
 }

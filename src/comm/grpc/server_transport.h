@@ -39,6 +39,7 @@ class GrpcServerTransport final : public ServerTransport {
   void finish(int last_round) override;
   std::vector<int> take_rejoined() override;
   int connected_clients() override;
+  void set_broadcast_frames(const BroadcastFrames* frames) override;
   // Asynchronous FL over the same sessions: each client gets the model as
   // it is when it asks (and, from FedCompass, its local steps), its update
   // goes to a spool slot, checked chunk by chunk, and `core` applies it with

@@ -120,7 +120,6 @@ Status ServerAgent::broadcast(int round, const std::vector<int>& selected, const
   // restored model again: its checksums are computed again too). No sender
   // runs until the phase below says so.
   down_sums_.reset(++broadcasts_, layout_.total_bytes(), chunk_);
-  secagg_round_over_ = false;
   for (auto& s : slots_) s.secagg_request.reset(), s.secagg_reply.reset();
   round_ = round;
   phase_ = Phase::kBroadcast;
@@ -216,8 +215,7 @@ StatusOr<std::string> ServerAgent::secagg_exchange(int client, std::string reque
   s.secagg_reply.reset();
   s.secagg_request = std::move(request);
   cv_.notify_all();
-  const int wait_s =
-      cfg_.secagg.timeout > 0 ? static_cast<int>(std::ceil(cfg_.secagg.timeout)) : cfg_.server.upload_deadline_s();
+  const int wait_s = cfg_.secagg_deadline_s();
   if (wait_for(lock, Clock::now() + std::chrono::seconds(wait_s), [&] { return s.secagg_reply || s.failed; }) &&
       s.secagg_reply) {
     std::string reply = std::move(*s.secagg_reply);
@@ -236,7 +234,8 @@ StatusOr<std::string> ServerAgent::secagg_exchange(int client, std::string reque
 
 void ServerAgent::secagg_end_round() {
   std::lock_guard lock(mu_);
-  secagg_round_over_ = true;
+  // Every client of the round polls until it hears this.
+  for (int c : order_) slots_[static_cast<size_t>(c)].secagg_over = true;
   cv_.notify_all();
 }
 

@@ -210,8 +210,6 @@ Status MpiServerTransport::broadcast(int round, const std::vector<int>& selected
   }
   round_ = round;
   round_ranks_ = ranks;
-  round_selected_ = selected;
-  secagg_unmask_asked_.clear();
   const auto t = Clock::now();
   for (int r = 1; r < world_; ++r) {
     if (excluded_[static_cast<size_t>(r)]) continue;
@@ -534,10 +532,7 @@ StatusOr<std::string> MpiServerTransport::secagg_exchange(int client, std::strin
   if (excluded_[static_cast<size_t>(r)]) {
     return Status(StatusCode::kUnavailable, fmt::format("client_{} (rank {}) is out of the run", client, r));
   }
-  // The first byte names the stage (secagg/wire.h); 4: unmask.
-  if (!request.empty() && static_cast<uint8_t>(request[0]) == 4) ++secagg_unmask_asked_[r];
-  const int wait_s =
-      cfg_.secagg.timeout > 0 ? static_cast<int>(std::ceil(cfg_.secagg.timeout)) : cfg_.server.upload_deadline_s();
+  const int wait_s = cfg_.secagg_deadline_s();
   const auto deadline = Clock::now() + std::chrono::seconds(wait_s);
   const auto lost = [&](const char* what) {
     const std::string why = fmt::format(
@@ -575,12 +570,9 @@ StatusOr<std::string> MpiServerTransport::secagg_exchange(int client, std::strin
 }
 
 void MpiServerTransport::secagg_end_round() {
-  const int k = cfg_.server.clients_per_rank;
+  // Every rank of the round listens for requests until this empty one.
   for (int r : round_ranks_) {
     if (excluded_[static_cast<size_t>(r)]) continue;
-    const auto clients =
-        std::count_if(round_selected_.begin(), round_selected_.end(), [&](int c) { return rank_of_client(c, k) == r; });
-    if (secagg_unmask_asked_[r] >= clients) continue;  // it has stopped listening
     const uint64_t none = 0;
     MPI_Send(&none, sizeof none, MPI_BYTE, r, kTagSecAggRequest, MPI_COMM_WORLD);
   }

@@ -298,10 +298,9 @@ class MpiServerTransport final : public ServerTransport {
   const Layout& layout_;
   ServerStreams& streams_;
   int world_;
-  std::vector<bool> excluded_;                     // by rank
-  int round_ = 0;                                  // the current round
-  std::vector<int> round_ranks_, round_selected_;  // its participating ranks and clients
-  std::map<int, int> secagg_unmask_asked_;         // by rank: unmasking requests sent this round
+  std::vector<bool> excluded_;    // by rank
+  int round_ = 0;                 // the current round
+  std::vector<int> round_ranks_;  // its participating ranks
   size_t most_together_ = 0;
   std::chrono::milliseconds collect_hold_{0};
 };
