@@ -16,8 +16,8 @@
 // the same model.
 //
 // R itself lives in an unnamed file-backed arena whose pages are dropped as
-// each range is read for the last time: during prepare() the server holds
-// the model plus one chunk of each buffer, as without compression.
+// soon as each range has been read or written: during prepare() the server
+// holds the model plus a few chunk-sized buffers, as without compression.
 //
 //   BroadcastDelta delta(layout, settings, run_dir, chunk_bytes);
 //   transport.set_broadcast_frames(&delta);

@@ -97,13 +97,16 @@ Status UpdateEncoder::begin(ModelPlace& model, const Arena* base, Arena* residua
     for (size_t k = 0; k < n; k += block.size()) {
       const size_t m = std::min(block.size(), n - k);
       deltas(e, k, k + m, block.data());
+      if (base_done_) {
+        const size_t es = dtype_size(layout_.entries()[e].dtype);
+        base_done_(layout_.entries()[e].offset + k * es, m * es);
+      }
       for (size_t i = 0; i < m; ++i) {
         if (!std::isfinite(block[i])) continue;
         lo = std::min(lo, block[i]);
         hi = std::max(hi, block[i]);
       }
     }
-    if (base_done_) base_done_(layout_.entries()[e].offset, layout_.entries()[e].nbytes());
     const double range = static_cast<double>(hi) - static_cast<double>(lo);
     const double tol = s_.error_bound * range;
     tolerance_[e] = std::isfinite(tol) && tol > 0 ? tol : 0;  // a constant change: nothing to gain, sent exact

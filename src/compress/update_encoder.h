@@ -54,9 +54,10 @@ class UpdateEncoder {
   // The bytes the receiver rebuilds from the last frame (their checksum is
   // the frame's raw checksum, so a receiver that checks it holds these).
   std::span<const std::byte> rebuilt() const { return recon_; }
-  // Called with each range of model bytes whose base the encoder has read
-  // for the last time (a file-backed base can drop those pages: the server's
-  // broadcast keeps the model its clients hold that way, outside its RSS).
+  // Called with each range of the base the encoder has just read (it reads
+  // a lossy tensor's twice: for REL's range in begin(), then to code each
+  // chunk): a file-backed base can drop those pages at once — the server's
+  // broadcast keeps the model its clients hold that way, outside its RSS.
   void set_base_done(std::function<void(uint64_t offset, size_t length)> done) { base_done_ = std::move(done); }
   // Each lossy tensor's tolerance for this update (0: not lossy this time).
   const std::vector<double>& tolerances() const { return tolerance_; }
