@@ -11,6 +11,7 @@
 #include <random>
 #include <vector>
 
+#include "client/client_work.h"
 #include "comm/chunk.h"
 #include "compress/broadcast_delta.h"
 #include "compress/decoding_opener.h"
@@ -401,6 +402,43 @@ TEST_P(FrameChunks, LosslessOnlyRebuildsTheModelBitForBit) {
 
 // 7 bytes cuts every element; 1000 cuts tensors mid-way; 4 MiB is one frame.
 INSTANTIATE_TEST_SUITE_P(Compress, FrameChunks, ::testing::Values(7, 1000, 4096, 4 << 20));
+
+// --- DummyTrainer's noisy change (the compression benchmarks' update) ------------
+
+TEST(DummyNoise, IsASeededGaussianOfTheConfiguredSigmaOnTopOfThePattern) {
+  LayoutBuilder b;
+  b.add("a.weight", DType::kF32, {200000});
+  const Layout layout = std::move(b).build().value();
+  ExperimentConfig cfg;
+  cfg.train.dummy_update_scale = 0.001;
+  cfg.train.dummy_update_noise = 2;
+  const double sigma = 0.002;
+  auto draw = [&](int round, int client) {
+    Arena a(layout.total_bytes(), MemoryCategory::kModel);
+    dummy_update(cfg, layout, a, round, client);
+    std::vector<double> noise(200000);
+    for (size_t i = 0; i < noise.size(); ++i) {
+      const double pattern = 0.001 * (client + 1) * (1 + (i + static_cast<size_t>(round)) % 5);
+      noise[i] = static_cast<double>(load_float(DType::kF32, a.data(), i)) - pattern;
+    }
+    return noise;
+  };
+  const std::vector<double> z = draw(3, 1);
+  double sum = 0, sq = 0, beyond3 = 0;
+  for (double v : z) {
+    sum += v;
+    sq += v * v;
+    beyond3 += std::fabs(v) > 3 * sigma;
+  }
+  const double n = static_cast<double>(z.size());
+  const double mean = sum / n, sd = std::sqrt(sq / n - mean * mean);
+  EXPECT_LT(std::fabs(mean), 5 * sigma / std::sqrt(n));  // five standard errors
+  EXPECT_NEAR(sd, sigma, 0.02 * sigma);
+  EXPECT_NEAR(beyond3 / n, 0.0027, 0.001);  // a normal's tails, not a uniform's (0) or a pattern's
+  EXPECT_EQ(draw(3, 1), z) << "the noise is seeded: every run and transport draws the same";
+  EXPECT_NE(draw(3, 2), z);
+  EXPECT_NE(draw(4, 1), z);
+}
 
 // --- the broadcast as its change ---------------------------------------------
 

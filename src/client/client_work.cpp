@@ -156,12 +156,31 @@ void dummy_update(const ExperimentConfig& cfg, const Layout& layout, Arena& aren
   }
   const double s = cfg.train.dummy_update_scale;
   if (s <= 0) return;
-  for (const auto& e : layout.entries()) {
+  const double sigma = s * cfg.train.dummy_update_noise;
+  // Gaussian noise from a counter (splitmix64 of round, client, tensor and
+  // pair of elements, then Box–Muller): the same on every run and transport.
+  auto splitmix = [](uint64_t x) {
+    x += 0x9e3779b97f4a7c15ULL;
+    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+    return x ^ (x >> 31);
+  };
+  auto gaussian = [&](uint64_t stream, size_t i) {
+    const uint64_t r = splitmix(stream ^ splitmix(i / 2));
+    const double u1 = (static_cast<double>(r >> 11) + 1.0) * 0x1.0p-53;
+    const double u2 = static_cast<double>(splitmix(r) >> 11) * 0x1.0p-53;
+    const double radius = std::sqrt(-2.0 * std::log(u1)), angle = 2.0 * M_PI * u2;
+    return i % 2 == 0 ? radius * std::cos(angle) : radius * std::sin(angle);
+  };
+  for (size_t t = 0; t < layout.size(); ++t) {
+    const auto& e = layout.entries()[t];
     if (!dtype_is_float(e.dtype)) continue;
     std::byte* base = arena.data() + e.offset;
     const size_t n = e.numel();
+    const uint64_t stream = splitmix((static_cast<uint64_t>(round) << 40) ^ (static_cast<uint64_t>(client) << 20) ^ t);
     for (size_t i = 0; i < n; ++i) {
-      const float d = static_cast<float>(s * (client + 1) * (1 + (i + static_cast<size_t>(round)) % 5));
+      float d = static_cast<float>(s * (client + 1) * (1 + (i + static_cast<size_t>(round)) % 5));
+      if (sigma > 0) d += static_cast<float>(sigma * gaussian(stream, i));
       switch (e.dtype) {
         case DType::kF32: {
           float v;

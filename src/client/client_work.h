@@ -91,6 +91,8 @@ double update_sample_count(const ExperimentConfig& cfg, const ClientPartition* p
 // DummyTrainer's local update: waits train_configs.dummy_delay_s, then (with
 // dummy_update_scale s > 0) adds s·(client+1)·(1 + (i + round) mod 5) to float
 // element i of every tensor, so updates differ per client and round.
+// With dummy_update_noise ν > 0 each element's change also gets s·ν·z, z a
+// standard normal drawn from a counter of (round, client, tensor, element).
 void dummy_update(const ExperimentConfig& cfg, const Layout& layout, Arena& arena, int round, int client);
 
 }  // namespace memfl

@@ -92,6 +92,15 @@ const std::vector<KeySpec>& schema() {
        "5) to float element i of every tensor and reports 5*(c+1) samples, so updates differ per client and round "
        "(tests, benchmarks)",
        F(train.dummy_update_scale)},
+      {"client_configs.train_configs.dummy_update_noise",
+       Type::kFloat,
+       "0",
+       {},
+       0,
+       1e6,
+       "DummyTrainer: adds s*noise*z to each float element's change, z a standard normal seeded by round, client and "
+       "element (0: none): a change that compresses like a trained one, not a pattern (benchmarks of compression)",
+       F(train.dummy_update_noise)},
       {"client_configs.train_configs.dummy_delay_s",
        Type::kString,
        "\"\"",

@@ -60,6 +60,10 @@ struct TrainConfig {
   // DummyTrainer: an update that differs per client and round (0: none), and
   // per-client delays ("1.5,0.5": client c takes entry c mod 2).
   double dummy_update_scale = 0;
+  // DummyTrainer: σ ÷ dummy_update_scale of seeded Gaussian noise added to
+  // each element's change (0: none), so a codec sees a change shaped like a
+  // trained one rather than a pattern that repeats every 5 elements.
+  double dummy_update_noise = 0;
   std::string dummy_delay_s;
 };
 
