@@ -300,6 +300,24 @@ double half_ulp(DType dtype, float v) {
   return std::ldexp(1.0, std::ilogb(a) - bits);
 }
 
+// APPFL's rule at the tests' param_cutoff of 64, written out here rather
+// than taken from CompressionSettings::lossy_tensor.
+bool goes_lossy(const LayoutEntry& e) {
+  return dtype_is_float(e.dtype) && e.numel() > 64 && e.name.find("weight") != std::string::npos;
+}
+
+// max − min of tensor `e`'s change from x to y over the whole tensor: what
+// REL's tolerance is a proportion of.
+double change_range(const LayoutEntry& e, const Arena& x, const Arena& y) {
+  double lo = INFINITY, hi = -INFINITY;
+  for (size_t i = 0; i < e.numel(); ++i) {
+    const double d = load_float(e.dtype, y.data() + e.offset, i) - load_float(e.dtype, x.data() + e.offset, i);
+    lo = std::min(lo, d);
+    hi = std::max(hi, d);
+  }
+  return hi - lo;
+}
+
 // Sends `y` (against `x`) through the encoder in chunks of `chunk` bytes and
 // decodes each frame as a server would, into `rebuilt`.
 EncodedStats round_trip(const Layout& layout, const CompressionSettings& s, Arena& y, const Arena& x, Arena* residual,
@@ -351,21 +369,13 @@ TEST_P(FrameChunks, LossyTensorsStayWithinTheirBoundAndTheRestComesBackExact) {
       }
       for (size_t ei = 0; ei < layout.size(); ++ei) {
         const LayoutEntry& e = layout.entries()[ei];
-        const bool lossy_tensor =
-            dtype_is_float(e.dtype) && e.numel() > 64 && e.name.find("weight") != std::string::npos;
-        if (!lossy_tensor) {
+        if (!goes_lossy(e)) {
           EXPECT_EQ(std::memcmp(rebuilt.data() + e.offset, y.data() + e.offset, e.nbytes()), 0) << e.name;
           continue;
         }
         // The tolerance: ABS the bound; REL the bound × the range of this
         // tensor's change, over the whole tensor, whatever the chunk.
-        double lo = INFINITY, hi = -INFINITY;
-        for (size_t i = 0; i < e.numel(); ++i) {
-          const double d = load_float(e.dtype, y.data() + e.offset, i) - load_float(e.dtype, x.data() + e.offset, i);
-          lo = std::min(lo, d);
-          hi = std::max(hi, d);
-        }
-        const double want = rel ? bound * (hi - lo) : bound;
+        const double want = rel ? bound * change_range(e, x, y) : bound;
         EXPECT_NEAR(tol[ei], want, want * 1e-5) << e.name;
         for (size_t i = 0; i < e.numel(); ++i) {
           const float yv = load_float(e.dtype, y.data() + e.offset, i);
@@ -495,18 +505,11 @@ TEST(BroadcastDelta, TheServerKeepsWhatItsClientsRebuildWithinTheBound) {
     EXPECT_EQ(std::memcmp(client.data(), global.data(), total), 0) << codec << ": the client rebuilt other bits";
 
     for (const auto& e : layout.entries()) {
-      const bool lossy_tensor = dtype_is_float(e.dtype) && e.numel() > 64 && e.name.find("weight") != std::string::npos;
-      if (!lossy_tensor) {
+      if (!goes_lossy(e)) {
         EXPECT_EQ(std::memcmp(global.data() + e.offset, y.data() + e.offset, e.nbytes()), 0) << codec << " " << e.name;
         continue;
       }
-      double lo = INFINITY, hi = -INFINITY;
-      for (size_t i = 0; i < e.numel(); ++i) {
-        const double d = load_float(e.dtype, y.data() + e.offset, i) - load_float(e.dtype, x.data() + e.offset, i);
-        lo = std::min(lo, d);
-        hi = std::max(hi, d);
-      }
-      const double tol = bound * (hi - lo);
+      const double tol = bound * change_range(e, x, y);
       for (size_t i = 0; i < e.numel(); ++i) {
         const float want = load_float(e.dtype, y.data() + e.offset, i);
         const float got = load_float(e.dtype, global.data() + e.offset, i);

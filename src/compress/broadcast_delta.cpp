@@ -1,11 +1,6 @@
 #include "compress/broadcast_delta.h"
 
-#include <fcntl.h>
-#include <unistd.h>
-
 #include <algorithm>
-#include <cerrno>
-#include <cstdlib>
 #include <cstring>
 
 #include <spdlog/spdlog.h>
@@ -14,30 +9,11 @@
 
 namespace memfl {
 
-namespace {
-
-Status write_all(int fd, const std::byte* data, size_t size, uint64_t at, const std::string& what) {
-  size_t done = 0;
-  while (done < size) {
-    const ssize_t n = ::pwrite(fd, data + done, size - done, static_cast<off_t>(at + done));
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) return resource_exhausted("{}: cannot write {} bytes: {}", what, size, std::strerror(errno));
-    done += static_cast<size_t>(n);
-  }
-  return Status::Ok();
-}
-
-}  // namespace
-
 BroadcastDelta::BroadcastDelta(const Layout& layout, CompressionSettings settings, std::string dir, size_t chunk_bytes)
     : layout_(layout), settings_(std::move(settings)), dir_(std::move(dir)), chunk_(std::max<size_t>(1, chunk_bytes)) {
   // The server keeps no residual of its own: what the codec loses is left
   // out of the model every side holds (compress/broadcast_delta.h).
   settings_.error_feedback = false;
-}
-
-BroadcastDelta::~BroadcastDelta() {
-  if (frames_fd_ >= 0) ::close(frames_fd_);
 }
 
 Status BroadcastDelta::prepare(int round, Arena& global) {
@@ -47,17 +23,7 @@ Status BroadcastDelta::prepare(int round, Arena& global) {
   if (reference_.empty()) {
     MEMFL_ASSIGN_OR_RETURN(reference_, Arena::scratch_file(dir_, total, MemoryCategory::kCommBuffers));
   }
-  if (frames_fd_ < 0) {
-    frames_fd_ = ::open(dir_.c_str(), O_TMPFILE | O_RDWR | O_CLOEXEC, 0600);
-    if (frames_fd_ < 0 && (errno == EOPNOTSUPP || errno == EISDIR || errno == EINVAL)) {
-      std::string templ = dir_ + "/memfl-broadcast-XXXXXX";
-      frames_fd_ = ::mkstemp(templ.data());
-      if (frames_fd_ >= 0) ::unlink(templ.c_str());
-    }
-    if (frames_fd_ < 0) {
-      return not_found("{}: cannot create the broadcast's frame file: {}", dir_, std::strerror(errno));
-    }
-  }
+  MEMFL_RETURN_IF_ERROR(frames_.open(dir_));
   stats_ = {};
   if (reference_round_ < 0 || round != reference_round_ + 1) {
     // Nothing the clients hold to code against: this model goes as its
@@ -81,8 +47,7 @@ Status BroadcastDelta::prepare(int round, Arena& global) {
   for (uint64_t off = 0; off < total; off += chunk_) {
     const size_t len = static_cast<size_t>(std::min<uint64_t>(chunk_, total - off));
     MEMFL_ASSIGN_OR_RETURN(std::span<const std::byte> frame, encoder.encode(off, len));
-    MEMFL_RETURN_IF_ERROR(
-        write_all(frames_fd_, frame.data(), frame.size(), frame_at_.back(), dir_ + " (broadcast frames)"));
+    MEMFL_RETURN_IF_ERROR(frames_.write(frame_at_.back(), frame));
     frame_at_.push_back(frame_at_.back() + frame.size());
     // Every side now holds the rebuilt bytes: the server's model, the
     // reference for the next round, and each client that decodes the frame.
@@ -105,15 +70,9 @@ StatusOr<std::span<const std::byte>> BroadcastDelta::frame(uint64_t offset, std:
   if (offset % chunk_ != 0 || i + 1 >= frame_at_.size() || to_round_ < 0) {
     return internal_error("broadcast: no frame for the chunk at model offset {}", offset);
   }
-  const uint64_t at = frame_at_[i], size = frame_at_[i + 1] - at;
-  buffer->resize(size);
-  size_t done = 0;
-  while (done < size) {
-    const ssize_t n = ::pread(frames_fd_, buffer->data() + done, size - done, static_cast<off_t>(at + done));
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) return data_loss("broadcast frames: cannot read {} bytes at {}: {}", size, at, std::strerror(errno));
-    done += static_cast<size_t>(n);
-  }
+  const uint64_t at = frame_at_[i];
+  buffer->resize(frame_at_[i + 1] - at);
+  MEMFL_RETURN_IF_ERROR(frames_.read(at, *buffer));
   return std::span<const std::byte>(*buffer);
 }
 

@@ -33,6 +33,7 @@
 #include "comm/transport.h"
 #include "compress/settings.h"
 #include "compress/update_encoder.h"
+#include "io/spool_file.h"
 #include "tensor/arena.h"
 #include "tensor/layout.h"
 
@@ -41,7 +42,6 @@ namespace memfl {
 class BroadcastDelta final : public BroadcastFrames {
  public:
   BroadcastDelta(const Layout& layout, CompressionSettings settings, std::string dir, size_t chunk_bytes);
-  ~BroadcastDelta() override;
   BroadcastDelta(const BroadcastDelta&) = delete;
   BroadcastDelta& operator=(const BroadcastDelta&) = delete;
 
@@ -66,8 +66,8 @@ class BroadcastDelta final : public BroadcastFrames {
   size_t chunk_;
   Arena reference_;  // R: the model clients hold (file-backed, unnamed)
   int reference_round_ = -1;
-  int frames_fd_ = -1;              // the frames, back to back (an unnamed file)
-  std::vector<uint64_t> frame_at_;  // each chunk's frame: offset in the file, and one past the last
+  SpoolFile frames_{"broadcast frames"};  // the frames, back to back
+  std::vector<uint64_t> frame_at_;        // each chunk's frame: offset in the file, and one past the last
   int from_round_ = -1, to_round_ = -1;
   EncodedStats stats_;
 };
