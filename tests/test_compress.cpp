@@ -7,10 +7,13 @@
 
 #include <cmath>
 #include <cstring>
+#include <fstream>
 #include <limits>
+#include <map>
 #include <random>
 #include <vector>
 
+#include "cli_util.h"
 #include "client/client_work.h"
 #include "comm/chunk.h"
 #include "compress/broadcast_delta.h"
@@ -318,6 +321,30 @@ double change_range(const LayoutEntry& e, const Arena& x, const Arena& y) {
   return hi - lo;
 }
 
+// Every lossy tensor of `rebuilt` within its tolerance of `y` on every
+// element — ABS: the bound; REL: the bound × the range of that tensor's
+// change from `x`, worked out here over the whole tensor whatever the chunk —
+// and every other tensor exact.
+void expect_within_bound(const Layout& layout, const Arena& x, const Arena& y, const Arena& rebuilt,
+                         const std::vector<double>& tol, Lossy lossy, bool rel, double bound, size_t chunk) {
+  for (size_t ei = 0; ei < layout.size(); ++ei) {
+    const LayoutEntry& e = layout.entries()[ei];
+    if (!goes_lossy(e)) {
+      EXPECT_EQ(std::memcmp(rebuilt.data() + e.offset, y.data() + e.offset, e.nbytes()), 0) << e.name;
+      continue;
+    }
+    const double want = rel ? bound * change_range(e, x, y) : bound;
+    EXPECT_NEAR(tol[ei], want, want * 1e-5) << e.name;
+    for (size_t i = 0; i < e.numel(); ++i) {
+      const float yv = load_float(e.dtype, y.data() + e.offset, i);
+      const float got = load_float(e.dtype, rebuilt.data() + e.offset, i);
+      const double allowed = want + half_ulp(e.dtype, yv) + half_ulp(e.dtype, got) + half_ulp(DType::kF32, yv);
+      ASSERT_LE(std::fabs(static_cast<double>(got) - yv), allowed)
+          << lossy_codec_name(lossy) << (rel ? " REL " : " ABS ") << e.name << " element " << i << " chunk " << chunk;
+    }
+  }
+}
+
 // Sends `y` (against `x`) through the encoder in chunks of `chunk` bytes and
 // decodes each frame as a server would, into `rebuilt`.
 EncodedStats round_trip(const Layout& layout, const CompressionSettings& s, Arena& y, const Arena& x, Arena* residual,
@@ -367,29 +394,50 @@ TEST_P(FrameChunks, LossyTensorsStayWithinTheirBoundAndTheRestComesBackExact) {
       } else {
         EXPECT_GT(st.lossy_elements, 0u);
       }
-      for (size_t ei = 0; ei < layout.size(); ++ei) {
-        const LayoutEntry& e = layout.entries()[ei];
-        if (!goes_lossy(e)) {
-          EXPECT_EQ(std::memcmp(rebuilt.data() + e.offset, y.data() + e.offset, e.nbytes()), 0) << e.name;
-          continue;
-        }
-        // The tolerance: ABS the bound; REL the bound × the range of this
-        // tensor's change, over the whole tensor, whatever the chunk.
-        const double want = rel ? bound * change_range(e, x, y) : bound;
-        EXPECT_NEAR(tol[ei], want, want * 1e-5) << e.name;
-        for (size_t i = 0; i < e.numel(); ++i) {
-          const float yv = load_float(e.dtype, y.data() + e.offset, i);
-          const float got = load_float(e.dtype, rebuilt.data() + e.offset, i);
-          const double allowed = want + half_ulp(e.dtype, yv) + half_ulp(e.dtype, got) + half_ulp(DType::kF32, yv);
-          ASSERT_LE(std::fabs(static_cast<double>(got) - yv), allowed)
-              << lossy_codec_name(lossy) << (rel ? " REL " : " ABS ") << e.name << " element " << i << " chunk "
-              << chunk;
-        }
-      }
+      expect_within_bound(layout, x, y, rebuilt, tol, lossy, rel, bound, chunk);
       const LayoutEntry& fc = *layout.find("fc.weight");
       if (chunk != 7) {
         EXPECT_NE(std::memcmp(rebuilt.data() + fc.offset, y.data() + fc.offset, fc.nbytes()), 0)
             << "a lossy tensor came back exact: nothing was compressed";
+      }
+    }
+  }
+}
+
+// A real update: the Fashion-MNIST CNN's change after one client's local
+// epoch (round 2's checkpoint − round 1's, FedAvg over that one client), coded
+// with each lossy codec at ABS and REL bounds in chunks whose edges fall
+// inside elements and tensors. Trained changes are heavy-tailed and mostly
+// near zero, unlike the Gaussian above.
+TEST(RealUpdate, EveryElementOfATrainedChangeStaysWithinItsBound) {
+  testing::TempDir tmp;
+  const std::string run = tmp.file("run");
+  const auto r = memfl_cli(
+      "run -q --set server_configs.num_clients=2 --set server_configs.num_global_epochs=2"
+      " --set server_configs.clients_per_round=1 --set server_configs.checkpoint_keep=2"
+      " --set client_configs.data_configs.dataset_kwargs.max_train_samples=1200"
+      " --set client_configs.data_configs.dataset_kwargs.max_test_samples=100"
+      " --set client_configs.train_configs.num_threads=1 --set memory_configs.profile=false --out " +
+      run);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  auto before = SafetensorsFile::open(run + "/state/round-000001.safetensors");
+  auto after = SafetensorsFile::open(run + "/state/round-000002.safetensors");
+  ASSERT_TRUE(before.ok() && after.ok());
+  const Layout layout = (*before)->layout().value();
+  Arena x(layout.total_bytes(), MemoryCategory::kModel), y(layout.total_bytes(), MemoryCategory::kModel),
+      rebuilt(layout.total_bytes(), MemoryCategory::kModel);
+  ASSERT_TRUE((*before)->load_into(layout, x).ok());
+  ASSERT_TRUE((*after)->load_into(layout, y).ok());
+  ASSERT_NE(std::memcmp(x.data(), y.data(), layout.total_bytes()), 0) << "no training happened";
+  for (Lossy lossy : {Lossy::kZfp, Lossy::kQuantizer}) {
+    if (!lossy_available(lossy)) continue;
+    for (bool rel : {false, true}) {
+      for (size_t chunk : {size_t{4093}, size_t{1} << 18}) {
+        const double bound = rel ? 1e-3 : 1e-4;
+        std::vector<double> tol;
+        const EncodedStats st = round_trip(layout, settings(lossy, rel, bound), y, x, nullptr, chunk, rebuilt, &tol);
+        EXPECT_GT(st.lossy_elements, 0u);
+        expect_within_bound(layout, x, y, rebuilt, tol, lossy, rel, bound, chunk);
       }
     }
   }
@@ -425,7 +473,7 @@ TEST(DummyNoise, IsASeededGaussianOfTheConfiguredSigmaOnTopOfThePattern) {
   const double sigma = 0.002;
   auto draw = [&](int round, int client) {
     Arena a(layout.total_bytes(), MemoryCategory::kModel);
-    dummy_update(cfg, layout, a, round, client);
+    EXPECT_TRUE(dummy_update(cfg, layout, a, round, client).ok());
     std::vector<double> noise(200000);
     for (size_t i = 0; i < noise.size(); ++i) {
       const double pattern = 0.001 * (client + 1) * (1 + (i + static_cast<size_t>(round)) % 5);
@@ -448,6 +496,70 @@ TEST(DummyNoise, IsASeededGaussianOfTheConfiguredSigmaOnTopOfThePattern) {
   EXPECT_EQ(draw(3, 1), z) << "the noise is seeded: every run and transport draws the same";
   EXPECT_NE(draw(3, 2), z);
   EXPECT_NE(draw(4, 1), z);
+}
+
+// With dummy_update_noise_values the noise is one of the file's values,
+// standardised and scaled to σ: values worked by hand, each drawn about as
+// often as the others, the same draw on every run.
+TEST(DummyNoise, DrawsFromTheGivenValuesStandardisedToTheConfiguredSigma) {
+  LayoutBuilder b;
+  b.add("a.weight", DType::kF32, {60000});
+  const Layout layout = std::move(b).build().value();
+  testing::TempDir tmp;
+  // Mean 0; σ = sqrt((9 + 1 + 4) / 6): the standardised values are v / σ.
+  const std::vector<float> file_values{-3, 0, 0, 0, 1, 2};
+  const std::string path = tmp.file("values.f32");
+  {
+    std::ofstream out(path, std::ios::binary);
+    out.write(reinterpret_cast<const char*>(file_values.data()), 4 * file_values.size());
+  }
+  ExperimentConfig cfg;
+  cfg.train.dummy_update_scale = 0.001;
+  cfg.train.dummy_update_noise = 2;
+  cfg.train.dummy_update_noise_values = path;
+  const double sigma = 0.002, file_sd = std::sqrt(14.0 / 6.0);
+  auto draw = [&](int round, int client) {
+    Arena a(layout.total_bytes(), MemoryCategory::kModel);
+    EXPECT_TRUE(dummy_update(cfg, layout, a, round, client).ok());
+    std::vector<double> noise(60000);
+    for (size_t i = 0; i < noise.size(); ++i) {
+      const double pattern = 0.001 * (client + 1) * (1 + (i + static_cast<size_t>(round)) % 5);
+      noise[i] = static_cast<double>(load_float(DType::kF32, a.data(), i)) - pattern;
+    }
+    return noise;
+  };
+  const std::vector<double> z = draw(2, 0);
+  std::map<int, int> seen;  // value of the file (×1) → draws
+  for (double v : z) {
+    const double raw = v / sigma * file_sd;
+    const long k = std::lround(raw);
+    ASSERT_NEAR(raw, static_cast<double>(k), 1e-3) << "noise " << v << " is no value of the file";
+    seen[static_cast<int>(k)]++;
+  }
+  // -3, 1 and 2 each 1/6 of the draws, 0 three times as often.
+  const double n = static_cast<double>(z.size()), sixth = n / 6, se = std::sqrt(n * (1.0 / 6) * (5.0 / 6));
+  EXPECT_NEAR(seen[-3], sixth, 5 * se);
+  EXPECT_NEAR(seen[1], sixth, 5 * se);
+  EXPECT_NEAR(seen[2], sixth, 5 * se);
+  EXPECT_NEAR(seen[0], 3 * sixth, 5 * std::sqrt(n * 0.25));
+  EXPECT_EQ(draw(2, 0), z);
+  EXPECT_NE(draw(2, 1), z);
+
+  // A file that cannot serve is an error naming the key and the file.
+  Arena a(layout.total_bytes(), MemoryCategory::kModel);
+  cfg.train.dummy_update_noise_values = tmp.file("missing.f32");
+  Status st = dummy_update(cfg, layout, a, 1, 0);
+  EXPECT_FALSE(st.ok());
+  EXPECT_NE(st.message().find("dummy_update_noise_values"), std::string::npos) << st.message();
+  EXPECT_NE(st.message().find("missing.f32"), std::string::npos) << st.message();
+  {
+    std::ofstream out(tmp.file("odd.f32"), std::ios::binary);
+    out.write("abcde", 5);
+  }
+  cfg.train.dummy_update_noise_values = tmp.file("odd.f32");
+  st = dummy_update(cfg, layout, a, 1, 0);
+  EXPECT_FALSE(st.ok());
+  EXPECT_NE(st.message().find("multiple of 4"), std::string::npos) << st.message();
 }
 
 // --- the broadcast as its change ---------------------------------------------

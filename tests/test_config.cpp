@@ -160,6 +160,17 @@ TEST(Config, CompressionThatCannotHoldItsPromiseIsRefusedNamingTheKeys) {
   EXPECT_EQ(lossy_broadcast->compressor.broadcast_compression, "lossy");
 }
 
+// Values to draw the DummyTrainer's noise from mean nothing without its σ.
+TEST(Config, NoiseValuesWithoutNoiseAreRefusedNamingBothKeys) {
+  const std::string t = "client_configs.train_configs.";
+  const std::string e = error_of("", {t + "dummy_update_noise_values=/tmp/update.f32"});
+  EXPECT_HAS(e, t + "dummy_update_noise_values");
+  EXPECT_HAS(e, t + "dummy_update_noise' is 0");
+  EXPECT_TRUE(
+      load_config_text("", "exp.yaml", {t + "dummy_update_noise_values=/tmp/update.f32", t + "dummy_update_noise=2"})
+          .ok());
+}
+
 TEST(Config, TheTcpDataChannelWithTlsIsRefusedNamingBothKeys) {
   const std::string tls =
       "server_configs:\n  comm_configs:\n    grpc_configs:\n      use_ssl: true\n      server_cert: s.pem\n"

@@ -6,6 +6,7 @@
 // loading the live page with its curves and clients table filled in.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <signal.h>
@@ -16,6 +17,7 @@
 #include <chrono>
 #include <cstdint>
 #include <cmath>
+#include <filesystem>
 #include <fstream>
 #include <map>
 #include <regex>
@@ -150,9 +152,17 @@ TEST(LiveMetrics, PrometheusTextParsesWithHelpTypeAndHistogram) {
   m.test_loss = 0.5;
   m.round_seconds = 1.25;
   live::round_row(m);
-  live::async_applied(1, 7, 0);
-  live::async_applied(1, 8, 2);
-  live::async_applied(0, 9, 2);
+  live::async_applied(1, 7, 0, 1000);
+  live::async_applied(1, 8, 2, 1000);
+  live::async_applied(0, 9, 2, 500);
+  // Each client's bytes are its own: sync updates and async uploads add up.
+  const auto state = nlohmann::json::parse(live::state_json());
+  std::map<int, std::pair<uint64_t, uint64_t>> bytes;  // client → (down, up)
+  for (const auto& c : state["clients"])
+    bytes[c["client"].get<int>()] = {c["bytes_down"].get<uint64_t>(), c["bytes_up"].get<uint64_t>()};
+  EXPECT_EQ(bytes[0], std::make_pair(uint64_t{100}, uint64_t{50 + 500}));
+  EXPECT_EQ(bytes[1], std::make_pair(uint64_t{0}, uint64_t{2000}));
+  EXPECT_EQ(bytes[2], std::make_pair(uint64_t{0}, uint64_t{0}));  // dropped: nothing counted
   const Exposition e = parse_prometheus(live::prometheus_text());
   EXPECT_TRUE(e.errors.empty()) << joined(e.errors);
   for (const auto& [name, type] : e.type) EXPECT_TRUE(e.help.count(name)) << name << " has no HELP";
@@ -521,6 +531,109 @@ TEST(LiveEndpoint, ChromiumShowsCurvesAndAFilledClientsTable) {
   EXPECT_TRUE(std::regex_search(dom, std::regex("<td class=\"l\">2</td><td class=\"l\">(selected|done)</td>")))
       << dom.substr(0, 4000);
   EXPECT_EQ(bg.wait(), 0) << bg.log();
+}
+
+// Sums of one column of metrics.csv over its rounds.
+uint64_t column_sum(const std::string& csv, const std::string& column) {
+  const auto rows = read_csv(csv);
+  const auto at = std::find(rows.at(0).begin(), rows.at(0).end(), column) - rows.at(0).begin();
+  uint64_t sum = 0;
+  for (size_t i = 1; i < rows.size(); ++i) sum += std::stoull(rows[i].at(static_cast<size_t>(at)));
+  return sum;
+}
+
+// Each client's bytes on the wire, from a frozen live state: (down, up).
+std::map<int, std::pair<uint64_t, uint64_t>> client_bytes(const std::string& live_state) {
+  std::map<int, std::pair<uint64_t, uint64_t>> out;
+  const auto state = nlohmann::json::parse(testing::read_file(live_state));
+  for (const auto& c : state["clients"])
+    out[c["client"].get<int>()] = {c["bytes_down"].get<uint64_t>(), c["bytes_up"].get<uint64_t>()};
+  return out;
+}
+
+// Lossy compression of Fashion-MNIST updates: each client's data differ
+// (Dirichlet partitions), so its update codes to its own size.
+const std::string kCompressedUpdates =
+    " --set client_configs.comm_configs.compressor_configs.enable_compression=true"
+    " --set client_configs.comm_configs.compressor_configs.lossy_compressor=SZ2Compressor"
+    " --set client_configs.comm_configs.compressor_configs.error_bounding_mode=REL"
+    " --set client_configs.comm_configs.compressor_configs.error_bound=0.001";
+
+// The clients table shows each client's own bytes, not the round's mean:
+// with compressed updates they differ, and they add up to the round totals
+// in metrics.csv. At the end the role leaves its live page frozen
+// (live.html, drawn once from live_state.json), and the report shows its
+// clients table and links it.
+TEST(LiveEndpoint, FrozenPageAndReportShowEachClientsOwnBytes) {
+  testing::TempDir tmp;
+  const std::string run = tmp.file("run");
+  const Result r = memfl_cli(
+      "run -q --set server_configs.num_clients=3 --set server_configs.num_global_epochs=2"
+      " --set client_configs.data_configs.dataset_kwargs.max_train_samples=600"
+      " --set client_configs.data_configs.dataset_kwargs.max_test_samples=200"
+      " --set client_configs.train_configs.num_threads=1 --http 127.0.0.1:0 --out " +
+      run + kCompressedUpdates);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const auto bytes = client_bytes(run + "/live_state.json");
+  ASSERT_EQ(bytes.size(), 3u);
+  uint64_t down = 0, up = 0;
+  std::set<uint64_t> ups;
+  for (const auto& [client, b] : bytes) {
+    down += b.first;
+    up += b.second;
+    ups.insert(b.second);
+    EXPECT_GT(b.second, 0u) << "client " << client;
+  }
+  EXPECT_EQ(down, column_sum(run + "/metrics.csv", "bytes_down"));
+  EXPECT_EQ(up, column_sum(run + "/metrics.csv", "bytes_up"));
+  EXPECT_LT(up, column_sum(run + "/metrics.csv", "bytes_up_raw"));  // compressed
+  EXPECT_EQ(ups.size(), 3u) << "every client shown the same bytes up: a mean, not its own";
+
+  // The frozen page: the live page's script, drawing the last state once.
+  const std::string dom = rendered("file://" + run + "/live.html", tmp.file("chrome"));
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(dom, m, std::regex("<div id=\"memfl-status\">([^<]*)</div>"))) << dom.size();
+  EXPECT_EQ(m[1].str().rfind("ok", 0), 0u) << m[1];
+  EXPECT_GE(count_of(m[1], "charts"), 3) << m[1];  // accuracy, loss, the RSS timeline
+  EXPECT_NE(dom.find("finished — round 2 of 2"), std::string::npos) << dom.substr(0, 3000);
+  EXPECT_NE(dom.find("as it ended"), std::string::npos);
+  EXPECT_NE(dom.find("last seen s before the end"), std::string::npos);
+  EXPECT_TRUE(std::regex_search(dom, std::regex("<td class=\"l\">1</td><td class=\"l\">done</td>")))
+      << dom.substr(0, 4000);
+
+  // The report carries the clients table and links the frozen page.
+  ASSERT_EQ(memfl_cli("report " + run).exit_code, 0);
+  const std::string rep = rendered("file://" + run + "/report/index.html", tmp.file("chrome2"));
+  EXPECT_NE(rep.find("Clients (process, as the live page ended)"), std::string::npos) << rep.substr(0, 3000);
+  EXPECT_NE(rep.find("href=\"../live.html\""), std::string::npos);
+}
+
+// A launched server counts each client's frames: the change sent to a
+// client that holds the last round's model is smaller than the model, and
+// every client's own count adds up to the server's round totals.
+TEST(LiveEndpoint, LaunchedServerShowsEachClientsOwnBytes) {
+  testing::TempDir tmp;
+  const std::string run = tmp.file("launch");
+  const Result r = memfl_cli(
+      "launch --clients 3 -q --set server_configs.num_clients=3 --set server_configs.num_global_epochs=2"
+      " --set client_configs.data_configs.dataset_kwargs.max_train_samples=600"
+      " --set client_configs.data_configs.dataset_kwargs.max_test_samples=200"
+      " --set client_configs.train_configs.num_threads=1 --http 127.0.0.1:0 --out " +
+      run + kCompressedUpdates);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const auto bytes = client_bytes(run + "/server/live_state.json");
+  ASSERT_EQ(bytes.size(), 3u);
+  uint64_t down = 0, up = 0;
+  std::set<uint64_t> ups;
+  for (const auto& [client, b] : bytes) {
+    down += b.first;
+    up += b.second;
+    ups.insert(b.second);
+  }
+  EXPECT_EQ(down, column_sum(run + "/server/metrics.csv", "bytes_down"));
+  EXPECT_EQ(up, column_sum(run + "/server/metrics.csv", "bytes_up"));
+  EXPECT_EQ(ups.size(), 3u) << "every client shown the same bytes up: a mean, not its own";
+  EXPECT_TRUE(std::filesystem::exists(run + "/server/live.html"));
 }
 
 // The report page is the live page's frozen form: the same curves, no

@@ -104,4 +104,10 @@ memfl::StatusOr<std::unique_ptr<memfl::LiveEndpoint>> start_http(const SharedOpt
   return ep;
 }
 
+void stop_http(std::unique_ptr<memfl::LiveEndpoint>& endpoint, const std::string& dir) {
+  if (!endpoint) return;
+  if (memfl::Status st = endpoint->freeze(dir); !st.ok()) spdlog::warn("live page not frozen: {}", st.message());
+  endpoint.reset();
+}
+
 }  // namespace memfl::cli

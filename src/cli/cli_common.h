@@ -66,6 +66,10 @@ void add_http_options(CLI::App& cmd, SharedOptions& shared);
 // on loopback (an address elsewhere is refused, naming --http and use_ssl).
 memfl::StatusOr<std::unique_ptr<memfl::LiveEndpoint>> start_http(const SharedOptions& o, const std::string& role,
                                                                  const std::string& dir, bool tls = false);
+// The role's loop is over: leaves DIR/live.html (the live page as it ended,
+// with DIR/live_state.json) and stops serving. A failed write is a warning:
+// the run's own results are already on disk.
+void stop_http(std::unique_ptr<memfl::LiveEndpoint>& endpoint, const std::string& dir);
 
 inline constexpr const char* kResumeDoc =
     "continue the run in DIR after its newest committed round (config: DIR's config.yaml unless CONFIG is given)";

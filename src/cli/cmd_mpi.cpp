@@ -22,15 +22,17 @@ int mpi(SharedOptions& o, int& argc, char**& argv) {
                                           : o.out_dir;
   // The live endpoint lives on rank 0 (the server) only, until the job ends.
   std::unique_ptr<memfl::LiveEndpoint> http;
+  std::string http_dir;
   memfl::MpiOptions mo{dir, !o.quiet, !o.resume_dir.empty(), {}};
   if (!o.http.empty()) {
     mo.on_server_start = [&](const std::string& rank0_dir) -> memfl::Status {
+      http_dir = rank0_dir;
       MEMFL_ASSIGN_OR_RETURN(http, start_http(o, "server", rank0_dir, cfg->server.use_ssl));
       return memfl::Status::Ok();
     };
   }
   memfl::Status st = memfl::run_mpi(&argc, &argv, *cfg, mo);
-  http.reset();
+  stop_http(http, http_dir);
   if (!st.ok()) return fail(st);
   return kExitOk;
 }

@@ -34,7 +34,7 @@ int run(SharedOptions& o) {
   auto http = start_http(o, "simulation", *dir);
   if (!http.ok()) return fail(http.status());
   auto result = memfl::run_simulation(*cfg, {*dir, !o.quiet, resume});
-  http->reset();  // the loop is over: stop serving before the summary
+  stop_http(*http, *dir);  // the loop is over: freeze the page, stop serving before the summary
   memfl::alloc_tracker_stop();
   if (!result.ok()) {
     fmt::print(stderr, "memfl: run failed; what was measured so far is in {}\n", *dir);

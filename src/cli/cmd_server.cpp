@@ -43,7 +43,7 @@ int server(SharedOptions& o) {
   auto http = start_http(o, "server", dir, cfg->server.use_ssl);
   if (!http.ok()) return fail(http.status());
   if (st.ok()) st = memfl::run_grpc_server(*cfg, {dir, !o.quiet, !o.resume_dir.empty()});
-  http->reset();
+  stop_http(*http, dir);
   memfl::alloc_tracker_stop();
   if (!st.ok()) return fail(st);
   return kExitOk;

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <limits>
 #include <thread>
 
@@ -97,7 +98,7 @@ uint64_t client_train_seed(uint64_t seed, int round, int client) {
 StatusOr<TrainResult> local_update(LocalModel& model, const ExperimentConfig& cfg, const DatasetSplits* data,
                                    const ClientPartition* part, int round, int client) {
   if (cfg.train.trainer == "DummyTrainer" || model.replica() == nullptr) {
-    dummy_update(cfg, model.layout(), model.arena(), round, client);
+    MEMFL_RETURN_IF_ERROR(dummy_update(cfg, model.layout(), model.arena(), round, client));
     return TrainResult{};
   }
   if (data == nullptr || part == nullptr) return failed_precondition("VanillaTrainer needs a data set and a partition");
@@ -146,7 +147,41 @@ StatusOr<double> record_client_privacy(const ExperimentConfig& cfg, const std::s
   return e;
 }
 
-void dummy_update(const ExperimentConfig& cfg, const Layout& layout, Arena& arena, int round, int client) {
+namespace {
+
+// dummy_update_noise_values: the file's f32 values, standardised (mean 0,
+// σ 1). Read whole: it is a small model's update, a few MB.
+StatusOr<std::vector<float>> standardised_values(const std::string& path) {
+  const std::string key = "client_configs.train_configs.dummy_update_noise_values";
+  std::ifstream in(path, std::ios::binary | std::ios::ate);
+  if (!in) return not_found("{}: cannot read {}: {}", key, path, std::strerror(errno));
+  const std::streamoff size = in.tellg();
+  constexpr std::streamoff kMax = std::streamoff{1} << 30;
+  if (size <= 0 || size % 4 != 0 || size > kMax) {
+    return invalid_argument(
+        "{}: {} holds {} bytes; it must hold little-endian f32 values (a multiple of 4 bytes, "
+        "at least one, at most 1 GiB)",
+        key, path, size);
+  }
+  std::vector<float> v(static_cast<size_t>(size / 4));
+  in.seekg(0);
+  if (!in.read(reinterpret_cast<char*>(v.data()), size)) return internal_error("{}: reading {} failed", key, path);
+  double sum = 0, sq = 0;
+  for (float x : v) {
+    if (!std::isfinite(x)) return invalid_argument("{}: {} holds a value that is not finite", key, path);
+    sum += x;
+  }
+  const double mean = sum / static_cast<double>(v.size());
+  for (float x : v) sq += (x - mean) * (x - mean);
+  const double sd = std::sqrt(sq / static_cast<double>(v.size()));
+  if (!(sd > 0)) return invalid_argument("{}: {}'s values are all equal: no spread to draw noise from", key, path);
+  for (float& x : v) x = static_cast<float>((x - mean) / sd);
+  return v;
+}
+
+}  // namespace
+
+Status dummy_update(const ExperimentConfig& cfg, const Layout& layout, Arena& arena, int round, int client) {
   if (!cfg.train.dummy_delay_s.empty()) {
     auto delays = parse_delays(cfg.train.dummy_delay_s);
     if (delays.ok() && !delays->empty()) {
@@ -155,8 +190,12 @@ void dummy_update(const ExperimentConfig& cfg, const Layout& layout, Arena& aren
     }
   }
   const double s = cfg.train.dummy_update_scale;
-  if (s <= 0) return;
+  if (s <= 0) return Status::Ok();
   const double sigma = s * cfg.train.dummy_update_noise;
+  std::vector<float> values;
+  if (sigma > 0 && !cfg.train.dummy_update_noise_values.empty()) {
+    MEMFL_ASSIGN_OR_RETURN(values, standardised_values(cfg.train.dummy_update_noise_values));
+  }
   // Gaussian noise from a counter (splitmix64 of round, client, tensor and
   // pair of elements, then Box–Muller): the same on every run and transport.
   auto splitmix = [](uint64_t x) {
@@ -180,7 +219,10 @@ void dummy_update(const ExperimentConfig& cfg, const Layout& layout, Arena& aren
     const uint64_t stream = splitmix((static_cast<uint64_t>(round) << 40) ^ (static_cast<uint64_t>(client) << 20) ^ t);
     for (size_t i = 0; i < n; ++i) {
       float d = static_cast<float>(s * (client + 1) * (1 + (i + static_cast<size_t>(round)) % 5));
-      if (sigma > 0) d += static_cast<float>(sigma * gaussian(stream, i));
+      if (sigma > 0) {
+        const double z = values.empty() ? gaussian(stream, i) : values[splitmix(stream ^ splitmix(i)) % values.size()];
+        d += static_cast<float>(sigma * z);
+      }
       switch (e.dtype) {
         case DType::kF32: {
           float v;
@@ -208,6 +250,7 @@ void dummy_update(const ExperimentConfig& cfg, const Layout& layout, Arena& aren
       }
     }
   }
+  return Status::Ok();
 }
 
 int64_t local_steps_taken(const TrainConfig& train, const ClientPartition* part, int64_t reported) {

@@ -92,7 +92,10 @@ double update_sample_count(const ExperimentConfig& cfg, const ClientPartition* p
 // dummy_update_scale s > 0) adds s·(client+1)·(1 + (i + round) mod 5) to float
 // element i of every tensor, so updates differ per client and round.
 // With dummy_update_noise ν > 0 each element's change also gets s·ν·z, z a
-// standard normal drawn from a counter of (round, client, tensor, element).
-void dummy_update(const ExperimentConfig& cfg, const Layout& layout, Arena& arena, int round, int client);
+// standard normal drawn from a counter of (round, client, tensor, element) —
+// or, with dummy_update_noise_values, one of that file's values (standardised)
+// picked by the same counter. An unreadable or unusable file is an error
+// naming the key and the file.
+Status dummy_update(const ExperimentConfig& cfg, const Layout& layout, Arena& arena, int round, int client);
 
 }  // namespace memfl

@@ -99,6 +99,8 @@ Status InProcessTransport::collect(int round, const std::vector<int>& selected, 
       out->bytes_down += *down;
       out->upload_seconds += up_s;
       out->bytes_up += up_bytes;
+      info.bytes_down = *down;
+      info.bytes_up = up_bytes;
       out->committed.push_back(info);
     }
   };

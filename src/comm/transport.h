@@ -38,6 +38,11 @@ struct ClientUpdateInfo {
   // DP-SGD: the client's steps this round and their Poisson rate.
   int64_t dp_steps = 0;
   double dp_sample_rate = 0;
+  // This client's bytes on the wire this round (frames, when compressed):
+  // the model down and its update up. Clients differ when their updates
+  // compress differently or some are sent the model's change and others
+  // its bytes.
+  uint64_t bytes_down = 0, bytes_up = 0;
 };
 
 struct BroadcastResult {
@@ -118,6 +123,7 @@ struct AsyncTripRecord {
   double dispatched_at = 0, arrived_at = 0;
   int64_t local_steps = 0;
   double train_loss = 0;
+  uint64_t bytes_up = 0;      // the update's bytes on the wire (frames, when compressed)
   int64_t update_number = 0;  // arrival order, from 1 (set by the core)
   std::string how;            // alone | group N | late | buffer
   int64_t staleness = 0;

@@ -101,6 +101,15 @@ const std::vector<KeySpec>& schema() {
        "DummyTrainer: adds s*noise*z to each float element's change, z a standard normal seeded by round, client and "
        "element (0: none): a change that compresses like a trained one, not a pattern (benchmarks of compression)",
        F(train.dummy_update_noise)},
+      {"client_configs.train_configs.dummy_update_noise_values",
+       Type::kString,
+       "\"\"",
+       {},
+       -kInf,
+       kInf,
+       "DummyTrainer: a file of little-endian f32 values (e.g. a trained update) the noise is drawn from, "
+       "standardised to mean 0 and σ 1, instead of a standard normal (empty: Gaussian; benchmarks of compression)",
+       S(train.dummy_update_noise_values)},
       {"client_configs.train_configs.dummy_delay_s",
        Type::kString,
        "\"\"",
@@ -1281,6 +1290,12 @@ Status cross_checks(const ExperimentConfig& c, const std::string& source) {
   if (c.model.model_name == "TorchScript" && c.model.torchscript_path.empty()) {
     return invalid_argument(
         "{}: model_name TorchScript needs 'client_configs.model_configs.torchscript_path' (a torch.jit.save'd module)",
+        source);
+  }
+  if (!c.train.dummy_update_noise_values.empty() && !(c.train.dummy_update_noise > 0)) {
+    return invalid_argument(
+        "{}: 'client_configs.train_configs.dummy_update_noise_values' shapes the DummyTrainer's noise, and "
+        "'client_configs.train_configs.dummy_update_noise' is 0 (no noise): set its σ too",
         source);
   }
   if (c.model.model_name == "synthetic" && c.train.trainer != "DummyTrainer") {

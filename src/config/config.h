@@ -64,6 +64,11 @@ struct TrainConfig {
   // each element's change (0: none), so a codec sees a change shaped like a
   // trained one rather than a pattern that repeats every 5 elements.
   double dummy_update_noise = 0;
+  // DummyTrainer: a file of little-endian f32 values (a trained update, say)
+  // the noise is drawn from instead of a normal, standardised and scaled to
+  // the same σ; empty: Gaussian. A trained update's values are heavy-tailed
+  // and mostly near zero, which is what sets how well a codec does.
+  std::string dummy_update_noise_values;
   std::string dummy_delay_s;
 };
 

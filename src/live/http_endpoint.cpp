@@ -7,11 +7,13 @@
 #include <atomic>
 #include <charconv>
 #include <condition_variable>
+#include <ctime>
 #include <mutex>
 #include <thread>
 
 #include <nlohmann/json.hpp>
 
+#include "io/run_dir.h"
 #include "live/live_metrics.h"
 #include "report/report.h"
 
@@ -133,6 +135,19 @@ StatusOr<std::unique_ptr<LiveEndpoint>> LiveEndpoint::start(LiveEndpointOptions 
     }
   });
   return std::unique_ptr<LiveEndpoint>(new LiveEndpoint(std::move(impl)));
+}
+
+Status LiveEndpoint::freeze(const std::string& dir) const {
+  live::loop_finished();
+  live::sample_rss();  // the timeline ends at the end
+  nlohmann::json state = nlohmann::json::parse(live::state_json());
+  const std::time_t now = std::time(nullptr);
+  char when[32];
+  std::strftime(when, sizeof when, "%Y-%m-%d %H:%M:%S %Z", std::localtime(&now));
+  state["frozen_at"] = when;
+  MEMFL_RETURN_IF_ERROR(write_text_file(dir + "/live_state.json", state.dump(1) + "\n"));
+  return write_text_file(dir + "/live.html",
+                         frozen_live_page_html("memfl live — " + impl_->opts.role + " (as it ended)", state.dump()));
 }
 
 LiveEndpoint::~LiveEndpoint() {

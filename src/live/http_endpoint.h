@@ -11,6 +11,8 @@
 //
 //   auto ep = LiveEndpoint::start({"127.0.0.1:0", "", "simulation"});
 //   spdlog::info("live page on http://{}/", (*ep)->address());
+//   ... the run ...
+//   (*ep)->freeze(run_dir);  // run_dir/live.html: the page as it ended
 #pragma once
 
 #include <memory>
@@ -38,6 +40,12 @@ class LiveEndpoint {
 
   int port() const;
   std::string address() const;  // host:port as bound
+
+  // The loop is over: writes DIR/live_state.json (/api/state as it stands
+  // now) and DIR/live.html, the live page frozen on it — the same page and
+  // script, drawing that state once instead of polling. The endpoint keeps
+  // serving until it is destroyed.
+  Status freeze(const std::string& dir) const;
 
   struct Impl;
 

@@ -248,7 +248,7 @@ void round_row(const RoundMetrics& m) {
   if (g->rounds.size() > kMaxRounds) g->rounds.pop_front();
 }
 
-void async_applied(int client, int64_t version, int64_t staleness) {
+void async_applied(int client, int64_t version, int64_t staleness, uint64_t bytes_up) {
   if (!enabled()) return;
   g->async_version.store(version, std::memory_order_relaxed);
   g->current_round.store(version, std::memory_order_relaxed);
@@ -260,6 +260,7 @@ void async_applied(int client, int64_t version, int64_t staleness) {
   r.state = "applied";
   r.last_seen_s = now;
   r.rounds++;
+  r.bytes_up += bytes_up;
 }
 
 void phase(int round, std::string_view name) {

@@ -59,9 +59,9 @@ void client_dropped(int client, int round);
 void round_bytes(uint64_t bytes_down, uint64_t bytes_up);
 // A metrics row is final (MetricsWriter::append: every driver writes one).
 void round_row(const RoundMetrics& m);
-// Asynchronous core: an update of `client` applied as version `version`
-// with `staleness`.
-void async_applied(int client, int64_t version, int64_t staleness);
+// Asynchronous core: an update of `client` (`bytes_up` on the wire) applied
+// as version `version` with `staleness`.
+void async_applied(int client, int64_t version, int64_t staleness, uint64_t bytes_up);
 // The sampler's phase marks (round k: broadcast, train, upload, ...).
 void phase(int round, std::string_view name);
 // The loop is over (the run still writes its files; /healthz says so).

@@ -308,6 +308,10 @@ std::string html_page(const std::string& title, const json& data, const char* mo
 
 std::string live_page_html(const std::string& title) { return html_page(title, json::object(), "live"); }
 
+std::string frozen_live_page_html(const std::string& title, const std::string& state_json) {
+  return html_page(title, json::parse(state_json), "frozen");
+}
+
 namespace {
 
 std::string fmt_mib(int64_t b) { return fmt::format("{:.1f}", static_cast<double>(b) / (1 << 20)); }
@@ -391,6 +395,16 @@ StatusOr<std::string> write_report(const std::string& run_dir) {
       }
       MEMFL_RETURN_IF_ERROR(
           write_text_file((out / (name + ".folded")).string(), folded_stacks(*d.profile, d.analysis->live_at_peak)));
+    }
+    // A role run with --http left its live page's last state: the report
+    // shows its clients table and links the frozen page.
+    if (fs::exists(dir / "live_state.json")) {
+      try {
+        d.j["live"] = json::parse(read_text(dir / "live_state.json"));
+        d.j["live_page"] = fs::relative(dir / "live.html", out).string();
+      } catch (const json::exception& e) {
+        return invalid_argument("{}: not the live page's state ({})", (dir / "live_state.json").string(), e.what());
+      }
     }
     run_j["processes"].push_back(j);
   }

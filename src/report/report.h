@@ -27,4 +27,9 @@ StatusOr<std::string> write_comparison(const std::vector<std::string>& run_dirs,
 // answers as the run goes.
 std::string live_page_html(const std::string& title);
 
+// The live page frozen on `state_json` (/api/state at the end of a run):
+// the same page and script, drawing that state once. What a role run with
+// --http leaves as RUN_DIR/live.html.
+std::string frozen_live_page_html(const std::string& title, const std::string& state_json);
+
 }  // namespace memfl

@@ -47,7 +47,7 @@ Status AsyncServerCore::flush_log() {
 }
 
 void AsyncServerCore::log_row(const AsyncTripRecord& t, double now) {
-  live::async_applied(t.client, version_, t.staleness);  // every applied update passes here
+  live::async_applied(t.client, version_, t.staleness, t.bytes_up);  // every applied update passes here
   if (log_ == nullptr) return;
   // Full precision: the log is what a run is replayed from.
   std::fprintf(log_, "%lld,%d,%lld,%lld,%.17g,%lld,%.9f,%.9f,%.9f,%lld,%s\n", static_cast<long long>(t.update_number),

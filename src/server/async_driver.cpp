@@ -105,6 +105,7 @@ struct AsyncDriver::Impl {
     trip.dispatched_at = now;
     trip.local_steps = t.steps > 0 ? t.steps : std::max(1, local_steps);
     trip.train_loss = t.train_loss;
+    trip.bytes_up = layout.total_bytes();  // in process an update is its bytes
     trip.arrived_at = now + static_cast<double>(trip.local_steps) * opts.step_time_s[static_cast<size_t>(client)];
     const uint64_t base = static_cast<uint64_t>(slot) * layout.total_bytes();
     if (!agg.options().gradient_based) {

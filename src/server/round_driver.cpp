@@ -295,11 +295,8 @@ Status RoundDriver::play_round(int round, RoundMetrics* m, bool* redo) {
   m->bytes_up_raw = static_cast<uint64_t>(up.committed.size()) * global_.layout().total_bytes();
   m->bytes_moved = m->bytes_down + m->bytes_up;
   if (live::enabled()) {
-    // Transports count bytes per round, not per client: each committed
-    // client is shown its share (the model down, its update up).
     live::round_bytes(m->bytes_down, m->bytes_up);
-    const uint64_t n = std::max<uint64_t>(1, up.committed.size());
-    for (const auto& u : up.committed) live::client_updated(u.client, round, m->bytes_down / n, m->bytes_up / n);
+    for (const auto& u : up.committed) live::client_updated(u.client, round, u.bytes_down, u.bytes_up);
   }
   m->download_seconds = down.seconds + up.download_seconds;
   m->upload_seconds = up.upload_seconds;

@@ -121,8 +121,8 @@ void ServerAgent::fail_locked(int id, const std::string& why, bool cancel) {
 }
 
 grpc::Status ServerAgent::send_model(grpc::ServerReaderWriter<Frame, Frame>* stream, int round, const std::string& peer,
-                                     DataSocket* data, int local_steps, std::atomic<int64_t>* progress,
-                                     int held_round) {
+                                     DataSocket* data, int local_steps, std::atomic<int64_t>* progress, int held_round,
+                                     uint64_t* sent_out) {
   auto made_progress = [progress] {
     if (progress != nullptr) progress->store(Clock::now().time_since_epoch().count(), std::memory_order_relaxed);
   };
@@ -189,6 +189,7 @@ grpc::Status ServerAgent::send_model(grpc::ServerReaderWriter<Frame, Frame>* str
   if (!stream->Write(encode_message(end))) return {grpc::StatusCode::UNAVAILABLE, peer + " went away"};
   std::lock_guard lock(mu_);
   bytes_down_ += sent;
+  if (sent_out != nullptr) *sent_out = sent;
   return grpc::Status::OK;
 }
 

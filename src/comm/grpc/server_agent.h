@@ -58,7 +58,8 @@ struct ClientSlot {
   bool connected = false;
   bool failed = false;  // disconnected, timed out or sent bad bytes: out for the run
   bool selected = false;
-  int served_round = 0;  // last round whose model this client was sent
+  int served_round = 0;     // last round whose model this client was sent
+  uint64_t bytes_down = 0;  // that model, on the wire (frames, when it went as its change)
   bool received = false;
   bool committed = false;
   bool uploading = false;  // a session is inside its update (holds an aggregator stream)
@@ -220,10 +221,10 @@ class ServerAgent final : public ServerTransport {
   // `progress` (may be null): set to the steady clock's time after each chunk.
   // `held_round`: the round whose model the client holds (GetGlobalModel);
   // when the broadcast's frames are the change from it, they go instead of
-  // the model's bytes.
+  // the model's bytes. `sent` (may be null): the bytes that went.
   grpc::Status send_model(grpc::ServerReaderWriter<Frame, Frame>* stream, int round, const std::string& peer,
                           DataSocket* data, int local_steps = 0, std::atomic<int64_t>* progress = nullptr,
-                          int held_round = 0);
+                          int held_round = 0, uint64_t* sent = nullptr);
   grpc::Status receive_update(grpc::ServerContext* ctx, grpc::ServerReaderWriter<Frame, Frame>* stream, int id,
                               uint64_t session, const wire::UpdateMetadata& md, const std::string& peer,
                               DataSocket* data);

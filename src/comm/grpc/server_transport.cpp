@@ -177,8 +177,12 @@ grpc::Status ServerAgent::session(grpc::ServerContext* ctx, grpc::ServerReaderWr
         s.served_round = round;
       }
       if (grpc::Status gs = need_data(); !gs.ok()) return on_exit(gs);
-      grpc::Status gs = send_model(stream, round, peer, data.get(), 0, nullptr, msg.get_global_model().held_round());
+      uint64_t sent = 0;
+      grpc::Status gs =
+          send_model(stream, round, peer, data.get(), 0, nullptr, msg.get_global_model().held_round(), &sent);
       if (!gs.ok()) return on_exit(gs);
+      std::lock_guard lock(mu_);
+      if (slots_[static_cast<size_t>(id)].session == my_session) slots_[static_cast<size_t>(id)].bytes_down = sent;
     } else if (msg.has_model_received()) {
       std::lock_guard lock(mu_);
       if (slots_[static_cast<size_t>(id)].session != my_session) return grpc::Status::OK;

@@ -139,6 +139,7 @@ grpc::Status ServerAgent::async_receive_update(grpc::ServerContext* ctx, grpc::S
       trip.dispatched_at = a.dispatched_at[static_cast<size_t>(id)];
       trip.local_steps = md.metrics().count("local_steps") ? static_cast<int64_t>(md.metrics().at("local_steps")) : 0;
       trip.train_loss = md.metrics().count("train_loss") ? md.metrics().at("train_loss") : 0;
+      trip.bytes_up = received;
       auto next = a.core->arrive(std::move(trip), a.now());
       if (!next.ok()) {
         applied = next.status();

@@ -90,6 +90,8 @@ grpc::Status ServerAgent::receive_update(grpc::ServerContext* ctx, grpc::ServerR
   s.info.has_validation = md.metrics().count("val_accuracy") > 0;
   s.info.val_weight = md.sample_count();
   s.info.val_accuracy = s.info.has_validation ? md.metrics().at("val_accuracy") : 0;
+  s.info.bytes_down = s.bytes_down;
+  s.info.bytes_up = received;
   if (naive_) naive_keep_locked(id, md.sample_count(), std::move(update));
   bytes_up_ += received;
   up_end_ = Clock::now();
@@ -109,6 +111,7 @@ Status ServerAgent::broadcast(int round, const std::vector<int>& selected, const
     s.selected = true;
     s.received = s.committed = false;
     s.served_round = 0;
+    s.bytes_down = 0;
     order_.push_back(c);
   }
   if (order_.empty()) return failed_precondition("round {}: every selected client has failed", round);

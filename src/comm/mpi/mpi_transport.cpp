@@ -343,11 +343,15 @@ Status MpiServerTransport::collect(int round, const std::vector<int>& selected, 
       info.has_validation = true;
       info.val_weight = md.sample_count;
       info.val_accuracy = md.val_accuracy;
+      info.bytes_down = layout_.total_bytes();  // the broadcast sends every rank the model's bytes
       out->committed.push_back(info);
     }
   }
   streams_.drain();
-  for (const auto& n : counted_up) out->bytes_up += n->load();  // folded (and counted) by now
+  for (size_t j = 0; j < counted_up.size(); ++j) {  // folded (and counted) by now
+    out->committed[j].bytes_up = counted_up[j]->load();
+    out->bytes_up += out->committed[j].bytes_up;
+  }
   for (int c : selected) {
     if (std::none_of(out->committed.begin(), out->committed.end(), [&](const auto& u) { return u.client == c; }))
       out->failed.push_back(c);
@@ -460,7 +464,8 @@ Status MpiServerTransport::serve_async(AsyncUpdateHandler& core, Arena& global, 
     const size_t slot = slots.take();
     std::unique_ptr<UpdateStream> into = std::make_unique<SpoolSlotWriter>(slots.spool(), slot, layout_, peer);
     if (options.wrap_update) into = options.wrap_update(std::move(into), peer);
-    std::shared_ptr<UpdateStream> writer = std::move(into);
+    auto counted = std::make_shared<std::atomic<uint64_t>>(0);
+    std::shared_ptr<UpdateStream> writer = std::make_shared<CountingStream>(std::move(into), counted);
     Status received = streams_.receive_update(r, peer, writer, stall);
     streams_.drain();  // checked and written whole before it is used
     training[static_cast<size_t>(c)] = false;
@@ -476,6 +481,7 @@ Status MpiServerTransport::serve_async(AsyncUpdateHandler& core, Arena& global, 
     trip.dispatched_at = left[static_cast<size_t>(c)];
     trip.local_steps = static_cast<int64_t>(md.local_steps);
     trip.train_loss = md.train_loss;
+    trip.bytes_up = counted->load();
     MEMFL_ASSIGN_OR_RETURN(AsyncNext next, core.arrive(std::move(trip), now()));
     if (core.arrivals() < options.total) follow(next);
     if (options.eval_due(core.arrivals())) MEMFL_RETURN_IF_ERROR(options.on_eval(++evaluated, core.arrivals(), now()));

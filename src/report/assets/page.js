@@ -155,6 +155,14 @@
       table(rm, ['round', 'clients', 'train loss', 'test accuracy', 'MiB moved', 'seconds', 'peak RSS MiB'],
         p.metrics.map(function (m) { return [m.round, m.clients, (+m.train_loss).toFixed(4), (+m.test_accuracy).toFixed(4), MiB(m.bytes_moved), (+m.round_seconds).toFixed(2), MiB(m.peak_rss_bytes)]; }));
     });
+    // A process run with --http left its live page as it ended: the report
+    // shows what only that page has (clients, staleness) and links it.
+    run.processes.forEach(function (p) {
+      if (!p.live) return;
+      live_clients(p.live, ' (' + p.name + ', as the live page ended)');
+      var n = el('p', { class: 'note' }, 'The whole live page as it ended: ');
+      n.appendChild(el('a', { href: p.live_page }, p.live_page)); app.lastChild.appendChild(n);
+    });
     var cf = section('Resolved configuration');
     run.processes.forEach(function (p) { if (p.config) { cf.appendChild(el('h3', {}, p.name)); cf.appendChild(el('pre', {}, p.config)); } });
   }
@@ -198,27 +206,35 @@
 
   // The live page: the endpoint's /api/state, polled; each answer redraws
   // the page with the report's own chart code.
+  // The clients table and, for an asynchronous run, the staleness
+  // histogram: the live page's, and the report's for a run with --http.
+  function live_clients(S, where) {
+    var ct = section('Clients' + where);
+    // Bytes on the wire, each client's own (compressed frames when
+    // compressed). An asynchronous server counts uploads only.
+    if (!S.clients.length) ct.appendChild(el('p', { class: 'note' }, 'No client seen yet.'));
+    else table(ct, ['client', 'state', S.frozen_at ? 'last seen s before the end' : 'last seen s ago', 'last round', 'updates', 'MiB down', 'MiB up'],
+      S.clients.map(function (c) { return [c.client, c.state, c.last_seen_seconds_ago.toFixed(1), c.last_round, c.updates, S.asynchronous ? '-' : MiB(c.bytes_down), MiB(c.bytes_up)]; }), [0, 1]);
+    if (S.clients_not_listed) ct.appendChild(el('p', { class: 'note' }, S.clients_not_listed + ' more client events not listed (the table is bounded).'));
+    clients = S.clients.length;
+    if (S.asynchronous) {
+      var sh = section('Staleness of applied updates (versions behind)' + where);
+      if (!S.staleness.length) sh.appendChild(el('p', { class: 'note' }, 'No update applied yet.'));
+      else table(sh, ['staleness', 'updates'], S.staleness.map(function (b) { return [b[0], b[1]]; }));
+    }
+  }
   function live(S) {
     var state = S.running ? 'running' : 'finished';
     var head = el('p', { class: 'live-head' }, S.role + ' — ' + state + ' — ' + (S.asynchronous ? 'version ' : 'round ') + S.round +
       (S.planned ? ' of ' + S.planned : '') + ' — RSS ' + MiB(S.rss_bytes) + ' MiB (peak ' + MiB(S.peak_rss_bytes) + ' MiB' +
-      (S.memory_bound_bytes ? ', bound ' + MiB(S.memory_bound_bytes) + ' MiB' : '') + ') — updated ' + new Date().toLocaleTimeString());
+      (S.memory_bound_bytes ? ', bound ' + MiB(S.memory_bound_bytes) + ' MiB' : '') + ') — ' +
+      (S.frozen_at ? 'as it ended, ' + S.frozen_at : 'updated ' + new Date().toLocaleTimeString()));
     app.appendChild(head);
     curves(section('Accuracy and loss per round'), S.metrics, '');
     var tl = section('Memory timeline (RSS, max per point, downsampled; bands are phases)');
     timeline(tl, S.role, [{ name: S.role + ' RSS', t: S.samples.t_ms, v: S.samples.rss_bytes }], S.phases, null);
-    var ct = section('Clients');
-    if (!S.clients.length) ct.appendChild(el('p', { class: 'note' }, 'No client seen yet.'));
-    else table(ct, ['client', 'state', 'last seen s ago', 'last round', 'updates', 'MiB down', 'MiB up'],
-      S.clients.map(function (c) { return [c.client, c.state, c.last_seen_seconds_ago.toFixed(1), c.last_round, c.updates, MiB(c.bytes_down), MiB(c.bytes_up)]; }), [0, 1]);
-    if (S.clients_not_listed) ct.appendChild(el('p', { class: 'note' }, S.clients_not_listed + ' more client events not listed (the table is bounded).'));
-    clients = S.clients.length;
-    if (S.asynchronous) {
-      var sh = section('Staleness of applied updates (versions behind)');
-      if (!S.staleness.length) sh.appendChild(el('p', { class: 'note' }, 'No update applied yet.'));
-      else table(sh, ['staleness', 'updates'], S.staleness.map(function (b) { return [b[0], b[1]]; }));
-    }
-    var ld = section('Memory ledger now (MiB)');
+    live_clients(S, '');
+    var ld = section(S.frozen_at ? 'Memory ledger at the end (MiB)' : 'Memory ledger now (MiB)');
     var cats = Object.keys(S.ledger);
     table(ld, cats, [cats.map(function (c) { return MiB(S.ledger[c]); })], []);
     var rm = section('Rounds');
@@ -248,7 +264,9 @@
 
   try {
     if (window.MEMFL_MODE === 'live') { poll(); return; }
-    if (window.MEMFL_MODE === 'compare') compare(D.runs); else report(D.runs[0]);
+    // A run's live page as it ended (RUN_DIR/live.html): drawn once.
+    if (window.MEMFL_MODE === 'frozen') live(D);
+    else if (window.MEMFL_MODE === 'compare') compare(D.runs); else report(D.runs[0]);
   } catch (e) { window.MEMFL_ERRORS.push(String(e && e.stack || e)); }
   show_status();
 })();
