@@ -5,16 +5,20 @@
 // keeps what was lost; and bad frames are refused naming client and chunk.
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cmath>
+#include <condition_variable>
 #include <cstring>
 #include <fstream>
 #include <limits>
 #include <map>
+#include <mutex>
 #include <random>
 #include <vector>
 
 #include "cli_util.h"
 #include "client/client_work.h"
+#include "client/prefetching_place.h"
 #include "comm/chunk.h"
 #include "compress/broadcast_delta.h"
 #include "compress/decoding_opener.h"
@@ -560,6 +564,97 @@ TEST(DummyNoise, DrawsFromTheGivenValuesStandardisedToTheConfiguredSigma) {
   st = dummy_update(cfg, layout, a, 1, 0);
   EXPECT_FALSE(st.ok());
   EXPECT_NE(st.message().find("multiple of 4"), std::string::npos) << st.message();
+}
+
+// --- coding the next frame while this one is sent ----------------------------
+
+// A framed place whose frame k is k's offset and length written out, from one
+// buffer it reuses (as the encoder does); it notes the order it was asked in.
+class CountingFrames final : public ModelPlace {
+ public:
+  std::unique_ptr<ModelWriter> writer(const Layout&, std::string) override { return nullptr; }
+  Status read(uint64_t, std::span<std::byte>) override { return Status::Ok(); }
+  bool framed() const override { return true; }
+  StatusOr<std::span<const std::byte>> frame(uint64_t offset, size_t length) override {
+    std::lock_guard lock(mu);
+    asked.emplace_back(offset, length);
+    cv.notify_all();
+    if (offset == fail_at) return data_loss("frame at {} failed", offset);
+    buffer = text_of(offset, length);
+    return std::span<const std::byte>(reinterpret_cast<const std::byte*>(buffer.data()), buffer.size());
+  }
+  static std::string text_of(uint64_t offset, size_t length) {
+    return "frame " + std::to_string(offset) + "+" + std::to_string(length);
+  }
+  // Waits until `n` frames have been asked for (false after 30 s).
+  bool wait_asked(size_t n) {
+    std::unique_lock lock(mu);
+    return cv.wait_for(lock, std::chrono::seconds(30), [&] { return asked.size() >= n; });
+  }
+  std::mutex mu;
+  std::condition_variable cv;
+  std::vector<std::pair<uint64_t, size_t>> asked;
+  std::string buffer;
+  uint64_t fail_at = UINT64_MAX;
+};
+
+std::string text(std::span<const std::byte> s) { return {reinterpret_cast<const char*>(s.data()), s.size()}; }
+
+TEST(PrefetchingPlace, CodesTheNextFrameAheadAndHandsEachOverIntact) {
+  auto inner = std::make_unique<CountingFrames>();
+  CountingFrames* frames = inner.get();
+  // 25 bytes in chunks of 10: frames at 0, 10 and 20 (the last 5 long).
+  PrefetchingPlace place(std::move(inner), 25);
+  auto f0 = place.frame(0, 10);
+  ASSERT_TRUE(f0.ok());
+  EXPECT_EQ(text(*f0), CountingFrames::text_of(0, 10));
+  // Frame 1 is coded before it is asked for, and frame 0 stays as it was.
+  ASSERT_TRUE(frames->wait_asked(2));
+  {
+    std::lock_guard lock(frames->mu);
+    EXPECT_EQ(frames->asked[1], std::make_pair(uint64_t{10}, size_t{10}));
+  }
+  EXPECT_EQ(text(*f0), CountingFrames::text_of(0, 10));
+  auto f1 = place.frame(10, 10);
+  ASSERT_TRUE(f1.ok());
+  EXPECT_EQ(text(*f1), CountingFrames::text_of(10, 10));
+  ASSERT_TRUE(frames->wait_asked(3));
+  {
+    std::lock_guard lock(frames->mu);
+    EXPECT_EQ(frames->asked[2], std::make_pair(uint64_t{20}, size_t{5}));  // the grid's short last chunk
+  }
+  auto f2 = place.frame(20, 5);
+  ASSERT_TRUE(f2.ok());
+  EXPECT_EQ(text(*f2), CountingFrames::text_of(20, 5));
+  // Nothing is coded past the end: each frame exactly once.
+  {
+    std::lock_guard lock(frames->mu);
+    EXPECT_EQ(frames->asked.size(), 3u);
+  }
+
+  // A request off the grid gets what the inner place gives for it.
+  auto again = std::make_unique<CountingFrames>();
+  CountingFrames* a = again.get();
+  PrefetchingPlace off_grid(std::move(again), 25);
+  ASSERT_TRUE(off_grid.frame(0, 10).ok());
+  auto restart = off_grid.frame(0, 10);
+  ASSERT_TRUE(restart.ok());
+  EXPECT_EQ(text(*restart), CountingFrames::text_of(0, 10));
+  // Asked in order: 0, 10 (ahead, dropped), then 0 again.
+  ASSERT_TRUE(a->wait_asked(3));
+  {
+    std::lock_guard lock(a->mu);
+    EXPECT_EQ(a->asked[2], std::make_pair(uint64_t{0}, size_t{10}));
+  }
+
+  // A frame that fails while coded ahead fails when it is asked for.
+  auto failing = std::make_unique<CountingFrames>();
+  failing->fail_at = 10;
+  PrefetchingPlace bad(std::move(failing), 25);
+  ASSERT_TRUE(bad.frame(0, 10).ok());
+  auto broken = bad.frame(10, 10);
+  ASSERT_FALSE(broken.ok());
+  EXPECT_NE(broken.status().message().find("frame at 10 failed"), std::string::npos);
 }
 
 // --- the broadcast as its change ---------------------------------------------

@@ -388,6 +388,8 @@ TEST(LiveEndpoint, RunServesMetricsHealthAndRefusesBadRequests) {
   EXPECT_NE(testing::read_file(run + "/http_address"), "");
 }
 
+std::map<int, std::pair<uint64_t, uint64_t>> client_bytes(const std::string& live_state);
+
 // Two DummyTrainer clients of a 4 MB synthetic model, many short rounds.
 const std::string kSyntheticTwoClients =
     " --set server_configs.num_clients=2 --set server_configs.num_global_epochs=400"
@@ -448,6 +450,15 @@ TEST(LiveEndpoint, MpiRankZeroServesMetricsWithItsRanksConnected) {
   }
   EXPECT_GT(r2, r1) << bg.log();
   EXPECT_EQ(bg.wait(), 0) << bg.log();
+  // Rank 0 froze its page; each client's bytes are its own: uncompressed,
+  // the 4 MB model down and its 4 MB update up every round.
+  const auto bytes = client_bytes(run + "/rank_0/live_state.json");
+  const uint64_t rounds = read_csv(run + "/rank_0/metrics.csv").size() - 1;
+  ASSERT_EQ(bytes.size(), 2u);
+  for (const auto& [client, b] : bytes) {
+    EXPECT_EQ(b.first, rounds * 4'000'000) << "client " << client;
+    EXPECT_EQ(b.second, rounds * 4'000'000) << "client " << client;
+  }
 }
 #endif
 

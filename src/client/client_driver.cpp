@@ -5,6 +5,7 @@
 
 #include <spdlog/spdlog.h>
 
+#include "client/prefetching_place.h"
 #include "compress/update_encoder.h"
 #include "secagg/masking_place.h"
 
@@ -57,7 +58,8 @@ StatusOr<std::unique_ptr<ModelPlace>> ClientDriver::upload_place(const TripUpdat
   }
   auto framed = std::make_unique<EncodingPlace>(std::move(raw), layout, compression_);
   MEMFL_RETURN_IF_ERROR(framed->begin(base, residual));
-  return std::unique_ptr<ModelPlace>(std::move(framed));
+  // The next frame is coded while the transport sends this one.
+  return std::unique_ptr<ModelPlace>(std::make_unique<PrefetchingPlace>(std::move(framed), layout.total_bytes()));
 }
 
 ShardedModelIo* ClientDriver::receive_shards(LocalModel& model) {

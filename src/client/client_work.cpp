@@ -204,12 +204,13 @@ Status dummy_update(const ExperimentConfig& cfg, const Layout& layout, Arena& ar
     x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
     return x ^ (x >> 31);
   };
-  auto gaussian = [&](uint64_t stream, size_t i) {
-    const uint64_t r = splitmix(stream ^ splitmix(i / 2));
+  // One Box–Muller pair gives elements 2k and 2k + 1 (cos, then sin).
+  auto gaussian_pair = [&](uint64_t stream, size_t pair) {
+    const uint64_t r = splitmix(stream ^ splitmix(pair));
     const double u1 = (static_cast<double>(r >> 11) + 1.0) * 0x1.0p-53;
     const double u2 = static_cast<double>(splitmix(r) >> 11) * 0x1.0p-53;
     const double radius = std::sqrt(-2.0 * std::log(u1)), angle = 2.0 * M_PI * u2;
-    return i % 2 == 0 ? radius * std::cos(angle) : radius * std::sin(angle);
+    return std::pair{radius * std::cos(angle), radius * std::sin(angle)};
   };
   for (size_t t = 0; t < layout.size(); ++t) {
     const auto& e = layout.entries()[t];
@@ -217,37 +218,55 @@ Status dummy_update(const ExperimentConfig& cfg, const Layout& layout, Arena& ar
     std::byte* base = arena.data() + e.offset;
     const size_t n = e.numel();
     const uint64_t stream = splitmix((static_cast<uint64_t>(round) << 40) ^ (static_cast<uint64_t>(client) << 20) ^ t);
-    for (size_t i = 0; i < n; ++i) {
+    std::pair<double, double> pair{0, 0};
+    // Element i's change: the pattern, plus noise (a value of the file picked
+    // by the counter — multiply-high maps it onto the file without a divide —
+    // or the Gaussian pair's half).
+    auto change = [&](size_t i) {
       float d = static_cast<float>(s * (client + 1) * (1 + (i + static_cast<size_t>(round)) % 5));
       if (sigma > 0) {
-        const double z = values.empty() ? gaussian(stream, i) : values[splitmix(stream ^ splitmix(i)) % values.size()];
+        double z;
+        if (!values.empty()) {
+          __extension__ using U128 = unsigned __int128;
+          const U128 pick = static_cast<U128>(splitmix(stream ^ splitmix(i))) * values.size();
+          z = values[static_cast<size_t>(pick >> 64)];
+        } else {
+          if (i % 2 == 0) pair = gaussian_pair(stream, i / 2);
+          z = i % 2 == 0 ? pair.first : pair.second;
+        }
         d += static_cast<float>(sigma * z);
       }
-      switch (e.dtype) {
-        case DType::kF32: {
+      return d;
+    };
+    // Elements in order (the Gaussian pair is made at its even element), the
+    // dtype chosen once per tensor.
+    switch (e.dtype) {
+      case DType::kF32:
+        for (size_t i = 0; i < n; ++i) {
           float v;
           std::memcpy(&v, base + 4 * i, 4);
-          v += d;
+          v += change(i);
           std::memcpy(base + 4 * i, &v, 4);
-          break;
         }
-        case DType::kBF16: {
+        break;
+      case DType::kBF16:
+        for (size_t i = 0; i < n; ++i) {
           uint16_t v;
           std::memcpy(&v, base + 2 * i, 2);
-          v = f32_to_bf16(bf16_to_f32(v) + d);
+          v = f32_to_bf16(bf16_to_f32(v) + change(i));
           std::memcpy(base + 2 * i, &v, 2);
-          break;
         }
-        case DType::kF16: {
+        break;
+      case DType::kF16:
+        for (size_t i = 0; i < n; ++i) {
           uint16_t v;
           std::memcpy(&v, base + 2 * i, 2);
-          v = f32_to_f16(f16_to_f32(v) + d);
+          v = f32_to_f16(f16_to_f32(v) + change(i));
           std::memcpy(base + 2 * i, &v, 2);
-          break;
         }
-        default:
-          break;
-      }
+        break;
+      default:
+        break;
     }
   }
   return Status::Ok();

@@ -2,9 +2,11 @@
 
 #include <algorithm>
 #include <cstring>
+#include <thread>
 
 #include <spdlog/spdlog.h>
 
+#include "comm/chunk.h"
 #include "comm/client_transport.h"
 
 namespace memfl {
@@ -40,23 +42,53 @@ Status BroadcastDelta::prepare(int round, Arena& global) {
   // The frames of the last prepare() are about to be overwritten.
   from_round_ = to_round_ = -1;
   ArenaPlace model(global);
-  UpdateEncoder encoder(layout_, settings_);
-  encoder.set_base_done([this](uint64_t offset, size_t length) { reference_.release_pages(offset, length); });
-  MEMFL_RETURN_IF_ERROR(encoder.begin(model, &reference_, nullptr));
-  frame_at_.assign(1, 0);
-  for (uint64_t off = 0; off < total; off += chunk_) {
-    const size_t len = static_cast<size_t>(std::min<uint64_t>(chunk_, total - off));
-    MEMFL_ASSIGN_OR_RETURN(std::span<const std::byte> frame, encoder.encode(off, len));
-    MEMFL_RETURN_IF_ERROR(frames_.write(frame_at_.back(), frame));
-    frame_at_.push_back(frame_at_.back() + frame.size());
-    // Every side now holds the rebuilt bytes: the server's model, the
-    // reference for the next round, and each client that decodes the frame.
-    const std::span<const std::byte> rebuilt = encoder.rebuilt();
-    std::memcpy(global.data() + off, rebuilt.data(), len);
-    std::memcpy(reference_.data() + off, rebuilt.data(), len);
-    reference_.release_pages(off, len);
+  auto release = [this](uint64_t offset, size_t length) { reference_.release_pages(offset, length); };
+  // The first coder works out each tensor's tolerance (REL reads the whole
+  // change once); the others take them from it.
+  std::vector<UpdateEncoder> coders;
+  coders.reserve(4);
+  coders.emplace_back(layout_, settings_);
+  coders[0].set_base_done(release);
+  MEMFL_RETURN_IF_ERROR(coders[0].begin(model, &reference_, nullptr));
+  const uint64_t chunks = (total + chunk_ - 1) / chunk_;
+  const uint64_t parts = std::min<uint64_t>({4, chunks, std::max<uint64_t>(1, std::thread::hardware_concurrency())});
+  for (uint64_t p = 1; p < parts; ++p) {
+    coders.emplace_back(layout_, settings_);
+    coders[p].set_base_done(release);
+    MEMFL_RETURN_IF_ERROR(coders[p].begin(model, &reference_, nullptr, coders[0].tolerances()));
   }
-  stats_ = encoder.stats();
+  frame_size_.assign(chunks, 0);
+  const uint64_t slot = chunk_ + kMaxFrameOverhead;
+  // Part p codes chunks [p·chunks/parts, (p+1)·chunks/parts): disjoint
+  // ranges of the model, the reference and the file.
+  auto code = [&](uint64_t p) -> Status {
+    for (uint64_t i = p * chunks / parts; i < (p + 1) * chunks / parts; ++i) {
+      const uint64_t off = i * chunk_;
+      const size_t len = static_cast<size_t>(std::min<uint64_t>(chunk_, total - off));
+      MEMFL_ASSIGN_OR_RETURN(std::span<const std::byte> frame, coders[p].encode(off, len));
+      MEMFL_RETURN_IF_ERROR(frames_.write(i * slot, frame));
+      frame_size_[i] = frame.size();
+      // Every side now holds the rebuilt bytes: the server's model, the
+      // reference for the next round, and each client that decodes the frame.
+      const std::span<const std::byte> rebuilt = coders[p].rebuilt();
+      std::memcpy(global.data() + off, rebuilt.data(), len);
+      std::memcpy(reference_.data() + off, rebuilt.data(), len);
+      reference_.release_pages(off, len);
+    }
+    return Status::Ok();
+  };
+  std::vector<Status> done(parts);
+  std::vector<std::thread> threads;
+  for (uint64_t p = 1; p < parts; ++p) threads.emplace_back([&, p] { done[p] = code(p); });
+  done[0] = code(0);
+  for (auto& t : threads) t.join();
+  for (const Status& st : done) MEMFL_RETURN_IF_ERROR(st);
+  stats_ = {};
+  for (const auto& c : coders) {
+    stats_.raw_bytes += c.stats().raw_bytes;
+    stats_.frame_bytes += c.stats().frame_bytes;
+    stats_.lossy_elements += c.stats().lossy_elements;
+  }
   from_round_ = reference_round_;
   to_round_ = round;
   reference_round_ = round;
@@ -67,12 +99,11 @@ Status BroadcastDelta::prepare(int round, Arena& global) {
 
 StatusOr<std::span<const std::byte>> BroadcastDelta::frame(uint64_t offset, std::vector<std::byte>* buffer) const {
   const uint64_t i = offset / chunk_;
-  if (offset % chunk_ != 0 || i + 1 >= frame_at_.size() || to_round_ < 0) {
+  if (offset % chunk_ != 0 || i >= frame_size_.size() || to_round_ < 0) {
     return internal_error("broadcast: no frame for the chunk at model offset {}", offset);
   }
-  const uint64_t at = frame_at_[i];
-  buffer->resize(frame_at_[i + 1] - at);
-  MEMFL_RETURN_IF_ERROR(frames_.read(at, *buffer));
+  buffer->resize(frame_size_[i]);
+  MEMFL_RETURN_IF_ERROR(frames_.read(i * (chunk_ + kMaxFrameOverhead), *buffer));
   return std::span<const std::byte>(*buffer);
 }
 

@@ -17,7 +17,9 @@
 //
 // R itself lives in an unnamed file-backed arena whose pages are dropped as
 // soon as each range has been read or written: during prepare() the server
-// holds the model plus a few chunk-sized buffers, as without compression.
+// holds the model plus a few chunk-sized buffers per coding thread, as
+// without compression. The chunks are split between up to 4 threads (one a
+// core): the clients wait for this, so it uses the cores they leave idle.
 //
 //   BroadcastDelta delta(layout, settings, run_dir, chunk_bytes);
 //   transport.set_broadcast_frames(&delta);
@@ -66,8 +68,11 @@ class BroadcastDelta final : public BroadcastFrames {
   size_t chunk_;
   Arena reference_;  // R: the model clients hold (file-backed, unnamed)
   int reference_round_ = -1;
-  SpoolFile frames_{"broadcast frames"};  // the frames, back to back
-  std::vector<uint64_t> frame_at_;        // each chunk's frame: offset in the file, and one past the last
+  // The frames: chunk i's at i × (chunk + kMaxFrameOverhead), the most a
+  // frame can take, so threads coding different chunks write without
+  // waiting for each other (the file is sparse: only frames take blocks).
+  SpoolFile frames_{"broadcast frames"};
+  std::vector<uint64_t> frame_size_;  // each chunk's frame's bytes
   int from_round_ = -1, to_round_ = -1;
   EncodedStats stats_;
 };

@@ -178,7 +178,35 @@ Status quantizer_encode(std::span<const float> values, double tolerance, std::ve
   std::vector<float> exact;
   int32_t largest = 0;
   float previous = 0;
-  for (size_t i = 0; i < n; ++i) {
+  if (predictor == kPredictNone) {
+    // Each element on its own: a loop without a carried value or a divide,
+    // which the compiler vectorises. The code is the nearest integer to
+    // v / bin — rounded by adding and taking away 1.5 × 2^52 (exact below
+    // 2^51, and |steps| < kMaxCode here) — and the decoded value is what the
+    // decoder computes from it; the bound is checked on that, so a code one
+    // off in a tie can only cost an exact value, never the bound.
+    const double inverse = 1.0 / bin, magic = 0x1.8p52;
+    int32_t* out_codes = codes.data();
+    for (size_t i = 0; i < n; ++i) {
+      const float v = values[i];
+      const double steps = static_cast<double>(v) * inverse;
+      const bool in_range = std::fabs(steps) < kMaxCode;  // false for NaN and infinities too
+      const double rounded = in_range ? (steps + magic) - magic : 0.0;
+      const int32_t q = static_cast<int32_t>(rounded);
+      const float r = dequantize(0.0f, q, bin);
+      const bool ok = in_range && within(v, r, tolerance);
+      out_codes[i] = ok ? q : INT32_MIN;
+      decoded[i] = ok ? r : v;
+    }
+    for (size_t i = 0; i < n; ++i) {
+      if (out_codes[i] == INT32_MIN) {
+        exact.push_back(values[i]);
+      } else {
+        largest = std::max(largest, std::abs(out_codes[i]));
+      }
+    }
+  }
+  for (size_t i = 0; predictor == kPredictPrevious && i < n; ++i) {
     const float v = values[i];
     const float p = predictor == kPredictPrevious ? previous : 0.0f;
     const double steps = (static_cast<double>(v) - static_cast<double>(p)) / bin;

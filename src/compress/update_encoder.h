@@ -47,8 +47,13 @@ class UpdateEncoder {
   // tensor goes lossy). `residual`: error feedback's, in the model's layout
   // (null: off). Lossy tensors need `model` to have an arena.
   Status begin(ModelPlace& model, const Arena* base, Arena* residual);
+  // The same, with each tensor's tolerance already worked out by another
+  // encoder of the same update (tolerances()): coders that split one update's
+  // chunks between threads read REL's ranges once.
+  Status begin(ModelPlace& model, const Arena* base, Arena* residual, std::span<const double> tolerances);
   // The frame for model bytes [offset, offset + length): chunks in order,
-  // each once. Valid until the next call.
+  // each once (an encoder may start at any chunk of the grid when its model
+  // has an arena). Valid until the next call.
   StatusOr<std::span<const std::byte>> encode(uint64_t offset, size_t length);
   const EncodedStats& stats() const { return stats_; }
   // The bytes the receiver rebuilds from the last frame (their checksum is
