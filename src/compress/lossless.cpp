@@ -4,6 +4,7 @@
 
 #include <climits>
 #include <cstring>
+#include <memory>
 
 #if defined(MEMFL_HAVE_ZSTD)
 #include <zstd.h>
@@ -151,7 +152,11 @@ Status lossless_compress(Lossless codec, std::span<const std::byte> in, std::vec
     case Lossless::kZstd: {
 #if defined(MEMFL_HAVE_ZSTD)
       out.resize(ZSTD_compressBound(in.size()));
-      const size_t n = ZSTD_compress(out.data(), out.size(), in.data(), in.size(), kZstdLevel);
+      // One context per thread, kept: ZSTD_compress makes and zeroes a fresh
+      // one (about a megabyte, fresh pages) for every frame.
+      thread_local std::unique_ptr<ZSTD_CCtx, size_t (*)(ZSTD_CCtx*)> context(ZSTD_createCCtx(), ZSTD_freeCCtx);
+      if (context == nullptr) return resource_exhausted("zstd: no memory for a compression context");
+      const size_t n = ZSTD_compressCCtx(context.get(), out.data(), out.size(), in.data(), in.size(), kZstdLevel);
       if (ZSTD_isError(n)) return internal_error("zstd: {}", ZSTD_getErrorName(n));
       out.resize(n);
       return Status::Ok();
@@ -215,7 +220,9 @@ Status lossless_decompress(Lossless codec, std::span<const std::byte> in, std::s
                                                           : std::to_string(said),
                          out.size());
       }
-      const size_t n = ZSTD_decompress(out.data(), out.size(), in.data(), in.size());
+      thread_local std::unique_ptr<ZSTD_DCtx, size_t (*)(ZSTD_DCtx*)> context(ZSTD_createDCtx(), ZSTD_freeDCtx);
+      if (context == nullptr) return resource_exhausted("zstd: no memory for a decompression context");
+      const size_t n = ZSTD_decompressDCtx(context.get(), out.data(), out.size(), in.data(), in.size());
       if (ZSTD_isError(n) || n != out.size()) {
         return data_loss("zstd: {}", ZSTD_isError(n) ? ZSTD_getErrorName(n) : "short stream");
       }
