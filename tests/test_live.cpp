@@ -562,6 +562,27 @@ std::map<int, std::pair<uint64_t, uint64_t>> client_bytes(const std::string& liv
   return out;
 }
 
+// A role's frozen clients table (DIR/live_state.json) against its
+// metrics.csv: `clients` rows whose bytes add up to the rounds' totals, the
+// uploads compressed, and no two clients shown the same upload bytes (a
+// round's mean would show them all alike).
+void expect_each_clients_own_bytes(const std::string& dir, size_t clients) {
+  const auto bytes = client_bytes(dir + "/live_state.json");
+  ASSERT_EQ(bytes.size(), clients);
+  uint64_t down = 0, up = 0;
+  std::set<uint64_t> ups;
+  for (const auto& [client, b] : bytes) {
+    down += b.first;
+    up += b.second;
+    ups.insert(b.second);
+    EXPECT_GT(b.second, 0u) << "client " << client;
+  }
+  EXPECT_EQ(down, column_sum(dir + "/metrics.csv", "bytes_down"));
+  EXPECT_EQ(up, column_sum(dir + "/metrics.csv", "bytes_up"));
+  EXPECT_LT(up, column_sum(dir + "/metrics.csv", "bytes_up_raw"));  // compressed
+  EXPECT_EQ(ups.size(), clients) << "clients shown the same bytes up: a mean, not each one's own";
+}
+
 // Lossy compression of Fashion-MNIST updates: each client's data differ
 // (Dirichlet partitions), so its update codes to its own size.
 const std::string kCompressedUpdates =
@@ -585,20 +606,7 @@ TEST(LiveEndpoint, FrozenPageAndReportShowEachClientsOwnBytes) {
       " --set client_configs.train_configs.num_threads=1 --http 127.0.0.1:0 --out " +
       run + kCompressedUpdates);
   ASSERT_EQ(r.exit_code, 0) << r.output;
-  const auto bytes = client_bytes(run + "/live_state.json");
-  ASSERT_EQ(bytes.size(), 3u);
-  uint64_t down = 0, up = 0;
-  std::set<uint64_t> ups;
-  for (const auto& [client, b] : bytes) {
-    down += b.first;
-    up += b.second;
-    ups.insert(b.second);
-    EXPECT_GT(b.second, 0u) << "client " << client;
-  }
-  EXPECT_EQ(down, column_sum(run + "/metrics.csv", "bytes_down"));
-  EXPECT_EQ(up, column_sum(run + "/metrics.csv", "bytes_up"));
-  EXPECT_LT(up, column_sum(run + "/metrics.csv", "bytes_up_raw"));  // compressed
-  EXPECT_EQ(ups.size(), 3u) << "every client shown the same bytes up: a mean, not its own";
+  expect_each_clients_own_bytes(run, 3);
 
   // The frozen page: the live page's script, drawing the last state once.
   const std::string dom = rendered("file://" + run + "/live.html", tmp.file("chrome"));
@@ -619,9 +627,8 @@ TEST(LiveEndpoint, FrozenPageAndReportShowEachClientsOwnBytes) {
   EXPECT_NE(rep.find("href=\"../live.html\""), std::string::npos);
 }
 
-// A launched server counts each client's frames: the change sent to a
-// client that holds the last round's model is smaller than the model, and
-// every client's own count adds up to the server's round totals.
+// A launched server counts each client's own frames (its gRPC session's
+// bytes), and they add up to the server's round totals.
 TEST(LiveEndpoint, LaunchedServerShowsEachClientsOwnBytes) {
   testing::TempDir tmp;
   const std::string run = tmp.file("launch");
@@ -632,18 +639,7 @@ TEST(LiveEndpoint, LaunchedServerShowsEachClientsOwnBytes) {
       " --set client_configs.train_configs.num_threads=1 --http 127.0.0.1:0 --out " +
       run + kCompressedUpdates);
   ASSERT_EQ(r.exit_code, 0) << r.output;
-  const auto bytes = client_bytes(run + "/server/live_state.json");
-  ASSERT_EQ(bytes.size(), 3u);
-  uint64_t down = 0, up = 0;
-  std::set<uint64_t> ups;
-  for (const auto& [client, b] : bytes) {
-    down += b.first;
-    up += b.second;
-    ups.insert(b.second);
-  }
-  EXPECT_EQ(down, column_sum(run + "/server/metrics.csv", "bytes_down"));
-  EXPECT_EQ(up, column_sum(run + "/server/metrics.csv", "bytes_up"));
-  EXPECT_EQ(ups.size(), 3u) << "every client shown the same bytes up: a mean, not its own";
+  expect_each_clients_own_bytes(run + "/server", 3);
   EXPECT_TRUE(std::filesystem::exists(run + "/server/live.html"));
 }
 

@@ -72,10 +72,7 @@ void UpdateEncoder::deltas(size_t e, size_t k0, size_t k1, float* out) const {
   }
 }
 
-Status UpdateEncoder::begin(ModelPlace& model, const Arena* base, Arena* residual, std::span<const double> tolerances) {
-  if (tolerances.size() != tolerance_.size()) {
-    return internal_error("UpdateEncoder::begin: {} tolerances for {} tensors", tolerances.size(), tolerance_.size());
-  }
+Status UpdateEncoder::attach(ModelPlace& model, const Arena* base, Arena* residual) {
   model_ = &model;
   y_ = model.arena() != nullptr ? model.arena()->data() : nullptr;
   x_ = base != nullptr ? base->data() : nullptr;
@@ -85,20 +82,20 @@ Status UpdateEncoder::begin(ModelPlace& model, const Arena* base, Arena* residua
   if (any_lossy && y_ == nullptr) {
     return failed_precondition("lossy compression reads the update from an arena; this one has none");
   }
+  return Status::Ok();
+}
+
+Status UpdateEncoder::begin(ModelPlace& model, const Arena* base, Arena* residual, std::span<const double> tolerances) {
+  if (tolerances.size() != tolerance_.size()) {
+    return internal_error("UpdateEncoder::begin: {} tolerances for {} tensors", tolerances.size(), tolerance_.size());
+  }
+  MEMFL_RETURN_IF_ERROR(attach(model, base, residual));
   std::copy(tolerances.begin(), tolerances.end(), tolerance_.begin());
   return Status::Ok();
 }
 
 Status UpdateEncoder::begin(ModelPlace& model, const Arena* base, Arena* residual) {
-  model_ = &model;
-  y_ = model.arena() != nullptr ? model.arena()->data() : nullptr;
-  x_ = base != nullptr ? base->data() : nullptr;
-  r_ = s_.error_feedback && residual != nullptr ? residual->data() : nullptr;
-  stats_ = {};
-  const bool any_lossy = std::any_of(lossy_.begin(), lossy_.end(), [](bool b) { return b; });
-  if (any_lossy && y_ == nullptr) {
-    return failed_precondition("lossy compression reads the update from an arena; this one has none");
-  }
+  MEMFL_RETURN_IF_ERROR(attach(model, base, residual));
   // Each lossy tensor's tolerance for this update: REL needs its whole
   // range, which no chunk alone has.
   std::vector<float> block(64 * 1024);

@@ -71,6 +71,8 @@ class UpdateEncoder {
   // The bytes the server should end up with for [from, to): the model's,
   // or with error feedback, for lossy tensors, dtype(base + d).
   void write_target(uint64_t from, uint64_t to, std::byte* out);
+  // The update's places (both begin()s).
+  Status attach(ModelPlace& model, const Arena* base, Arena* residual);
   // d for elements [k0, k1) of entry `e` into `out`.
   void deltas(size_t e, size_t k0, size_t k1, float* out) const;
   const std::byte* model_at(uint64_t offset) const;
