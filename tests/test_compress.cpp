@@ -408,6 +408,7 @@ TEST_P(FrameChunks, LossyTensorsStayWithinTheirBoundAndTheRestComesBackExact) {
   }
 }
 
+#ifdef MEMFL_TEST_TORCH
 // A real update: the Fashion-MNIST CNN's change after one client's local
 // epoch (round 2's checkpoint − round 1's, FedAvg over that one client), coded
 // with each lossy codec at ABS and REL bounds in chunks whose edges fall
@@ -446,6 +447,7 @@ TEST(RealUpdate, EveryElementOfATrainedChangeStaysWithinItsBound) {
     }
   }
 }
+#endif  // MEMFL_TEST_TORCH: it trains, with the libtorch plugin
 
 TEST_P(FrameChunks, LosslessOnlyRebuildsTheModelBitForBit) {
   const Layout layout = model_layout();
