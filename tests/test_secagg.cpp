@@ -443,9 +443,12 @@ TEST(SecAgg, SingleMaskedUploadLooksUniform) {
     for (double b : bins) c += (b - e) * (b - e) / e;
     return c;
   };
-  // 255 degrees of freedom: the 99.99th percentile is ≈ 330.
-  EXPECT_LT(chi2(masked, 24), 330) << "top byte";
-  EXPECT_LT(chi2(masked, 0), 330) << "low byte";
+  // 255 degrees of freedom (Wilson–Hilferty): 330 is only the 99.9th
+  // percentile, so with fresh random keys about one run in 500 went over
+  // it; 400 is the 1 − 2·10⁻⁸ one, and the unmasked words below still give
+  // over 25 × that.
+  EXPECT_LT(chi2(masked, 24), 400) << "top byte";
+  EXPECT_LT(chi2(masked, 0), 400) << "low byte";
   std::vector<uint32_t> plain(elements);
   for (size_t i = 0; i < elements; ++i) plain[i] = static_cast<uint32_t>((0.05 + 8) * SecAggSettings{}.scale());
   EXPECT_GT(chi2(plain, 24), 10000);
