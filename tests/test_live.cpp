@@ -599,12 +599,7 @@ const std::string kCompressedUpdates =
 TEST(LiveEndpoint, FrozenPageAndReportShowEachClientsOwnBytes) {
   testing::TempDir tmp;
   const std::string run = tmp.file("run");
-  const Result r = memfl_cli(
-      "run -q --set server_configs.num_clients=3 --set server_configs.num_global_epochs=2"
-      " --set client_configs.data_configs.dataset_kwargs.max_train_samples=600"
-      " --set client_configs.data_configs.dataset_kwargs.max_test_samples=200"
-      " --set client_configs.train_configs.num_threads=1 --http 127.0.0.1:0 --out " +
-      run + kCompressedUpdates);
+  const Result r = memfl_cli(live_run_args(2) + " --out " + run + kCompressedUpdates);
   ASSERT_EQ(r.exit_code, 0) << r.output;
   expect_each_clients_own_bytes(run, 3);
 
