@@ -132,6 +132,36 @@ TEST(SecAggCrypto, MaskStreamRegeneratesAtAnyOffset) {
   EXPECT_TRUE(std::all_of(v.begin(), v.end(), [](uint32_t w) { return w == 7u; }));
 }
 
+// The mask is libsodium's XChaCha20 keystream of the seed under the round's
+// nonce, whichever library makes the blocks: checked word for word against
+// crypto_stream_xchacha20_xor_ic itself, at offsets that start mid-block and
+// one that crosses the block counter's low 32 bits (element 2^36, a 256 GiB
+// f32 model's, where a 32-bit counter would wrap).
+TEST(SecAggCrypto, MaskStreamIsLibsodiumsXChaCha20Keystream) {
+  const Secret32 seed = random_secret();
+  const int round = 7;
+  std::array<unsigned char, 24> nonce{};
+  const char tag[] = "memfl-secagg-mask";  // the nonce crypto.cpp documents
+  std::memcpy(nonce.data(), tag, sizeof tag - 1);
+  const uint32_t r = round;
+  std::memcpy(nonce.data() + 20, &r, 4);
+  MaskStream m(seed, round);
+  const uint64_t wrap = uint64_t{1} << 36;  // block 2^32
+  for (auto [off, len] : {std::pair<uint64_t, size_t>{0, 5000}, {3, 9000}, {wrap - 16 * 3 - 5, 200}, {wrap + 1, 64}}) {
+    std::vector<uint32_t> got(len);
+    m.generate(off, got);
+    // libsodium's stream from the block holding `off`, over zeros.
+    const uint64_t block = off / 16, skip = off % 16;
+    std::vector<unsigned char> zeros((skip + len + 15) / 16 * 64), ks(zeros.size());
+    crypto_stream_xchacha20_xor_ic(ks.data(), zeros.data(), ks.size(), nonce.data(), block, seed.data());
+    for (size_t i = 0; i < len; ++i) {
+      uint32_t want = 0;
+      std::memcpy(&want, ks.data() + (skip + i) * 4, 4);
+      ASSERT_EQ(got[i], want) << "element " << off + i;
+    }
+  }
+}
+
 TEST(SecAggSettings, ResolvesFlowerProportionsAndRefusesWrap) {
   SecAggParams p;
   p.num_shares = 0.5;
@@ -310,6 +340,37 @@ TEST(SecAgg, UnmaskedMeanMatchesWeightedFedAvgWithinQuantisationBound) {
   // Stochastic rounding is unbiased: the errors should sit well inside the
   // worst case, not at it.
   EXPECT_LT(worst, 0.9);
+}
+
+// Stochastic rounding, unbiased: with c = 8 and q = 2^20 + 1 (scale 2^16) a
+// value of f·2^-16 sits a fraction f of a step above a grid point. Over many
+// elements the unmasked mean must average to the value itself: rounding to
+// the nearest step would give 0 for f = 1/4 and a whole step for f = 3/4,
+// rounding down 0 for both.
+TEST(SecAgg, StochasticRoundingIsUnbiasedAtQuarterAndThreeQuarterSteps) {
+  SecAggParams p;
+  p.clipping_range = 8;
+  p.quantization_range = (uint64_t{1} << 20) + 1;
+  p.max_weight = 1;
+  const size_t half = 100000, elements = 2 * half;
+  Round r({2, 9}, p, elements);
+  r.share();
+  const double step = 0x1.0p-16;
+  std::vector<float> x(elements);
+  for (size_t k = 0; k < elements; ++k) x[k] = static_cast<float>((k < half ? 0.25 : 0.75) * step);
+  for (int id : r.ids) r.upload(id, x, 1.0, 4099);
+  auto mean = r.unmask(5000);
+  ASSERT_TRUE(mean.ok()) << mean.status().message();
+  for (int part = 0; part < 2; ++part) {
+    double avg = 0;
+    for (size_t k = part * half; k < (part + 1) * half; ++k) avg += (*mean)[k];
+    avg /= half;
+    const double f = part == 0 ? 0.25 : 0.75;
+    // Each client's element is a Bernoulli(f) step; the mean of 2 clients
+    // over `half` elements has σ = step·√(f(1 − f) / (2·half)). 6σ.
+    const double sigma = step * std::sqrt(f * (1 - f) / (2.0 * half));
+    EXPECT_NEAR(avg, f * step, 6 * sigma) << "fraction " << f;
+  }
 }
 
 TEST(SecAgg, SecAggPlusRecoversClientsDroppedAfterSharingKeys) {

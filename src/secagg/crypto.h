@@ -1,8 +1,8 @@
-// Secure aggregation's cryptography, all of it libsodium's: X25519 key
-// pairs and agreement (crypto_scalarmult, the shared point hashed with both
-// public keys by BLAKE2b), XChaCha20-Poly1305 for the shares a client sends
-// its neighbours through the server, and the XChaCha20 keystream that
-// expands a 32-byte seed into a mask — at any element offset, because the
+// Secure aggregation's cryptography, libsodium's: X25519 key pairs and
+// agreement (crypto_scalarmult, the shared point hashed with both public keys
+// by BLAKE2b), XChaCha20-Poly1305 for the shares a client sends its
+// neighbours through the server, and the XChaCha20 keystream that expands a
+// 32-byte seed into a mask (its ChaCha20 blocks from OpenSSL where found) — at any element offset, because the
 // stream cipher's 64-bit block counter lets a mask be regenerated from the
 // middle, chunk by chunk, without the elements before it.
 //
@@ -53,9 +53,14 @@ inline constexpr size_t kSealOverhead = 24 + 16;  // nonce + tag
 
 // A mask: the XChaCha20 keystream of `seed` (nonce from the round) read as
 // little-endian 32-bit words; word i is the mask of the update's element i.
+// Where OpenSSL is found the blocks come from its ChaCha20 (the same stream,
+// faster); libsodium's otherwise.
 class MaskStream {
  public:
   MaskStream(const Secret32& seed, int round);
+  ~MaskStream();
+  MaskStream(const MaskStream&) = default;
+  MaskStream& operator=(const MaskStream&) = default;
   // Words [element_offset, element_offset + out.size()) of the mask.
   void generate(uint64_t element_offset, std::span<uint32_t> out) const;
   // out[i] += sign · mask[element_offset + i] (mod 2^32), sign = ±1.
@@ -64,6 +69,7 @@ class MaskStream {
  private:
   Secret32 seed_;
   std::array<uint8_t, 24> nonce_{};
+  Secret32 subkey_{};  // HChaCha20(seed, nonce[0..16))
 };
 
 }  // namespace memfl
