@@ -11,6 +11,7 @@
 #pragma once
 
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -51,6 +52,13 @@ class Aggregator : public UpdateOpener {
   // arena (a file-backed server folds each round into the next checkpoint's
   // file). Only between rounds.
   virtual Status retarget(Arena& in_place) = 0;
+  // Model-sized bytes of its running state, laid out as the model, that
+  // nothing reads during a round until the round's first update writes them
+  // (FedAvg's own sum, not the global model's): secure aggregation sums its
+  // masked words there until it hands over the one update, the mean, so the
+  // server holds no second model. Empty where the state is laid out
+  // otherwise or sits in the global model (see sums_in_place()).
+  virtual std::span<std::byte> idle_state_bytes() { return {}; }
   // Where updates that arrive before their turn are spooled.
   virtual void set_spool_dir(std::string dir) = 0;
   // State kept between rounds (server optimizers' moments), committed with

@@ -375,6 +375,15 @@ size_t FedAvgAggregator::sum_bytes(const Layout& layout) {
   return acc;
 }
 
+std::span<std::byte> FedAvgAggregator::idle_state_bytes() {
+  if (in_place_ != nullptr || accumulation_ != Accumulation::kSum || sum_.size() < layout_.total_bytes()) return {};
+  for (size_t i = 0; i < layout_.entries().size(); ++i) {
+    const LayoutEntry& e = layout_.entries()[i];
+    if (e.dtype != DType::kF32 || acc_offsets_[i] != e.offset) return {};
+  }
+  return std::span(sum_.data(), layout_.total_bytes());
+}
+
 FedAvgAggregator::FedAvgAggregator(const Layout& layout, ClientWeightsMode mode)
     : FedAvgAggregator(layout, mode, Arena(sum_bytes(layout), MemoryCategory::kAggregation)) {}
 

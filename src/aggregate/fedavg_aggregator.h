@@ -96,6 +96,9 @@ class FedAvgAggregator final : public Aggregator {
   // Whether a layout's running sum can share the model's bytes.
   static bool can_sum_in_place(const Layout& layout);
   bool sums_in_place() const override { return in_place_ != nullptr; }
+  // Its own sum, when that sum is a plain sum at the model's offsets (every
+  // entry f32): the round's first update writes it (write_sum), never reads.
+  std::span<std::byte> idle_state_bytes() override;
   std::string_view name() const override { return "FedAvgAggregator"; }
   // Where parked updates are spooled (default: the system's temp directory).
   void set_spool_dir(std::string dir) override { spool_dir_ = std::move(dir); }

@@ -63,6 +63,9 @@ class ServerOptAggregator final : public Aggregator {
   size_t working_bytes() const override { return inner_->working_bytes(); }
   bool sums_in_place() const override { return inner_->sums_in_place(); }
   Status retarget(Arena& in_place) override { return inner_->retarget(in_place); }
+  // The mean the inner aggregator writes is this one's input; its moments
+  // (m_, v_) are kept apart.
+  std::span<std::byte> idle_state_bytes() override { return inner_->idle_state_bytes(); }
   void set_spool_dir(std::string dir) override { inner_->set_spool_dir(std::move(dir)); }
   Status save_state(const std::string& state_dir, int round, std::string* record) override;
   Status load_state(const std::string& state_dir, const std::string& record) override;

@@ -79,14 +79,20 @@ StatusOr<std::span<const std::byte>> MaskingPlace::frame(uint64_t offset, size_t
         client_.client(), offset, length);
   }
   const size_t n = length / 4;
-  raw_.resize(length);
-  MEMFL_RETURN_IF_ERROR(source_->read(offset, raw_));
-  values_.resize(n);
-  std::memcpy(values_.data(), raw_.data(), length);
-  words_.resize(n + (last ? 1 : 0));
-  MEMFL_RETURN_IF_ERROR(client_.mask_chunk(offset / 4, values_, std::span(words_).first(n)));
+  // Buffers kept across frames and never zeroed (every element is read or
+  // written before use): zeroing a chunk per client cost more than its
+  // quantisation. Read straight into the f32s (the model's little-endian
+  // f32 bytes; whole elements, checked above).
+  const size_t words = n + (last ? 1 : 0);
+  if (words > capacity_) {
+    values_.reset(new float[words]);
+    words_.reset(new uint32_t[words]);
+    capacity_ = words;
+  }
+  MEMFL_RETURN_IF_ERROR(source_->read(offset, std::as_writable_bytes(std::span(values_.get(), n))));
+  MEMFL_RETURN_IF_ERROR(client_.mask_chunk(offset / 4, std::span(values_.get(), n), std::span(words_.get(), n)));
   if (last) words_[n] = client_.masked_weight();
-  return std::span<const std::byte>(reinterpret_cast<const std::byte*>(words_.data()), words_.size() * 4);
+  return std::span<const std::byte>(reinterpret_cast<const std::byte*>(words_.get()), words * 4);
 }
 
 }  // namespace memfl

@@ -139,14 +139,19 @@ void add_words(uint32_t* dst, const uint32_t* src, size_t n, int sign) {
 }
 
 #ifdef MEMFL_HAVE_OPENSSL_CHACHA
-// One cipher context per thread: the server unmasks on several threads at
-// once, and a context is cheap to re-key but not to allocate per chunk.
+// One cipher context per thread, its cipher set once: the server unmasks on
+// several threads at once, and a mask is re-keyed for every cache-sized
+// block, where setting the cipher again (a provider lookup under a lock
+// in OpenSSL 3) cost more than the block.
 EVP_CIPHER_CTX* thread_chacha() {
   struct Free {
     void operator()(EVP_CIPHER_CTX* c) const { EVP_CIPHER_CTX_free(c); }
   };
-  thread_local std::unique_ptr<EVP_CIPHER_CTX, Free> ctx(EVP_CIPHER_CTX_new());
-  if (!ctx) std::abort();
+  thread_local std::unique_ptr<EVP_CIPHER_CTX, Free> ctx = [] {
+    std::unique_ptr<EVP_CIPHER_CTX, Free> c(EVP_CIPHER_CTX_new());
+    if (!c || EVP_EncryptInit_ex(c.get(), EVP_chacha20(), nullptr, nullptr, nullptr) != 1) std::abort();
+    return c;
+  }();
   return ctx.get();
 }
 #endif
@@ -171,7 +176,7 @@ void MaskStream::apply(uint64_t element_offset, std::span<uint32_t> out, int sig
   unsigned char iv[16];
   for (int i = 0; i < 8; ++i) iv[i] = static_cast<unsigned char>(first_block >> (8 * i));
   std::memcpy(iv + 8, nonce_.data() + 16, 8);
-  if (EVP_EncryptInit_ex(ctx, EVP_chacha20(), nullptr, subkey_.data(), iv) != 1) std::abort();
+  if (EVP_EncryptInit_ex(ctx, nullptr, nullptr, subkey_.data(), iv) != 1) std::abort();
 #endif
   size_t done = 0;
 #ifndef MEMFL_HAVE_OPENSSL_CHACHA

@@ -41,9 +41,9 @@ class MaskingPlace final : public ModelPlace {
   std::unique_ptr<ModelPlace> source_;
   const Layout& layout_;
   SecAggClient& client_;
-  std::vector<std::byte> raw_;
-  std::vector<float> values_;
-  std::vector<uint32_t> words_;
+  std::unique_ptr<float[]> values_;
+  std::unique_ptr<uint32_t[]> words_;
+  size_t capacity_ = 0;  // elements of each
 };
 
 }  // namespace memfl

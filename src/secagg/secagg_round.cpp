@@ -29,17 +29,24 @@ class SecAggRound::Stream final : public UpdateStream {
       return data_loss("client_{}: masked chunk at byte {} of {} bytes does not fit a model of {} bytes", client_,
                        h.offset, bytes, total);
     }
-    if (chunk_checksum(payload) != h.checksum) {
-      return data_loss("client_{}: masked chunk at byte {}: checksum mismatch", client_, h.offset);
-    }
-    words_.resize(bytes / 4);
-    size_t at = 0;
-    for (auto piece : payload) {
-      std::memcpy(reinterpret_cast<std::byte*>(words_.data()) + at, piece.data(), piece.size());
-      at += piece.size();
+    // One aligned piece (a transport's whole message) is summed where it
+    // lies; otherwise the pieces are copied together, checksummed on the way.
+    std::span<const uint32_t> words;
+    const std::byte* one = payload.size() == 1 ? payload[0].data() : nullptr;
+    if (one != nullptr && reinterpret_cast<uintptr_t>(one) % alignof(uint32_t) == 0) {
+      if (chunk_checksum(payload) != h.checksum) {
+        return data_loss("client_{}: masked chunk at byte {}: checksum mismatch", client_, h.offset);
+      }
+      words = std::span(reinterpret_cast<const uint32_t*>(one), bytes / 4);
+    } else {
+      words_.resize(bytes / 4);
+      if (copy_with_checksum(reinterpret_cast<std::byte*>(words_.data()), payload) != h.checksum) {
+        return data_loss("client_{}: masked chunk at byte {}: checksum mismatch", client_, h.offset);
+      }
+      words = words_;
     }
     std::lock_guard lock(round_.mu_);
-    MEMFL_RETURN_IF_ERROR(round_.server_->add_masked_chunk(client_, h.offset / 4, words_));
+    MEMFL_RETURN_IF_ERROR(round_.server_->add_masked_chunk(client_, h.offset / 4, words));
     next_ = h.offset + bytes - (last ? 4 : 0);
     return Status::Ok();
   }

@@ -173,9 +173,15 @@ Status RoundDriver::play_round(int round, RoundMetrics* m, bool* redo) {
     // Once the model has left (the transport is done with it before the
     // upload) and the aggregator will write its one update over it, the
     // masked sum lives in the model's own memory: no second model.
+    // Otherwise (in process, where clients read the global model while
+    // others upload) it lives in the aggregator's own sum, which the mean
+    // then writes over in the same way.
     std::span<uint32_t> in_model;
+    const size_t words = global_.layout().total_bytes() / 4;
     if (transport_.broadcast_done_before_collect() && global_.folds_over_model()) {
-      in_model = std::span(reinterpret_cast<uint32_t*>(global_.arena().data()), global_.layout().total_bytes() / 4);
+      in_model = std::span(reinterpret_cast<uint32_t*>(global_.arena().data()), words);
+    } else if (std::span<std::byte> idle = global_.aggregator().idle_state_bytes(); idle.size() >= words * 4) {
+      in_model = std::span(reinterpret_cast<uint32_t*>(idle.data()), words);
     }
     MEMFL_ASSIGN_OR_RETURN(secure, SecAggRound::start(round, selected, params, global_.layout(), in_model));
     sampler_.mark(round, "secagg_keys");
