@@ -14,6 +14,7 @@
 #include <numeric>
 #include <random>
 
+#include "aggregate/fedavg_aggregator.h"
 #include "comm/client_transport.h"
 #include "secagg/channel.h"
 #include "secagg/crypto.h"
@@ -923,6 +924,65 @@ TEST(SecAggRoundSeam, SumInTheModelsMemoryGivesTheSameMean) {
   for (size_t i = 0; i < elements; ++i) {
     const double want = (1 * updates[0][i] + 2 * updates[1][i] + 4 * updates[2][i]) / 7.0;
     ASSERT_NEAR(mean[i], want, 1e-6) << i;
+  }
+}
+
+// In process the clients read the global model while others upload, so the
+// masked sum cannot live there; it lives in FedAvg's own sum instead, which
+// the round's one update (the mean) writes without reading. The real
+// aggregator folds it and finalizes: the model is the hand-worked mean, and
+// the round holds nothing model-sized of its own.
+TEST(SecAggRoundSeam, SumInFedAvgsOwnSumGivesTheSameModel) {
+  LayoutBuilder lb;
+  lb.add("w", DType::kF32, {37}).add("b", DType::kF32, {5});
+  Layout layout = std::move(lb).build().value();
+  const size_t elements = layout.total_bytes() / 4;
+  FedAvgAggregator fedavg(layout, ClientWeightsMode::kSampleSize);
+  std::span<std::byte> idle = fedavg.idle_state_bytes();
+  ASSERT_EQ(idle.size(), layout.total_bytes());
+  // What an earlier round left there must not leak into this one.
+  for (size_t i = 0; i < elements; ++i) reinterpret_cast<float*>(idle.data())[i] = 1e30f;
+  const std::vector<int> selected = {2, 5, 6};
+  SecAggParams params;
+  params.max_weight = 4;
+  params.quantization_range = (uint64_t{1} << 20) + 1;
+  auto sa =
+      SecAggRound::start(3, selected, params, layout, std::span(reinterpret_cast<uint32_t*>(idle.data()), elements));
+  ASSERT_TRUE(sa.ok()) << sa.status().message();
+  EXPECT_EQ((*sa)->sum_bytes(), 4u);
+  SecAggClientStages clients;
+  std::vector<int> failed;
+  ASSERT_TRUE((*sa)->exchange_keys(clients, &failed).ok());
+  ASSERT_TRUE(fedavg.begin_round(3, {"secure_aggregate"}).ok());
+  std::vector<std::vector<float>> updates;
+  const std::vector<double> weights = {4, 1, 2};  // ratios 4/4, 1/4, 2/4
+  for (size_t j = 0; j < selected.size(); ++j) {
+    const int c = selected[j];
+    Arena model(layout.total_bytes(), MemoryCategory::kModel);
+    auto* f = reinterpret_cast<float*>(model.data());
+    for (size_t i = 0; i < elements; ++i) f[i] = static_cast<float>((static_cast<int>(i) * (c + 1)) % 9 - 4);
+    updates.emplace_back(f, f + elements);
+    MaskingPlace masked(std::make_unique<ArenaPlace>(model), layout, *clients.client(c));
+    ASSERT_TRUE(masked.begin(weights[j]).ok());
+    auto stream = (*sa)->open_update(client_id(c), weights[j]);
+    ASSERT_TRUE(stream.ok());
+    ASSERT_TRUE(stream_place(layout, masked, 44, **stream).ok());
+    ASSERT_TRUE((*stream)->commit().ok());
+  }
+  auto n = (*sa)->unmask_into(clients, fedavg, "secure_aggregate", 52);
+  ASSERT_TRUE(n.ok()) << n.status().message();
+  EXPECT_EQ(*n, 3u);
+  Arena global(layout.total_bytes(), MemoryCategory::kModel);
+  ASSERT_TRUE(fedavg.finalize(global).ok());
+  const auto* g = reinterpret_cast<const float*>(global.data());
+  for (const LayoutEntry& e : layout.entries()) {
+    for (size_t k = 0; k < e.numel(); ++k) {
+      const size_t i = e.offset / 4 + k;
+      // (4·u₂ + 1·u₅ + 2·u₆) / 7: each weighted element an integer over 4,
+      // which the quantisation keeps exactly.
+      const double want = (4 * updates[0][i] + 1 * updates[1][i] + 2 * updates[2][i]) / 7.0;
+      ASSERT_NEAR(g[i], want, 1e-6) << e.name << "[" << k << "]";
+    }
   }
 }
 
