@@ -8,11 +8,16 @@
 //   unmask_seconds_dropped  the server's unmasking with 0, 1, 2 dropped clients;
 //                           the slope is the cost per dropped client
 // Usage: memfl_bench_secagg [ELEMENTS=10000000] [CLIENTS=10]
+//        memfl_bench_secagg ceiling   the mask streams' ceiling alone:
+//   mask_gbps_all_cores     one MaskStream per core at once, each over its own
+//                           64 MiB in 1 MiB calls: what the cores can put
+//                           into masks together (bench/secagg.sh's floor)
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -76,7 +81,35 @@ double round_seconds(size_t elements, int n, int dropped, double* mask_seconds) 
 
 }  // namespace
 
+// Masks added by one thread per core at once, GB/s in all.
+double mask_gbps_all_cores(int cores) {
+  constexpr size_t kWords = size_t{16} << 20, kCall = 1 << 18;
+  double best = 0;
+  for (int rep = 0; rep < 3; ++rep) {
+    std::vector<std::thread> threads;
+    const auto t = Clock::now();
+    for (int c = 0; c < cores; ++c) {
+      threads.emplace_back([] {
+        MaskStream m(random_secret(), 1);
+        std::vector<uint32_t> buf(kCall);
+        for (size_t off = 0; off < kWords; off += kCall) m.apply(off, buf, +1);
+      });
+    }
+    for (auto& th : threads) th.join();
+    best = std::max(best, static_cast<double>(cores) * kWords * 4 / seconds_since(t) / 1e9);
+  }
+  return best;
+}
+
 int main(int argc, char** argv) {
+  if (argc > 1 && std::string(argv[1]) == "ceiling") {
+    const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+    nlohmann::ordered_json c;
+    c["cores"] = cores;
+    c["mask_gbps_all_cores"] = mask_gbps_all_cores(cores);
+    std::printf("%s\n", c.dump().c_str());
+    return 0;
+  }
   const size_t elements = argc > 1 ? std::stoull(argv[1]) : 10'000'000;
   const int clients = argc > 2 ? std::stoi(argv[2]) : 10;
   nlohmann::ordered_json out;
