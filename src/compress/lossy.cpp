@@ -12,13 +12,13 @@ namespace memfl {
 
 namespace {
 
-void put_u32(std::vector<std::byte>& out, uint32_t v) {
+[[maybe_unused]] void put_u32(std::vector<std::byte>& out, uint32_t v) {  // ZFP frames only
   const size_t at = out.size();
   out.resize(at + 4);
   std::memcpy(out.data() + at, &v, 4);
 }
 
-void put_u64(std::vector<std::byte>& out, uint64_t v) {
+[[maybe_unused]] void put_u64(std::vector<std::byte>& out, uint64_t v) {
   const size_t at = out.size();
   out.resize(at + 8);
   std::memcpy(out.data() + at, &v, 8);

@@ -1,8 +1,12 @@
 #include "live/http_endpoint.h"
 
 // Debian's cpp-httplib is a compiled library: this header is declarations
-// only, and the one translation unit that includes it is this one.
+// only, and the one translation unit that includes it is this one. Where it
+// is missing (the GPU machine), memfl builds without the endpoint and
+// --http says so.
+#ifdef MEMFL_HAVE_HTTPLIB
 #include <httplib.h>
+#endif
 
 #include <atomic>
 #include <charconv>
@@ -36,6 +40,8 @@ Status parse_listen_address(const std::string& text, std::string* host, int* por
   *port = v;
   return Status::Ok();
 }
+
+#ifdef MEMFL_HAVE_HTTPLIB
 
 namespace {
 
@@ -161,5 +167,27 @@ LiveEndpoint::~LiveEndpoint() {
   if (impl_->listener.joinable()) impl_->listener.join();
   if (impl_->sampler.joinable()) impl_->sampler.join();
 }
+
+#else  // no cpp-httplib
+
+struct LiveEndpoint::Impl {};
+
+LiveEndpoint::LiveEndpoint(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+LiveEndpoint::~LiveEndpoint() = default;
+int LiveEndpoint::port() const { return 0; }
+std::string LiveEndpoint::address() const { return {}; }
+Status LiveEndpoint::freeze(const std::string&) const { return Status::Ok(); }
+
+StatusOr<std::unique_ptr<LiveEndpoint>> LiveEndpoint::start(LiveEndpointOptions opts) {
+  std::string host;
+  int port = 0;
+  MEMFL_RETURN_IF_ERROR(parse_listen_address(opts.listen, &host, &port));
+  return failed_precondition(
+      "--http {}: this memfl was built without cpp-httplib (Debian's libcpp-httplib-dev), so it has no live "
+      "endpoint; the run's report and memory.csv are written as usual",
+      opts.listen);
+}
+
+#endif  // MEMFL_HAVE_HTTPLIB
 
 }  // namespace memfl
