@@ -30,10 +30,11 @@ namespace memfl {
 
 class SecAggRound final : public UpdateOpener {
  public:
-  // `sum_words`: where the masked sum of the model's words lives — the
-  // global model's own memory, when nothing reads it until the aggregator
-  // writes the round's mean over it (the server then holds no second
-  // model); empty: a buffer of its own.
+  // `sum_words`: where the masked sum of the model's words lives — memory
+  // nothing reads until the aggregator writes the round's mean over it: the
+  // global model's own (once broadcast) or the aggregator's idle sum
+  // (Aggregator::idle_state_bytes), so the server holds no second model;
+  // empty: a buffer of its own.
   static StatusOr<std::unique_ptr<SecAggRound>> start(int round, std::vector<int> selected, const SecAggParams& params,
                                                       const Layout& layout, std::span<uint32_t> sum_words = {});
   // Stages 1–2 with every selected client; a client that fails a stage is
