@@ -10,7 +10,7 @@
 // Usage: memfl_bench_secagg [ELEMENTS=10000000] [CLIENTS=10]
 //        memfl_bench_secagg ceiling   the mask streams' ceiling alone:
 //   mask_gbps_all_cores     one MaskStream per core at once, each over its own
-//                           64 MiB in 1 MiB calls: what the cores can put
+//                           512 MiB in 1 MiB calls: what the cores can put
 //                           into masks together (bench/secagg.sh's floor)
 #include <chrono>
 #include <cstdio>
@@ -83,9 +83,11 @@ double round_seconds(size_t elements, int n, int dropped, double* mask_seconds) 
 
 // Masks added by one thread per core at once, GB/s in all.
 double mask_gbps_all_cores(int cores) {
-  constexpr size_t kWords = size_t{16} << 20, kCall = 1 << 18;
+  // 512 MiB a core a repetition (about 0.1 s), the best of 5: shorter runs
+  // read this VM's scheduling noise, 2–3 × low at times.
+  constexpr size_t kWords = size_t{128} << 20, kCall = 1 << 18;
   double best = 0;
-  for (int rep = 0; rep < 3; ++rep) {
+  for (int rep = 0; rep < 5; ++rep) {
     std::vector<std::thread> threads;
     const auto t = Clock::now();
     for (int c = 0; c < cores; ++c) {
