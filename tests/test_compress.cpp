@@ -469,6 +469,19 @@ INSTANTIATE_TEST_SUITE_P(Compress, FrameChunks, ::testing::Values(7, 1000, 4096,
 
 // --- DummyTrainer's noisy change (the compression benchmarks' update) ------------
 
+// The noise of DummyTrainer's change to `layout`'s one f32 tensor: the change
+// less its pattern, scale·(client + 1)·(1 + (i + round) mod 5), worked here.
+static std::vector<double> dummy_noise(const ExperimentConfig& cfg, const Layout& layout, int round, int client) {
+  Arena a(layout.total_bytes(), MemoryCategory::kModel);
+  EXPECT_TRUE(dummy_update(cfg, layout, a, round, client).ok());
+  std::vector<double> noise(layout.total_bytes() / 4);
+  for (size_t i = 0; i < noise.size(); ++i) {
+    const double pattern = cfg.train.dummy_update_scale * (client + 1) * (1 + (i + static_cast<size_t>(round)) % 5);
+    noise[i] = static_cast<double>(load_float(DType::kF32, a.data(), i)) - pattern;
+  }
+  return noise;
+}
+
 TEST(DummyNoise, IsASeededGaussianOfTheConfiguredSigmaOnTopOfThePattern) {
   LayoutBuilder b;
   b.add("a.weight", DType::kF32, {200000});
@@ -477,16 +490,7 @@ TEST(DummyNoise, IsASeededGaussianOfTheConfiguredSigmaOnTopOfThePattern) {
   cfg.train.dummy_update_scale = 0.001;
   cfg.train.dummy_update_noise = 2;
   const double sigma = 0.002;
-  auto draw = [&](int round, int client) {
-    Arena a(layout.total_bytes(), MemoryCategory::kModel);
-    EXPECT_TRUE(dummy_update(cfg, layout, a, round, client).ok());
-    std::vector<double> noise(200000);
-    for (size_t i = 0; i < noise.size(); ++i) {
-      const double pattern = 0.001 * (client + 1) * (1 + (i + static_cast<size_t>(round)) % 5);
-      noise[i] = static_cast<double>(load_float(DType::kF32, a.data(), i)) - pattern;
-    }
-    return noise;
-  };
+  auto draw = [&](int round, int client) { return dummy_noise(cfg, layout, round, client); };
   const std::vector<double> z = draw(3, 1);
   double sum = 0, sq = 0, beyond3 = 0;
   for (double v : z) {
@@ -524,16 +528,7 @@ TEST(DummyNoise, DrawsFromTheGivenValuesStandardisedToTheConfiguredSigma) {
   cfg.train.dummy_update_noise = 2;
   cfg.train.dummy_update_noise_values = path;
   const double sigma = 0.002, file_sd = std::sqrt(14.0 / 6.0);
-  auto draw = [&](int round, int client) {
-    Arena a(layout.total_bytes(), MemoryCategory::kModel);
-    EXPECT_TRUE(dummy_update(cfg, layout, a, round, client).ok());
-    std::vector<double> noise(60000);
-    for (size_t i = 0; i < noise.size(); ++i) {
-      const double pattern = 0.001 * (client + 1) * (1 + (i + static_cast<size_t>(round)) % 5);
-      noise[i] = static_cast<double>(load_float(DType::kF32, a.data(), i)) - pattern;
-    }
-    return noise;
-  };
+  auto draw = [&](int round, int client) { return dummy_noise(cfg, layout, round, client); };
   const std::vector<double> z = draw(2, 0);
   std::map<int, int> seen;  // value of the file (×1) → draws
   for (double v : z) {

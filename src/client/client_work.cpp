@@ -9,6 +9,9 @@
 #include <filesystem>
 #include <fstream>
 #include <limits>
+#include <map>
+#include <memory>
+#include <mutex>
 #include <thread>
 
 #include "aggregate/dp_fedavg.h"
@@ -179,6 +182,19 @@ StatusOr<std::vector<float>> standardised_values(const std::string& path) {
   return v;
 }
 
+// The same, read once per process: every client of every round draws from
+// it, and the simulator runs them all in one process.
+StatusOr<std::shared_ptr<const std::vector<float>>> cached_standardised_values(const std::string& path) {
+  static std::mutex mu;
+  static std::map<std::string, std::shared_ptr<const std::vector<float>>> read;
+  std::lock_guard lock(mu);
+  if (auto it = read.find(path); it != read.end()) return it->second;
+  MEMFL_ASSIGN_OR_RETURN(std::vector<float> v, standardised_values(path));
+  auto shared = std::make_shared<const std::vector<float>>(std::move(v));
+  read.emplace(path, shared);
+  return shared;
+}
+
 }  // namespace
 
 Status dummy_update(const ExperimentConfig& cfg, const Layout& layout, Arena& arena, int round, int client) {
@@ -192,10 +208,12 @@ Status dummy_update(const ExperimentConfig& cfg, const Layout& layout, Arena& ar
   const double s = cfg.train.dummy_update_scale;
   if (s <= 0) return Status::Ok();
   const double sigma = s * cfg.train.dummy_update_noise;
-  std::vector<float> values;
+  std::shared_ptr<const std::vector<float>> file;
   if (sigma > 0 && !cfg.train.dummy_update_noise_values.empty()) {
-    MEMFL_ASSIGN_OR_RETURN(values, standardised_values(cfg.train.dummy_update_noise_values));
+    MEMFL_ASSIGN_OR_RETURN(file, cached_standardised_values(cfg.train.dummy_update_noise_values));
   }
+  const std::vector<float> none;
+  const std::vector<float>& values = file ? *file : none;
   // Gaussian noise from a counter (splitmix64 of round, client, tensor and
   // pair of elements, then Box–Muller): the same on every run and transport.
   auto splitmix = [](uint64_t x) {

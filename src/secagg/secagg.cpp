@@ -325,11 +325,13 @@ uint32_t SecAggClient::quantise(double v) {
 void SecAggClient::add_masks(uint64_t element_offset, std::span<uint32_t> out) const {
   // The keystreams are the cost (4–6 GB/s a core each): a big chunk is cut
   // among the cores; each word gets the same masks whatever the cut.
-  parallel_for(out.size(), kParallelMaskWords, [&](size_t a, size_t b) {
-    auto part = out.subspan(a, b - a);
-    self_mask_->apply(element_offset + a, part, +1);
-    for (const auto& [v, mask] : pairwise_) mask.apply(element_offset + a, part, client_ < v ? +1 : -1);
-  });
+  parallel_for(out.size(), kParallelMaskWords,
+               [&](size_t a, size_t b) { apply_masks(element_offset + a, out.subspan(a, b - a)); });
+}
+
+void SecAggClient::apply_masks(uint64_t element_offset, std::span<uint32_t> out) const {
+  self_mask_->apply(element_offset, out, +1);
+  for (const auto& [v, mask] : pairwise_) mask.apply(element_offset, out, client_ < v ? +1 : -1);
 }
 
 Status SecAggClient::mask_chunk(uint64_t element_offset, std::span<const float> values, std::span<uint32_t> out) {
@@ -361,9 +363,7 @@ Status SecAggClient::mask_chunk(uint64_t element_offset, std::span<const float> 
       const size_t n = std::min(kBlock, b - lo);
       quantise_block(values.data() + lo, n, ratio_, s_.clipping_range, s_.scale(), static_cast<int32_t>(top),
                      state + static_cast<uint64_t>(lo) * 0x9E3779B97F4A7C15ull, out.data() + lo);
-      auto part = out.subspan(lo, n);
-      self_mask_->apply(element_offset + lo, part, +1);
-      for (const auto& [v, mask] : pairwise_) mask.apply(element_offset + lo, part, client_ < v ? +1 : -1);
+      apply_masks(element_offset + lo, out.subspan(lo, n));
     }
   });
   rng_state_ += static_cast<uint64_t>(values.size()) * 0x9E3779B97F4A7C15ull;

@@ -147,6 +147,10 @@ class SecAggClient {
   double weight_ratio() const { return ratio_; }
 
  private:
+  // Every mask this client adds (its self mask, ± each pairwise one) onto
+  // words [element_offset, + out.size()): one thread's part of a chunk.
+  void apply_masks(uint64_t element_offset, std::span<uint32_t> out) const;
+  // The same, a big chunk cut among the cores.
   void add_masks(uint64_t element_offset, std::span<uint32_t> out) const;
   uint32_t quantise(double v);
 

@@ -204,8 +204,6 @@
     table(rt, ['role', 'run', 'rounds', 'mean round s', 'final accuracy'], rrows, [0, 1]);
   }
 
-  // The live page: the endpoint's /api/state, polled; each answer redraws
-  // the page with the report's own chart code.
   // The clients table and, for an asynchronous run, the staleness
   // histogram: the live page's, and the report's for a run with --http.
   function live_clients(S, where) {
@@ -223,6 +221,8 @@
       else table(sh, ['staleness', 'updates'], S.staleness.map(function (b) { return [b[0], b[1]]; }));
     }
   }
+  // The live page: the endpoint's /api/state, polled; each answer redraws
+  // the page with the report's own chart code.
   function live(S) {
     var state = S.running ? 'running' : 'finished';
     var head = el('p', { class: 'live-head' }, S.role + ' — ' + state + ' — ' + (S.asynchronous ? 'version ' : 'round ') + S.round +
