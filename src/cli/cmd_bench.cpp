@@ -1,8 +1,11 @@
 // memfl bench: benchmarks. bench dp sweeps the DP-SGD clipping modes (the
-// plugin runs them); bench transfer measures a gRPC run's peak RSS per role
-// and GB/s per direction with DummyTrainer clients.
+// plugin runs them); bench llm times the trainer on a Llama shape (or writes
+// the logits of given weights, the oracle comparison's memfl side); bench transfer measures a gRPC run's peak RSS per
+// role and GB/s per direction with DummyTrainer clients.
 #include <CLI/CLI.hpp>
+#include <chrono>
 #include <cstdlib>
+#include <fstream>
 #include <filesystem>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -129,11 +132,70 @@ void add_bench_transfer_options(CLI::App& transfer, memfl::TransferBenchOptions&
 
 }  // namespace
 
+struct BenchLlmArgs {
+  memfl::LlmBenchOptions o;
+  std::string json_out;
+};
+
+void add_bench_llm_options(CLI::App& llm, BenchLlmArgs& a) {
+  auto& o = a.o;
+  o.model.model_name = "llama-8b";
+  o.model.dtype = "bf16";
+  llm.add_option("--model", o.model.model_name, "a llama preset (llama-tiny, llama-1b, llama-8b, ...) or llama")
+      ->capture_default_str();
+  llm.add_option("--hidden", o.model.hidden_size,
+                 "--model llama: hidden size (with --layers, --heads, --kv-heads, --intermediate, --vocab)");
+  llm.add_option("--layers", o.model.num_layers, "--model llama: decoder layers");
+  llm.add_option("--heads", o.model.num_heads, "--model llama: attention heads");
+  llm.add_option("--kv-heads", o.model.num_kv_heads, "--model llama: key/value heads");
+  llm.add_option("--intermediate", o.model.intermediate_size, "--model llama: MLP width");
+  llm.add_option("--vocab", o.model.vocab_size, "--model llama: vocabulary");
+  llm.add_flag("--tied", o.model.tie_word_embeddings, "--model llama: LM head tied to the embedding");
+  llm.add_option("--dtype", o.model.dtype, "f32 | bf16 | f16")->capture_default_str();
+  llm.add_option("--batch", o.batch_size, "sequences per step")->capture_default_str();
+  llm.add_option("--seq", o.seq_length, "tokens per sequence")->capture_default_str();
+  llm.add_option("--steps", o.steps, "timed steps")->capture_default_str();
+  llm.add_option("--warmup", o.warmup, "untimed steps after the first")->capture_default_str();
+  llm.add_option("--device", o.device, "cpu | cuda")->capture_default_str();
+  llm.add_option("--optimizer", o.optimizer, "Adam | SGD")->capture_default_str();
+  llm.add_option("--lr", o.lr, "learning rate")->capture_default_str();
+  llm.add_flag("--gradient-checkpointing", o.gradient_checkpointing, "recompute each decoder block in the backward");
+  llm.add_option("--seed", o.seed, "initial weights and tokens")->capture_default_str();
+  llm.add_option("--weights", o.weights, "safetensors in the model's layout: write its logits instead of timing");
+  llm.add_option("--tokens", o.tokens, "with --weights: raw int64 tokens, batch × (seq + 1)");
+  llm.add_option("--logits-out", o.logits_out, "with --weights: the logits as raw f32 [batch, seq, vocab]");
+  llm.add_option("--json", a.json_out, "append the JSON line here too");
+}
+
+int bench_llm(BenchLlmArgs a) {
+  if (a.o.batch_size < 1 || a.o.seq_length < 1 || a.o.steps < 1 || a.o.warmup < 0) {
+    return fail(memfl::invalid_argument("bench llm: --batch, --seq and --steps must be positive"));
+  }
+  if (!a.o.weights.empty() && (a.o.tokens.empty() || a.o.logits_out.empty())) {
+    return fail(memfl::invalid_argument("bench llm: --weights needs --tokens and --logits-out"));
+  }
+  auto backend = memfl::load_trainer_backend();
+  if (!backend.ok()) return fail(backend.status());
+  auto line = (*backend)->bench_llm(a.o);
+  if (!line.ok()) return fail(line.status());
+  fmt::print("{}\n", *line);
+  if (!a.json_out.empty()) {
+    std::ofstream out(a.json_out, std::ios::app);
+    out << *line << "\n";
+    if (!out) return fail(memfl::internal_error("bench llm: cannot write {}", a.json_out));
+  }
+  return kExitOk;
+}
+
 CommandFn add_bench(CLI::App& cmd, SharedOptions&) {
+  const int64_t started = std::chrono::steady_clock::now().time_since_epoch().count();
   cmd.require_subcommand(1);
   auto dp_args = std::make_shared<BenchDpArgs>();
   CLI::App* dp = cmd.add_subcommand("dp", "DP-SGD clipping modes: peak memory and time per mode and sequence length");
   add_bench_dp_options(*dp, *dp_args);
+  auto llm_args = std::make_shared<BenchLlmArgs>();
+  CLI::App* llm = cmd.add_subcommand("llm", "memfl's trainer on a Llama shape: tokens/s, GPU peak, set-up time");
+  add_bench_llm_options(*llm, *llm_args);
 #ifdef MEMFL_HAVE_GRPC
   auto tb = std::make_shared<memfl::TransferBenchOptions>();
   CLI::App* transfer = cmd.add_subcommand("transfer", "Peak RSS per role and GB/s per direction, DummyTrainer");
@@ -141,6 +203,11 @@ CommandFn add_bench(CLI::App& cmd, SharedOptions&) {
 #endif
   return [=](int& argc, char**& argv) {
     if (dp->parsed()) return bench_dp(*dp_args, argc, argv);
+    if (llm->parsed()) {
+      BenchLlmArgs a = *llm_args;
+      a.o.started_ns = started;
+      return bench_llm(a);
+    }
 #ifdef MEMFL_HAVE_GRPC
     return bench_transfer(*tb);
 #else

@@ -48,6 +48,9 @@ struct TrainConfig {
   // FedProx (Li et al. 2020): μ of the proximal term μ/2·‖w − w_global‖²
   // added to the local loss (0 = off).
   double mu = 0;
+  // Recompute each decoder block in the backward pass instead of keeping its
+  // activations (Llama models): less memory for a third more compute.
+  bool gradient_checkpointing = false;
   OptimConfig optim;
   int train_batch_size = 64;
   int val_batch_size = 64;

@@ -92,22 +92,7 @@ inline const std::vector<DpLlamaSpec>& presets() {
   return all;
 }
 
-inline const char* attention_kind() {
-#if TORCH_VERSION_MAJOR >= 2
-  return "scaled_dot_product_attention";
-#else
-  return "math";
-#endif
-}
-
-// Causal attention of q, k, v (B×H×T×hd); no parameters.
-inline Tensor causal_attention(const Tensor& q, const Tensor& k, const Tensor& v) {
-#if TORCH_VERSION_MAJOR >= 2
-  return at::scaled_dot_product_attention(q, k, v, {}, 0.0, /*is_causal=*/true);
-#else
-  return causal_attention_math(q, k, v);
-#endif
-}
+inline const char* attention_kind() { return fused_attention_available() ? "scaled_dot_product_attention" : "math"; }
 
 struct DpAttentionImpl : torch::nn::Module {
   explicit DpAttentionImpl(const DpLlamaSpec& s)

@@ -3,12 +3,34 @@
 #include <cmath>
 #include <limits>
 
+#if __has_include(<torch/version.h>)
+#include <torch/version.h>
+#endif
+
 namespace memfl::torch_internal {
 
 namespace {
 
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+#if defined(TORCH_VERSION_MAJOR) && TORCH_VERSION_MAJOR >= 2
+constexpr bool kHaveSdpa = true;
+#else
+constexpr bool kHaveSdpa = false;
+#endif
+
+// Initial weights as the reference initializer (normal, std 0.02 for
+// matrices, ones for norms), drawn where the parameter lives.
+torch::Tensor normal_param(std::vector<int64_t> shape, const torch::TensorOptions& o) {
+  torch::NoGradGuard g;
+  return torch::empty(shape, o).normal_(0.0, 0.02);
+}
+
 struct RMSNormImpl : torch::nn::Module {
-  RMSNormImpl(int64_t dim, double epsilon) : eps(epsilon) { weight = register_parameter("weight", torch::ones({dim})); }
+  RMSNormImpl(int64_t dim, double epsilon, const torch::TensorOptions& o) : eps(epsilon) {
+    weight = register_parameter("weight", torch::ones({dim}, o));
+  }
   torch::Tensor forward(const torch::Tensor& x) {
     // In f32 whatever the weights' dtype, as the reference implementation does.
     auto xf = x.to(torch::kFloat32);
@@ -20,54 +42,82 @@ struct RMSNormImpl : torch::nn::Module {
 };
 TORCH_MODULE(RMSNorm);
 
-torch::nn::Linear linear(int64_t in, int64_t out) {
-  return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(false));
+// A bias-free linear layer whose weight is created on its device and dtype
+// (torch::nn::Linear allocates f32 on the host and runs Kaiming's init there).
+struct ProjImpl : torch::nn::Module {
+  ProjImpl(int64_t in, int64_t out, const torch::TensorOptions& o) {
+    weight = register_parameter("weight", normal_param({out, in}, o));
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return torch::linear(x, weight); }
+  torch::Tensor weight;
+};
+TORCH_MODULE(Proj);
+
+struct EmbedImpl : torch::nn::Module {
+  EmbedImpl(int64_t vocab, int64_t dim, const torch::TensorOptions& o) {
+    weight = register_parameter("weight", normal_param({vocab, dim}, o));
+  }
+  torch::Tensor forward(const torch::Tensor& tokens) { return torch::embedding(weight, tokens); }
+  torch::Tensor weight;
+};
+TORCH_MODULE(Embed);
+
+torch::Tensor rotate_half(const torch::Tensor& x) {
+  const int64_t half = x.size(-1) / 2;
+  return torch::cat({-x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1);
 }
 
 struct AttentionImpl : torch::nn::Module {
-  explicit AttentionImpl(const LlamaSpec& s)
-      : heads(s.num_heads), kv_heads(s.num_kv_heads), head_dim(s.head_dim()), theta(s.rope_theta) {
-    q_proj = register_module("q_proj", linear(s.hidden_size, heads * head_dim));
-    k_proj = register_module("k_proj", linear(s.hidden_size, kv_heads * head_dim));
-    v_proj = register_module("v_proj", linear(s.hidden_size, kv_heads * head_dim));
-    o_proj = register_module("o_proj", linear(heads * head_dim, s.hidden_size));
+  AttentionImpl(const LlamaSpec& s, const LlamaOptions& opt)
+      : heads(s.num_heads), kv_heads(s.num_kv_heads), head_dim(s.head_dim()), fused(opt.fused_attention) {
+    const auto& o = opt.tensors;
+    q_proj = register_module("q_proj", Proj(s.hidden_size, heads * head_dim, o));
+    k_proj = register_module("k_proj", Proj(s.hidden_size, kv_heads * head_dim, o));
+    v_proj = register_module("v_proj", Proj(s.hidden_size, kv_heads * head_dim, o));
+    o_proj = register_module("o_proj", Proj(heads * head_dim, s.hidden_size, o));
   }
-  torch::Tensor forward(const torch::Tensor& x) {
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
     const int64_t b = x.size(0), t = x.size(1);
     auto q = q_proj(x).view({b, t, heads, head_dim}).transpose(1, 2);
     auto k = k_proj(x).view({b, t, kv_heads, head_dim}).transpose(1, 2);
     auto v = v_proj(x).view({b, t, kv_heads, head_dim}).transpose(1, 2);
-    rotary_and_repeat_kv(q, k, v, heads, kv_heads, theta);
-    auto out = causal_attention_math(q, k, v);
+    q = q * cos + rotate_half(q) * sin;
+    k = k * cos + rotate_half(k) * sin;
+    if (kv_heads != heads) {
+      k = k.repeat_interleave(heads / kv_heads, 1);
+      v = v.repeat_interleave(heads / kv_heads, 1);
+    }
+    auto out = causal_attention(q, k, v, fused);
     return o_proj(out.transpose(1, 2).reshape({b, t, heads * head_dim}));
   }
   int64_t heads, kv_heads, head_dim;
-  double theta;
-  torch::nn::Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
+  bool fused;
+  Proj q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
 };
 TORCH_MODULE(Attention);
 
 struct MlpImpl : torch::nn::Module {
-  explicit MlpImpl(const LlamaSpec& s) {
-    gate_proj = register_module("gate_proj", linear(s.hidden_size, s.intermediate_size));
-    up_proj = register_module("up_proj", linear(s.hidden_size, s.intermediate_size));
-    down_proj = register_module("down_proj", linear(s.intermediate_size, s.hidden_size));
+  MlpImpl(const LlamaSpec& s, const torch::TensorOptions& o) {
+    gate_proj = register_module("gate_proj", Proj(s.hidden_size, s.intermediate_size, o));
+    up_proj = register_module("up_proj", Proj(s.hidden_size, s.intermediate_size, o));
+    down_proj = register_module("down_proj", Proj(s.intermediate_size, s.hidden_size, o));
   }
   torch::Tensor forward(const torch::Tensor& x) { return down_proj(torch::silu(gate_proj(x)) * up_proj(x)); }
-  torch::nn::Linear gate_proj{nullptr}, up_proj{nullptr}, down_proj{nullptr};
+  Proj gate_proj{nullptr}, up_proj{nullptr}, down_proj{nullptr};
 };
 TORCH_MODULE(Mlp);
 
 struct DecoderLayerImpl : torch::nn::Module {
-  explicit DecoderLayerImpl(const LlamaSpec& s) {
+  DecoderLayerImpl(const LlamaSpec& s, const LlamaOptions& opt) {
     // Registration order = llama_layout()'s order within a layer.
-    input_layernorm = register_module("input_layernorm", RMSNorm(s.hidden_size, s.rms_norm_eps));
-    self_attn = register_module("self_attn", Attention(s));
-    post_attention_layernorm = register_module("post_attention_layernorm", RMSNorm(s.hidden_size, s.rms_norm_eps));
-    mlp = register_module("mlp", Mlp(s));
+    input_layernorm = register_module("input_layernorm", RMSNorm(s.hidden_size, s.rms_norm_eps, opt.tensors));
+    self_attn = register_module("self_attn", Attention(s, opt));
+    post_attention_layernorm =
+        register_module("post_attention_layernorm", RMSNorm(s.hidden_size, s.rms_norm_eps, opt.tensors));
+    mlp = register_module("mlp", Mlp(s, opt.tensors));
   }
-  torch::Tensor forward(torch::Tensor x) {
-    x = x + self_attn(input_layernorm(x));
+  torch::Tensor forward(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin) {
+    x = x + self_attn(input_layernorm(x), cos, sin);
     return x + mlp(post_attention_layernorm(x));
   }
   RMSNorm input_layernorm{nullptr}, post_attention_layernorm{nullptr};
@@ -76,61 +126,150 @@ struct DecoderLayerImpl : torch::nn::Module {
 };
 TORCH_MODULE(DecoderLayer);
 
-struct LlamaBody : torch::nn::Module {
-  explicit LlamaBody(const LlamaSpec& s) {
-    embed_tokens = register_module("embed_tokens", torch::nn::Embedding(s.vocab_size, s.hidden_size));
-    layers = register_module("layers", torch::nn::ModuleList());
-    for (int64_t i = 0; i < s.num_layers; ++i) layers->push_back(DecoderLayer(s));
-    norm = register_module("norm", RMSNorm(s.hidden_size, s.rms_norm_eps));
+// A decoder block whose activations are not kept: the forward runs without
+// autograd and keeps only its input; the backward runs the block again with
+// autograd on and back-propagates through that (the reentrant form of
+// activation checkpointing). The block's parameters get their gradients by
+// accumulation, as in the plain backward. Llama has no dropout, so the
+// recomputation is the same function.
+struct CheckpointedBlock : torch::autograd::Function<CheckpointedBlock> {
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x, const torch::Tensor& cos,
+                               const torch::Tensor& sin, int64_t layer_address) {
+    ctx->save_for_backward({x, cos, sin});
+    ctx->saved_data["layer"] = layer_address;
+    return layer(layer_address)->forward(x, cos, sin);
   }
-  torch::nn::Embedding embed_tokens{nullptr};
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto saved = ctx->get_saved_variables();
+    auto x = saved[0].detach().requires_grad_(true);
+    torch::Tensor y;
+    {
+      torch::AutoGradMode on(true);
+      y = layer(ctx->saved_data["layer"].toInt())->forward(x, saved[1], saved[2]);
+    }
+    torch::autograd::backward({y}, {grads[0]});
+    return {x.grad(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
+  }
+  static DecoderLayerImpl* layer(int64_t address) {
+    return reinterpret_cast<DecoderLayerImpl*>(static_cast<intptr_t>(address));
+  }
+};
+
+struct LlamaBody : torch::nn::Module {
+  LlamaBody(const LlamaSpec& s, const LlamaOptions& opt) {
+    embed_tokens = register_module("embed_tokens", Embed(s.vocab_size, s.hidden_size, opt.tensors));
+    layers = register_module("layers", torch::nn::ModuleList());
+    for (int64_t i = 0; i < s.num_layers; ++i) layers->push_back(DecoderLayer(s, opt));
+    norm = register_module("norm", RMSNorm(s.hidden_size, s.rms_norm_eps, opt.tensors));
+  }
+  Embed embed_tokens{nullptr};
   torch::nn::ModuleList layers{nullptr};
   RMSNorm norm{nullptr};
 };
 
 struct LlamaNet final : Net {
-  explicit LlamaNet(const LlamaSpec& s) : tied(s.tie_word_embeddings) {
-    model = register_module("model", std::make_shared<LlamaBody>(s));
-    if (!tied) lm_head = register_module("lm_head", linear(s.hidden_size, s.vocab_size));
-    // Small initial weights (as the reference's initializer_range 0.02), so
-    // the initial loss is near log(vocab).
-    torch::NoGradGuard g;
-    for (auto& p : parameters()) {
-      if (p.dim() == 2) p.normal_(0.0, 0.02);
-    }
+  LlamaNet(const LlamaSpec& s, const LlamaOptions& opt)
+      : tied(s.tie_word_embeddings),
+        checkpointing(opt.gradient_checkpointing),
+        head_dim(s.head_dim()),
+        theta(s.rope_theta) {
+    model = register_module("model", std::make_shared<LlamaBody>(s, opt));
+    if (!tied) lm_head = register_module("lm_head", Proj(s.hidden_size, s.vocab_size, opt.tensors));
   }
   bool is_language_model() const override { return true; }
-  torch::Tensor forward(torch::Tensor tokens) override {
+
+  // The final hidden states [B, T, hidden].
+  torch::Tensor hidden(const torch::Tensor& tokens) {
     auto x = model->embed_tokens(tokens);
-    for (auto& layer : *model->layers) x = layer->as<DecoderLayerImpl>()->forward(x);
-    x = model->norm(x);
-    return tied ? torch::matmul(x, model->embed_tokens->weight.t()) : lm_head(x);
+    // The rotary tables once per forward, shared by every layer.
+    auto [cos, sin] = rotary_tables(tokens.size(1), head_dim, theta, x.options());
+    const bool recompute = checkpointing && torch::GradMode::is_enabled() && is_training();
+    for (auto& layer : *model->layers) {
+      auto* l = layer->as<DecoderLayerImpl>();
+      x = recompute ? CheckpointedBlock::apply(x, cos, sin, static_cast<int64_t>(reinterpret_cast<intptr_t>(l)))
+                    : l->forward(x, cos, sin);
+    }
+    return model->norm(x);
   }
-  bool tied;
+  const torch::Tensor& head_weight() { return tied ? model->embed_tokens->weight : lm_head->weight; }
+
+  torch::Tensor forward(torch::Tensor tokens) override { return torch::linear(hidden(tokens), head_weight()); }
+
+  std::pair<torch::Tensor, torch::Tensor> loss_and_correct(const torch::Tensor& tokens,
+                                                           const torch::Tensor& targets) override {
+    auto h = hidden(tokens);
+    return linear_cross_entropy(h.reshape({-1, h.size(-1)}), head_weight(), targets.reshape({-1}));
+  }
+  void set_gradient_checkpointing(bool on) override { checkpointing = on; }
+
+  bool tied, checkpointing;
+  int64_t head_dim;
+  double theta;
   std::shared_ptr<LlamaBody> model;
-  torch::nn::Linear lm_head{nullptr};
+  Proj lm_head{nullptr};
+};
+
+// The loss over the vocabulary a chunk of rows at a time (see the header).
+struct LinearCrossEntropy : torch::autograd::Function<LinearCrossEntropy> {
+  static variable_list forward(AutogradContext* ctx, const torch::Tensor& h, const torch::Tensor& w,
+                               const torch::Tensor& targets, int64_t chunk_rows) {
+    const int64_t n = h.size(0), vocab = w.size(0);
+    const bool grad_h = h.requires_grad(), grad_w = w.requires_grad();
+    auto f32 = h.options().dtype(torch::kFloat32);
+    auto loss = torch::zeros({}, f32);
+    auto correct = torch::zeros({}, h.options().dtype(torch::kInt64));
+    torch::Tensor dh = grad_h ? torch::empty_like(h) : torch::Tensor();
+    torch::Tensor dw = grad_w ? torch::zeros_like(w) : torch::Tensor();
+    for (int64_t s = 0; s < n; s += chunk_rows) {
+      const int64_t m = std::min(chunk_rows, n - s);
+      auto hc = h.narrow(0, s, m);
+      auto yc = targets.narrow(0, s, m).unsqueeze(1);
+      auto logits = torch::matmul(hc, w.t()).to(torch::kFloat32);  // [m, vocab]
+      auto lse = torch::logsumexp(logits, -1, /*keepdim=*/true);
+      loss.add_((lse - logits.gather(1, yc)).sum());
+      correct.add_(logits.argmax(-1).eq(yc.squeeze(1)).sum());
+      if (!grad_h && !grad_w) continue;
+      // d(mean loss)/d logits = (softmax − one-hot) / n, in place of the logits.
+      auto p = logits.sub_(lse).exp_();
+      p.scatter_add_(1, yc, torch::full({m, 1}, -1.0, f32));
+      p.div_(static_cast<double>(n));
+      auto pb = p.to(h.scalar_type());
+      if (grad_h) dh.narrow(0, s, m).copy_(torch::matmul(pb, w));
+      if (grad_w) dw.addmm_(pb.t(), hc);
+    }
+    (void)vocab;
+    ctx->saved_data["dh"] = dh;
+    ctx->saved_data["dw"] = dw;
+    ctx->mark_non_differentiable({correct});
+    return {loss.div_(static_cast<double>(std::max<int64_t>(1, n))), correct};
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto g = grads[0];
+    auto dh = ctx->saved_data["dh"].toTensor(), dw = ctx->saved_data["dw"].toTensor();
+    auto scale = [&](torch::Tensor d) { return d.defined() ? d.mul_(g.to(d.scalar_type())) : d; };
+    return {scale(dh), scale(dw), torch::Tensor(), torch::Tensor()};
+  }
 };
 
 }  // namespace
 
-// Rotary position embedding (RoFormer; the "rotate half" form the Hugging
-// Face Llama code uses, so checkpoints' q/k projections mean the same).
-namespace {
-torch::Tensor rotate_half(const torch::Tensor& x) {
-  const int64_t half = x.size(-1) / 2;
-  return torch::cat({-x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1);
-}
-}  // namespace
+bool fused_attention_available() { return kHaveSdpa; }
 
-void rotary_and_repeat_kv(torch::Tensor& q, torch::Tensor& k, torch::Tensor& v, int64_t heads, int64_t kv_heads,
-                          double theta) {
-  const int64_t t = q.size(2), head_dim = q.size(3);
-  // cos/sin computed per call: not buffers, so the arena holds weights only.
-  auto opts = torch::TensorOptions().dtype(torch::kFloat32).device(q.device());
+std::pair<torch::Tensor, torch::Tensor> rotary_tables(int64_t t, int64_t head_dim, double theta,
+                                                      const torch::TensorOptions& like) {
+  // Rotary position embedding (RoFormer; the "rotate half" form the Hugging
+  // Face Llama code uses, so checkpoints' q/k projections mean the same).
+  auto opts = torch::TensorOptions().dtype(torch::kFloat32).device(like.device());
   auto inv_freq = torch::pow(theta, -torch::arange(0, head_dim, 2, opts) / static_cast<double>(head_dim));
   auto freqs = torch::outer(torch::arange(t, opts), inv_freq);
   auto emb = torch::cat({freqs, freqs}, -1);
-  auto cos = emb.cos().to(q.scalar_type()), sin = emb.sin().to(q.scalar_type());
+  const auto dtype = like.dtype().toScalarType();
+  return {emb.cos().to(dtype), emb.sin().to(dtype)};
+}
+
+void rotary_and_repeat_kv(torch::Tensor& q, torch::Tensor& k, torch::Tensor& v, int64_t heads, int64_t kv_heads,
+                          double theta) {
+  auto [cos, sin] = rotary_tables(q.size(2), q.size(3), theta, q.options());
   q = q * cos + rotate_half(q) * sin;
   k = k * cos + rotate_half(k) * sin;
   if (kv_heads != heads) {  // grouped-query attention: each KV head serves heads / kv_heads queries
@@ -147,6 +286,24 @@ torch::Tensor causal_attention_math(const torch::Tensor& q, const torch::Tensor&
   return torch::matmul(torch::softmax(scores, -1), v);
 }
 
-std::shared_ptr<Net> make_llama(const LlamaSpec& spec) { return std::make_shared<LlamaNet>(spec); }
+torch::Tensor causal_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, bool fused) {
+#if defined(TORCH_VERSION_MAJOR) && TORCH_VERSION_MAJOR >= 2
+  if (fused) return at::scaled_dot_product_attention(q, k, v, {}, 0.0, /*is_causal=*/true);
+#else
+  (void)fused;
+#endif
+  return causal_attention_math(q, k, v);
+}
+
+std::pair<torch::Tensor, torch::Tensor> linear_cross_entropy(const torch::Tensor& h, const torch::Tensor& w,
+                                                             const torch::Tensor& targets, int64_t chunk_rows) {
+  if (chunk_rows <= 0) chunk_rows = std::max<int64_t>(64, (int64_t{256} << 20) / (4 * std::max<int64_t>(1, w.size(0))));
+  auto out = LinearCrossEntropy::apply(h, w, targets, chunk_rows);
+  return {out[0], out[1]};
+}
+
+std::shared_ptr<Net> make_llama(const LlamaSpec& spec, const LlamaOptions& options) {
+  return std::make_shared<LlamaNet>(spec, options);
+}
 
 }  // namespace memfl::torch_internal

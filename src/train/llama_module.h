@@ -10,8 +10,24 @@
 
 namespace memfl::torch_internal {
 
+// How the network is built and run. The parameters are created where they
+// train (`tensors`: device and dtype) and initialised there, so a GPU client
+// of 8B never materialises an f32 model on the host.
+struct LlamaOptions {
+  torch::TensorOptions tensors = torch::TensorOptions().dtype(torch::kFloat32);
+  // Fused attention (at::scaled_dot_product_attention) where libtorch has it.
+  bool fused_attention = true;
+  // Recompute each decoder block in the backward pass instead of keeping its
+  // activations (train_configs.gradient_checkpointing).
+  bool gradient_checkpointing = false;
+};
+
 // forward(tokens [B, T] int64) → logits [B, T, vocab].
-std::shared_ptr<Net> make_llama(const LlamaSpec& spec);
+std::shared_ptr<Net> make_llama(const LlamaSpec& spec, const LlamaOptions& options = {});
+
+// Whether this libtorch has at::scaled_dot_product_attention (2.x does;
+// Debian's 1.13 does not).
+bool fused_attention_available();
 
 // The parameter-free parts of Llama attention, shared with the DP sweep's
 // classifier (train/dp_bench.cpp). On q (B×heads×T×hd), k and v
@@ -19,7 +35,24 @@ std::shared_ptr<Net> make_llama(const LlamaSpec& spec);
 // repeated to the query heads (grouped-query attention).
 void rotary_and_repeat_kv(torch::Tensor& q, torch::Tensor& k, torch::Tensor& v, int64_t heads, int64_t kv_heads,
                           double theta);
-// Causal softmax attention written out (libtorch 1.13 has no fused kernel).
+// cos and sin of the rotary angles, [T, head_dim] in `like`'s dtype and device.
+std::pair<torch::Tensor, torch::Tensor> rotary_tables(int64_t t, int64_t head_dim, double theta,
+                                                      const torch::TensorOptions& like);
+// Causal softmax attention written out: the scores materialised (O(T²)).
 torch::Tensor causal_attention_math(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v);
+// Causal attention through libtorch's fused kernels (flash or memory-efficient
+// on CUDA) where `fused` and the libtorch has them, the math form otherwise.
+torch::Tensor causal_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                               bool fused = true);
+
+// Mean cross-entropy of logits = h · wᵀ against `targets`, and the number of
+// rows whose arg-max is the target, computed `chunk_rows` rows at a time so
+// the full [N, vocab] f32 logits never exist: h [N, H], w [vocab, H],
+// targets [N] int64. Under autograd the gradients of h and w are worked out
+// chunk by chunk in the forward pass (the chunk's logits are at hand then)
+// and scaled in the backward. chunk_rows ≤ 0 picks rows for ~256 MiB of f32
+// logits a chunk.
+std::pair<torch::Tensor, torch::Tensor> linear_cross_entropy(const torch::Tensor& h, const torch::Tensor& w,
+                                                             const torch::Tensor& targets, int64_t chunk_rows = 0);
 
 }  // namespace memfl::torch_internal

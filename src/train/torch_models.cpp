@@ -137,7 +137,7 @@ struct ScriptNet final : Net {
 
 }  // namespace
 
-StatusOr<std::shared_ptr<Net>> make_model(const ModelConfig& m, const InputSpec& in) {
+StatusOr<std::shared_ptr<Net>> make_model(const ModelConfig& m, const InputSpec& in, torch::Device device) {
   if (m.model_name == "TorchScript") {
     torch::jit::Module module;
     try {
@@ -181,9 +181,11 @@ StatusOr<std::shared_ptr<Net>> make_model(const ModelConfig& m, const InputSpec&
       return invalid_argument("model {}: the data's tokens go up to {} but the vocabulary has {}", m.model_name,
                               in.num_classes, spec.vocab_size);
     }
-    auto net = make_llama(spec);
-    if (m.dtype != "f32") net->to(scalar_type_of(*dtype_from_name(m.dtype)));
-    return net;
+    LlamaOptions opt;
+    const auto dt = dtype_from_name(m.dtype);
+    if (!dt) return invalid_argument("model {}: unknown dtype '{}'", m.model_name, m.dtype);
+    opt.tensors = torch::TensorOptions().dtype(scalar_type_of(*dt)).device(device);
+    return make_llama(spec, opt);
   }
   return invalid_argument("unknown model '{}'; known models: {}", m.model_name, fmt::join(known_model_names(), ", "));
 }
@@ -242,7 +244,7 @@ StatusOr<BoundModel> bind_to_arena(Net& net) {
     torch::Tensor view =
         torch::from_blob(bound.arena.data() + e.offset, t.sizes(), torch::TensorOptions().dtype(t.scalar_type()));
     view.copy_(t);
-    t.set_data(view);  // the module now computes on the arena's bytes
+    if (!t.is_cuda()) t.set_data(view);  // the module now computes on the arena's bytes
   }
   return bound;
 }

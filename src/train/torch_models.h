@@ -20,6 +20,19 @@ struct Net : torch::nn::Module {
   // A user's TorchScript module: no DP layers, so DP-SGD takes the naive
   // route (one backward per sample).
   virtual bool is_torchscript() const { return false; }
+  // Mean loss of a batch and its correct predictions (per token for a
+  // language model). The Llama computes it from its hidden states a chunk of
+  // the vocabulary's logits at a time (train/llama_module.h); the rest from
+  // their logits.
+  virtual std::pair<torch::Tensor, torch::Tensor> loss_and_correct(const torch::Tensor& x, const torch::Tensor& y) {
+    auto logits = forward(x);
+    auto flat = logits.dim() == 3 ? logits.reshape({-1, logits.size(-1)}) : logits;
+    auto targets = y.reshape({-1});
+    auto loss = torch::nn::functional::cross_entropy(flat.to(torch::kFloat32), targets);
+    return {loss, flat.argmax(-1).eq(targets).sum()};
+  }
+  // Activation checkpointing per block, where the network has blocks.
+  virtual void set_gradient_checkpointing(bool /*on*/) {}
   // The tensors the arena holds, with the names a checkpoint gives them:
   // parameters, then buffers (a TorchScript module keeps its own names).
   virtual std::vector<std::pair<std::string, torch::Tensor>> named_tensors() {
@@ -31,7 +44,10 @@ struct Net : torch::nn::Module {
 };
 
 // Builds `model.model_name` for `input`; unknown names fail with the list.
-StatusOr<std::shared_ptr<Net>> make_model(const ModelConfig& model, const InputSpec& input);
+// A Llama is created and initialised on `device` in the model's dtype; the
+// other networks on the host (the caller moves them).
+StatusOr<std::shared_ptr<Net>> make_model(const ModelConfig& model, const InputSpec& input,
+                                          torch::Device device = torch::kCPU);
 
 StatusOr<DType> dtype_of(torch::ScalarType t);
 torch::ScalarType scalar_type_of(DType d);
@@ -43,6 +59,8 @@ struct BoundModel {
   Layout layout;
   Arena arena;
 };
+// A module on a GPU keeps its tensors there: the arena gets a copy of them
+// (the host side that travels) and the module is left as it is.
 StatusOr<BoundModel> bind_to_arena(Net& net);
 
 }  // namespace memfl::torch_internal

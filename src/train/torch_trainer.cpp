@@ -5,6 +5,7 @@
 #include <optional>
 #include <numeric>
 #include <random>
+#include <chrono>
 
 #include "memory/ledger.h"
 
@@ -26,7 +27,10 @@
 
 #include "data/experiment_data.h"
 #include "io/process.h"
+#include "model/llama.h"
+#include "tensor/safetensors.h"
 #include "train/dp_bench.h"
+#include "train/llama_module.h"
 #include "train/dp_sgd.h"
 #include "train/sharded_dp.h"
 #include "train/torch_models.h"
@@ -98,6 +102,62 @@ std::pair<double, int64_t> dp_schedule(const TrainConfig& cfg, int64_t n) {
 int64_t tensor_bytes(const torch::Tensor& t) {
   return t.defined() ? static_cast<int64_t>(t.numel() * t.element_size()) : 0;
 }
+
+// Adam on CUDA through libtorch 2.x's fused kernel (one launch per dtype for
+// every parameter, as torch.optim.Adam(fused=True)); the same update as
+// torch::optim::Adam (L2 weight decay added to the gradient), moments in the
+// parameters' dtype as torch's. Elsewhere the trainer uses torch::optim.
+#if defined(MEMFL_HAVE_CUDA_STATS) && defined(TORCH_VERSION_MAJOR) && TORCH_VERSION_MAJOR >= 2
+#define MEMFL_HAVE_FUSED_ADAM 1
+class FusedAdam {
+ public:
+  FusedAdam(std::vector<torch::Tensor> params, const OptimConfig& o) : o_(o) {
+    torch::NoGradGuard g;
+    for (auto& p : params) {
+      auto& grp = groups_[p.scalar_type()];
+      grp.params.push_back(p);
+      grp.exp_avg.push_back(torch::zeros_like(p));
+      grp.exp_avg_sq.push_back(torch::zeros_like(p));
+      grp.steps.push_back(torch::zeros({}, p.options().dtype(torch::kFloat32)));
+    }
+  }
+  void step() {
+    torch::NoGradGuard g;
+    for (auto& [dtype, grp] : groups_) {
+      std::vector<torch::Tensor> ps, gs, ms, vs, ss;
+      for (size_t i = 0; i < grp.params.size(); ++i) {
+        const auto& grad = grp.params[i].grad();
+        if (!grad.defined()) continue;
+        ps.push_back(grp.params[i]);
+        gs.push_back(grad);
+        ms.push_back(grp.exp_avg[i]);
+        vs.push_back(grp.exp_avg_sq[i]);
+        ss.push_back(grp.steps[i]);
+      }
+      if (ps.empty()) continue;
+      at::_foreach_add_(ss, 1);
+      at::_fused_adam_(ps, gs, ms, vs, {}, ss, o_.lr, o_.beta1, o_.beta2, o_.weight_decay, o_.eps,
+                       /*amsgrad=*/false, /*maximize=*/false, {}, {});
+    }
+  }
+  int64_t state_bytes() const {
+    int64_t b = 0;
+    for (const auto& [dtype, grp] : groups_) {
+      for (size_t i = 0; i < grp.params.size(); ++i) {
+        b += static_cast<int64_t>(grp.exp_avg[i].nbytes() + grp.exp_avg_sq[i].nbytes());
+      }
+    }
+    return b;
+  }
+
+ private:
+  struct Group {
+    std::vector<torch::Tensor> params, exp_avg, exp_avg_sq, steps;
+  };
+  OptimConfig o_;
+  std::map<torch::ScalarType, Group> groups_;
+};
+#endif
 
 class TorchReplica final : public ModelReplica {
  public:
@@ -185,6 +245,14 @@ class TorchReplica final : public ModelReplica {
           torch::optim::SGDOptions(o.lr).momentum(o.momentum).weight_decay(o.weight_decay).nesterov(o.nesterov));
     }
     if (cfg.dp.enabled) return train_dp(data, train_idx, val_idx, cfg, seed, *opt);
+    net_->set_gradient_checkpointing(cfg.gradient_checkpointing);
+#ifdef MEMFL_HAVE_FUSED_ADAM
+    std::unique_ptr<FusedAdam> fused;
+    if (device_.is_cuda() && o.optim == "Adam") {
+      opt.reset();  // no state was made yet: torch::optim allocates it at the first step
+      fused = std::make_unique<FusedAdam>(net_->parameters(), o);
+    }
+#endif
     // FedProx: the received global model's parameters, the anchor of the
     // proximal term. A copy is needed (the arena is trained in place): one
     // model's parameters more on the client, buffers excluded.
@@ -200,10 +268,17 @@ class TorchReplica final : public ModelReplica {
     const int64_t max_steps = cfg.mode == "step" ? cfg.num_local_steps : INT64_MAX;
     const int epochs = cfg.mode == "step" ? INT32_MAX : cfg.num_local_epochs;
     TrainResult r;
-    double loss_sum = 0;
-    double correct = 0;
+    // Summed on the device and read once at the end: a read per step would
+    // wait for the GPU every step.
+    torch::Tensor loss_sum, correct;
     torch::Tensor x, y;
     const bool lm = net_->is_language_model();
+    const auto loop_start = std::chrono::steady_clock::now();
+#ifdef MEMFL_HAVE_FUSED_ADAM
+    const FusedAdam* fused_ptr = fused.get();
+#else
+    const void* fused_ptr = nullptr;
+#endif
     for (int ep = 0; ep < epochs && r.num_steps < max_steps; ++ep) {
       if (cfg.train_data_shuffle) std::shuffle(order.begin(), order.end(), rng);
       for (size_t b = 0; b < order.size() && r.num_steps < max_steps; b += bs) {
@@ -213,11 +288,10 @@ class TorchReplica final : public ModelReplica {
         } else {
           fill_batch(data, std::span<const uint32_t>(order).subspan(b, n), x, y);
         }
-        x = x.to(device_);
-        y = y.to(device_);
-        opt->zero_grad();
-        auto logits = net_->forward(x);
-        auto loss = batch_loss(logits, y);
+        x = x.to(device_, /*non_blocking=*/true);
+        y = y.to(device_, /*non_blocking=*/true);
+        if (!device_.is_cuda()) opt->zero_grad();
+        auto [loss, right] = net_->loss_and_correct(x, y);
         loss.backward();
         if (cfg.mu > 0) {
           // ∇ μ/2·‖w − w_g‖² = μ·(w − w_g), added to each gradient.
@@ -226,7 +300,15 @@ class TorchReplica final : public ModelReplica {
             if (params[i].grad().defined()) params[i].grad().add_(params[i].detach() - anchor[i], cfg.mu);
           }
         }
+#ifdef MEMFL_HAVE_FUSED_ADAM
+        if (fused) {
+          fused->step();
+        } else {
+          opt->step();
+        }
+#else
         opt->step();
+#endif
         if (r.num_steps == 0) {
           // Gradients and the optimizer's moments exist from the first step
           // to the end of the turn: the ledger holds them for all of it, so
@@ -234,23 +316,38 @@ class TorchReplica final : public ModelReplica {
           int64_t grads = 0;
           for (auto& p : net_->parameters()) grads += tensor_bytes(p.grad());
           Ledger::instance().set(MemoryCategory::kGradients, grads);
-          Ledger::instance().set(MemoryCategory::kOptimizer, optimizer_state_bytes(*opt, o.optim));
+          Ledger::instance().set(MemoryCategory::kOptimizer, state_bytes(opt.get(), fused_ptr, o.optim));
         }
-        loss_sum += loss.item<double>() * static_cast<double>(n);
-        // Accuracy per predicted element (per token for a language model).
-        correct += static_cast<double>(batch_correct(logits, y)) * static_cast<double>(n) /
-                   static_cast<double>(std::max<int64_t>(1, y.numel()));
+        // On the GPU the gradients go to None before the next backward
+        // (torch's set_to_none): the backward writes them instead of adding
+        // to zeros, and the caching allocator hands back the same blocks.
+        if (device_.is_cuda()) {
+          for (auto& p : net_->parameters()) p.mutable_grad() = torch::Tensor();
+        }
+        {
+          torch::NoGradGuard g;
+          auto weighted = loss.detach() * static_cast<double>(n);
+          // Accuracy per predicted element (per token for a language model).
+          auto acc = right.to(torch::kFloat64) *
+                     (static_cast<double>(n) / static_cast<double>(std::max<int64_t>(1, y.numel())));
+          loss_sum = loss_sum.defined() ? loss_sum + weighted : weighted;
+          correct = correct.defined() ? correct + acc : acc;
+        }
         r.num_samples += static_cast<int64_t>(n);
         r.num_steps++;
       }
     }
     if (r.num_samples > 0) {
-      r.train_loss = loss_sum / static_cast<double>(r.num_samples);
-      r.train_accuracy = correct / static_cast<double>(r.num_samples);
+      r.train_loss = loss_sum.item<double>() / static_cast<double>(r.num_samples);
+      r.train_accuracy = correct.item<double>() / static_cast<double>(r.num_samples);
     }
-    // What training cost on top of the model, for the ledger and reports.
-    for (auto& p : net_->parameters()) r.gradient_bytes += tensor_bytes(p.grad());
-    r.optimizer_bytes = optimizer_state_bytes(*opt, o.optim);
+    r.step_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - loop_start).count();
+    // What training cost on top of the model, for the ledger and reports:
+    // a gradient per parameter and the optimizer's state.
+    if (r.num_steps > 0) {
+      for (auto& p : net_->parameters()) r.gradient_bytes += tensor_bytes(p);
+    }
+    r.optimizer_bytes = state_bytes(opt.get(), fused_ptr, o.optim);
     auto& ledger = Ledger::instance();
     ledger.set(MemoryCategory::kGradients, r.gradient_bytes);
     ledger.set(MemoryCategory::kOptimizer, r.optimizer_bytes);
@@ -406,6 +503,15 @@ class TorchReplica final : public ModelReplica {
     return r;
   }
 
+#ifdef MEMFL_HAVE_FUSED_ADAM
+  static int64_t state_bytes(torch::optim::Optimizer* opt, const FusedAdam* fused, const std::string& kind) {
+    return fused != nullptr ? fused->state_bytes() : optimizer_state_bytes(*opt, kind);
+  }
+#else
+  static int64_t state_bytes(torch::optim::Optimizer* opt, const void*, const std::string& kind) {
+    return optimizer_state_bytes(*opt, kind);
+  }
+#endif
   static int64_t optimizer_state_bytes(torch::optim::Optimizer& opt, const std::string& kind) {
     int64_t bytes = 0;
     for (auto& kv : opt.state()) {
@@ -928,6 +1034,135 @@ Status shard_rank_main() {
   }
 }
 
+// `memfl bench llm` (LlmBenchOptions): the oracle's logits, or the trainer timed.
+int64_t cuda_peak_allocated(bool reset) {
+#ifdef MEMFL_HAVE_CUDA_STATS
+  if (!torch::cuda::is_available()) return 0;
+  if (reset) {
+    torch::cuda::synchronize();
+    c10::cuda::CUDACachingAllocator::resetPeakStats(0);
+    return 0;
+  }
+  torch::cuda::synchronize();
+  const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(0);
+  return stats.allocated_bytes[static_cast<size_t>(c10::CachingDeviceAllocator::StatType::AGGREGATE)].peak;
+#else
+  (void)reset;
+  return 0;
+#endif
+}
+
+StatusOr<std::string> llm_logits(const LlmBenchOptions& o, torch::Device dev) {
+  MEMFL_ASSIGN_OR_RETURN(auto net, make_model(o.model, InputSpec{1, 1, 1, 0}, dev));
+  MEMFL_ASSIGN_OR_RETURN(auto bound, bind_to_arena(*net));
+  MEMFL_ASSIGN_OR_RETURN(auto file, SafetensorsFile::open(o.weights));
+  MEMFL_RETURN_IF_ERROR(file->load_into(bound.layout, bound.arena).with_context(o.weights));
+  torch::NoGradGuard g;
+  auto named = net->named_tensors();
+  for (size_t i = 0; i < named.size(); ++i) {
+    const auto& e = bound.layout.entries()[i];
+    auto& t = named[i].second;
+    if (t.is_cuda()) {
+      t.copy_(torch::from_blob(bound.arena.data() + e.offset, t.sizes(), t.options().device(torch::kCPU)));
+    }
+  }
+  const int64_t b = o.batch_size, len = o.seq_length + 1;
+  auto all = torch::empty({b, len}, torch::kInt64);
+  FILE* f = std::fopen(o.tokens.c_str(), "rb");
+  if (f == nullptr) return not_found("bench llm: --tokens {}: cannot open", o.tokens);
+  const size_t got = std::fread(all.data_ptr<int64_t>(), sizeof(int64_t), static_cast<size_t>(b * len), f);
+  std::fclose(f);
+  if (got != static_cast<size_t>(b * len)) {
+    return invalid_argument("bench llm: --tokens {} holds {} int64 tokens, not batch × (seq + 1) = {}", o.tokens, got,
+                            b * len);
+  }
+  auto x = all.narrow(1, 0, len - 1).contiguous().to(dev), y = all.narrow(1, 1, len - 1).contiguous().to(dev);
+  net->eval();
+  auto logits = net->forward(x).to(torch::kFloat32).cpu().contiguous();
+  auto [loss, correct] = net->loss_and_correct(x, y);
+  FILE* out = std::fopen(o.logits_out.c_str(), "wb");
+  if (out == nullptr) return internal_error("bench llm: cannot write {}", o.logits_out);
+  std::fwrite(logits.data_ptr<float>(), sizeof(float), static_cast<size_t>(logits.numel()), out);
+  std::fclose(out);
+  nlohmann::ordered_json j;
+  j["mode"] = "logits";
+  j["loss"] = loss.item<double>();
+  j["correct"] = correct.item<int64_t>();
+  j["logits"] = o.logits_out;
+  j["shape"] = logits.sizes().vec();
+  j["device"] = dev.str();
+  j["attention"] = fused_attention_available() ? "scaled_dot_product_attention" : "math";
+  return j.dump();
+}
+
+StatusOr<std::string> llm_train_bench(TrainerBackend& backend, const LlmBenchOptions& o, torch::Device dev) {
+  using clock = std::chrono::steady_clock;
+  auto since_start = [&] { return static_cast<double>(clock::now().time_since_epoch().count() - o.started_ns) * 1e-9; };
+  MEMFL_ASSIGN_OR_RETURN(LlamaSpec spec, llama_spec_from_config(o.model));
+  const auto t0 = clock::now();
+  MEMFL_ASSIGN_OR_RETURN(auto replica, backend.create_replica(o.model, InputSpec{1, 1, 1, 0}, o.device, o.seed));
+  const double setup_s = std::chrono::duration<double>(clock::now() - t0).count();
+  // Random tokens below min(vocab, 256): the data set's samples are bytes.
+  ImageDataset data;
+  data.name = "random-tokens";
+  data.channels = data.height = 1;
+  data.width = o.seq_length + 1;
+  const int64_t n = static_cast<int64_t>(o.batch_size) * (o.steps + o.warmup + 1);
+  data.labels.assign(static_cast<size_t>(n), 0);
+  data.pixels.resize(static_cast<size_t>(n * data.width));
+  std::mt19937_64 rng(o.seed);
+  const int64_t top = std::min<int64_t>(256, spec.vocab_size);
+  for (auto& p : data.pixels) p = static_cast<uint8_t>(rng() % static_cast<uint64_t>(top));
+  std::vector<uint32_t> idx(static_cast<size_t>(n));
+  std::iota(idx.begin(), idx.end(), 0u);
+  TrainConfig cfg;
+  cfg.mode = "step";
+  cfg.train_batch_size = o.batch_size;
+  cfg.train_data_shuffle = false;
+  cfg.do_validation = false;
+  cfg.device = o.device;
+  cfg.gradient_checkpointing = o.gradient_checkpointing;
+  cfg.optim.optim = o.optimizer;
+  cfg.optim.lr = o.lr;
+  // The first step, as a client's first round takes it.
+  cfg.num_local_steps = 1;
+  MEMFL_ASSIGN_OR_RETURN(TrainResult first, replica->train(data, idx, {}, cfg, o.seed));
+  const double first_step_s = since_start();
+  cfg.num_local_steps = o.warmup;
+  if (o.warmup > 0) MEMFL_RETURN_IF_ERROR(replica->train(data, idx, {}, cfg, o.seed).status());
+  cuda_peak_allocated(/*reset=*/true);
+  cfg.num_local_steps = o.steps;
+  const auto t1 = clock::now();
+  MEMFL_ASSIGN_OR_RETURN(TrainResult r, replica->train(data, idx, {}, cfg, o.seed));
+  const double turn_s = std::chrono::duration<double>(clock::now() - t1).count();
+  const int64_t peak = cuda_peak_allocated(false);
+  const double tokens = static_cast<double>(o.steps) * o.batch_size * o.seq_length;
+  nlohmann::ordered_json j;
+  j["impl"] = "memfl";
+  j["model"] = o.model.model_name;
+  j["num_params"] = llama_num_params(spec);
+  j["dtype"] = o.model.dtype;
+  j["batch_size"] = o.batch_size;
+  j["seq_length"] = o.seq_length;
+  j["steps"] = o.steps;
+  j["optimizer"] = o.optimizer;
+  j["gradient_checkpointing"] = o.gradient_checkpointing;
+  j["attention"] = fused_attention_available() ? "scaled_dot_product_attention" : "math";
+  j["device"] = dev.str();
+  j["tokens_per_s"] = r.step_seconds > 0 ? tokens / r.step_seconds : 0.0;
+  j["step_seconds"] = r.step_seconds;
+  j["turn_seconds"] = turn_s;  // the steps plus the model's copies in and out of the arena
+  j["peak_allocated_bytes"] = peak;
+  j["setup_seconds"] = setup_s;
+  j["first_step_seconds_since_start"] = first_step_s;
+  j["first_loss"] = first.train_loss;
+  j["loss"] = r.train_loss;
+  j["gradient_bytes"] = r.gradient_bytes;
+  j["optimizer_bytes"] = r.optimizer_bytes;
+  j["model_bytes"] = static_cast<int64_t>(replica->layout().total_bytes());
+  return j.dump();
+}
+
 class TorchBackend final : public TrainerBackend {
  public:
   std::vector<std::string> model_names() const override {
@@ -946,7 +1181,9 @@ class TorchBackend final : public TrainerBackend {
         dev = torch::Device(torch::kCUDA);
       }
       torch::manual_seed(seed);  // same seed, same initial global model
-      MEMFL_ASSIGN_OR_RETURN(auto net, make_model(model, input));
+      // A Llama is made on its device (weights drawn there, in its dtype);
+      // the arena gets their host copy.
+      MEMFL_ASSIGN_OR_RETURN(auto net, make_model(model, input, dev));
       MEMFL_ASSIGN_OR_RETURN(auto bound, bind_to_arena(*net));
       return std::unique_ptr<ModelReplica>(std::make_unique<TorchReplica>(std::move(net), std::move(bound), dev));
     } catch (const std::exception& e) {
@@ -986,6 +1223,20 @@ class TorchBackend final : public TrainerBackend {
       return run_dp_bench(options);
     } catch (const std::exception& e) {
       return internal_error("bench dp failed in libtorch: {}", e.what());
+    }
+  }
+
+  StatusOr<std::string> bench_llm(const LlmBenchOptions& options) override {
+    try {
+      torch::Device dev(torch::kCPU);
+      if (options.device == "cuda") {
+        if (!torch::cuda::is_available()) return failed_precondition("bench llm: --device cuda but no CUDA device");
+        dev = torch::Device(torch::kCUDA);
+      }
+      if (!options.weights.empty()) return llm_logits(options, dev);
+      return llm_train_bench(*this, options, dev);
+    } catch (const std::exception& e) {
+      return internal_error("bench llm failed in libtorch: {}", e.what());
     }
   }
 

@@ -29,6 +29,7 @@ struct TrainResult {
   double train_accuracy = 0;
   int64_t num_samples = 0;  // samples seen in training (what FedAvg weighs by)
   int64_t num_steps = 0;
+  double step_seconds = 0;  // the optimisation steps alone (no copies in or out)
   double val_loss = 0;
   double val_accuracy = 0;
   bool has_validation = false;
@@ -89,6 +90,25 @@ struct DpBenchOptions {
   std::string dtype = "float32";  // float32 | bfloat16: parameters, gradients, optimizer state
 };
 
+// `memfl bench llm`: memfl's trainer (the replica a client trains) on a
+// Llama shape, steps of batch_size × seq_length random tokens: set-up time,
+// time to the first step, tokens/s of the timed steps, the CUDA allocator's
+// peak. With `weights` and `tokens`: instead, the logits and loss of those
+// weights (a safetensors file in the model's layout) on those tokens (raw
+// int64 [batch, seq_length + 1]), written to `logits_out` as raw f32: the
+// oracle comparison's memfl side.
+struct LlmBenchOptions {
+  ModelConfig model;
+  int batch_size = 4, seq_length = 512, steps = 10, warmup = 3;
+  std::string device = "cuda";
+  std::string optimizer = "Adam";  // Adam | SGD
+  double lr = 1e-5;
+  bool gradient_checkpointing = false;
+  uint64_t seed = 42;
+  int64_t started_ns = 0;  // steady_clock time the command started
+  std::string weights, tokens, logits_out;
+};
+
 class TrainerBackend {
  public:
   virtual ~TrainerBackend() = default;
@@ -124,6 +144,11 @@ class TrainerBackend {
   virtual StatusOr<std::vector<std::string>> bench_dp(const DpBenchOptions& options) {
     (void)options;
     return failed_precondition("this trainer plugin has no DP benchmark");
+  }
+  // One JSON object (text); see LlmBenchOptions.
+  virtual StatusOr<std::string> bench_llm(const LlmBenchOptions& options) {
+    (void)options;
+    return failed_precondition("this trainer plugin has no LLM benchmark");
   }
 };
 
