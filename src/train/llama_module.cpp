@@ -27,16 +27,61 @@ torch::Tensor normal_param(std::vector<int64_t> shape, const torch::TensorOption
   return torch::empty(shape, o).normal_(0.0, 0.02);
 }
 
+// RMSNorm that keeps only its input and the per-row 1/rms for the backward
+// (the composed form keeps the f32 copy of the input and the normalised
+// values too: 1.5 × the input in bf16, twice a layer).
+struct RmsNormFn : torch::autograd::Function<RmsNormFn> {
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x, const torch::Tensor& w, double eps) {
+    auto xf = x.to(torch::kFloat32);
+    auto rstd = torch::rsqrt(xf.pow(2).mean(-1, /*keepdim=*/true) + eps);
+    ctx->save_for_backward({x, w, rstd});
+    // In f32 whatever the weights' dtype, as the reference implementation does.
+    return w * (xf * rstd).to(x.scalar_type());
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto saved = ctx->get_saved_variables();
+    const auto &x = saved[0], &w = saved[1], &rstd = saved[2];
+    auto g = grads[0].to(torch::kFloat32);
+    auto n = x.to(torch::kFloat32) * rstd;
+    const int64_t h = x.size(-1);
+    auto dw = (g * n.to(x.scalar_type()).to(torch::kFloat32)).reshape({-1, h}).sum(0).to(w.scalar_type());
+    // d/dx of w·x·r(x), r = (mean x² + eps)^-½: r·(dn − n·mean(dn·n)).
+    auto dn = g * w.to(torch::kFloat32);
+    auto dx = rstd * (dn - n * (dn * n).mean(-1, /*keepdim=*/true));
+    return {dx.to(x.scalar_type()), dw, torch::Tensor()};
+  }
+};
+
+// down(silu(gate) · up) keeping only gate and up: the product and silu(gate)
+// are recomputed in the backward (elementwise, cheap) instead of being kept,
+// two [tokens, intermediate] tensors a layer fewer than the composed form.
+struct SwiGluDownFn : torch::autograd::Function<SwiGluDownFn> {
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& gate, const torch::Tensor& up,
+                               const torch::Tensor& w_down) {
+    ctx->save_for_backward({gate, up, w_down});
+    return torch::linear(torch::silu(gate) * up, w_down);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto saved = ctx->get_saved_variables();
+    const auto &gate = saved[0], &up = saved[1], &w = saved[2];
+    const auto& gy = grads[0];
+    auto sig = torch::sigmoid(gate);
+    auto act = gate * sig;           // silu(gate)
+    auto dp = torch::matmul(gy, w);  // [.., intermediate]
+    const int64_t out = gy.size(-1), inner = up.size(-1);
+    auto dw = torch::matmul(gy.reshape({-1, out}).t(), (act * up).reshape({-1, inner}));
+    auto dup = dp * act;
+    // silu'(g) = σ(g)·(1 + g·(1 − σ(g))).
+    auto dgate = dp * up * sig * (1 + gate * (1 - sig));
+    return {dgate, dup, dw};
+  }
+};
+
 struct RMSNormImpl : torch::nn::Module {
   RMSNormImpl(int64_t dim, double epsilon, const torch::TensorOptions& o) : eps(epsilon) {
     weight = register_parameter("weight", torch::ones({dim}, o));
   }
-  torch::Tensor forward(const torch::Tensor& x) {
-    // In f32 whatever the weights' dtype, as the reference implementation does.
-    auto xf = x.to(torch::kFloat32);
-    auto normed = xf * torch::rsqrt(xf.pow(2).mean(-1, /*keepdim=*/true) + eps);
-    return weight * normed.to(x.scalar_type());
-  }
+  torch::Tensor forward(const torch::Tensor& x) { return RmsNormFn::apply(x, weight, eps); }
   torch::Tensor weight;
   double eps;
 };
@@ -102,7 +147,9 @@ struct MlpImpl : torch::nn::Module {
     up_proj = register_module("up_proj", Proj(s.hidden_size, s.intermediate_size, o));
     down_proj = register_module("down_proj", Proj(s.intermediate_size, s.hidden_size, o));
   }
-  torch::Tensor forward(const torch::Tensor& x) { return down_proj(torch::silu(gate_proj(x)) * up_proj(x)); }
+  torch::Tensor forward(const torch::Tensor& x) {
+    return SwiGluDownFn::apply(gate_proj(x), up_proj(x), down_proj->weight);
+  }
   Proj gate_proj{nullptr}, up_proj{nullptr}, down_proj{nullptr};
 };
 TORCH_MODULE(Mlp);

@@ -103,59 +103,97 @@ int64_t tensor_bytes(const torch::Tensor& t) {
   return t.defined() ? static_cast<int64_t>(t.numel() * t.element_size()) : 0;
 }
 
-// Adam on CUDA through libtorch 2.x's fused kernel (one launch per dtype for
-// every parameter, as torch.optim.Adam(fused=True)); the same update as
-// torch::optim::Adam (L2 weight decay added to the gradient), moments in the
-// parameters' dtype as torch's. Elsewhere the trainer uses torch::optim.
+// Adam on CUDA through libtorch 2.x's fused kernel (as
+// torch.optim.Adam(fused=True)): the same update as torch::optim::Adam (L2
+// weight decay added to the gradient), moments in the parameters' dtype as
+// torch's. Where libtorch has post-accumulate-grad hooks (2.1+), each
+// parameter is stepped as soon as its gradient is complete and the gradient
+// is dropped there (the optimizer step in the backward): no moment exists
+// with every gradient of the model at once, which saves a model's worth of
+// GPU memory. Elsewhere the trainer uses torch::optim.
 #if defined(MEMFL_HAVE_CUDA_STATS) && defined(TORCH_VERSION_MAJOR) && TORCH_VERSION_MAJOR >= 2
 #define MEMFL_HAVE_FUSED_ADAM 1
+#if (TORCH_VERSION_MAJOR > 2 || TORCH_VERSION_MINOR >= 1) && !defined(MEMFL_NO_STEP_IN_BACKWARD)
+#define MEMFL_HAVE_STEP_IN_BACKWARD 1
+#endif
 class FusedAdam {
  public:
-  FusedAdam(std::vector<torch::Tensor> params, const OptimConfig& o) : o_(o) {
+  FusedAdam(std::vector<torch::Tensor> params, const OptimConfig& o, bool in_backward) : o_(o) {
     torch::NoGradGuard g;
     for (auto& p : params) {
-      auto& grp = groups_[p.scalar_type()];
-      grp.params.push_back(p);
-      grp.exp_avg.push_back(torch::zeros_like(p));
-      grp.exp_avg_sq.push_back(torch::zeros_like(p));
-      grp.steps.push_back(torch::zeros({}, p.options().dtype(torch::kFloat32)));
+      params_.push_back(p);
+      exp_avg_.push_back(torch::zeros_like(p));
+      exp_avg_sq_.push_back(torch::zeros_like(p));
+      steps_.push_back(torch::zeros({}, p.options().dtype(torch::kFloat32)));
     }
-  }
-  void step() {
-    torch::NoGradGuard g;
-    for (auto& [dtype, grp] : groups_) {
-      std::vector<torch::Tensor> ps, gs, ms, vs, ss;
-      for (size_t i = 0; i < grp.params.size(); ++i) {
-        const auto& grad = grp.params[i].grad();
-        if (!grad.defined()) continue;
-        ps.push_back(grp.params[i]);
-        gs.push_back(grad);
-        ms.push_back(grp.exp_avg[i]);
-        vs.push_back(grp.exp_avg_sq[i]);
-        ss.push_back(grp.steps[i]);
+#ifdef MEMFL_HAVE_STEP_IN_BACKWARD
+    if (in_backward) {
+      for (size_t i = 0; i < params_.size(); ++i) {
+        torch::autograd::impl::set_post_acc_grad_hooks(params_[i], std::make_unique<StepHook>(this, i));
       }
-      if (ps.empty()) continue;
-      at::_foreach_add_(ss, 1);
-      at::_fused_adam_(ps, gs, ms, vs, {}, ss, o_.lr, o_.beta1, o_.beta2, o_.weight_decay, o_.eps,
-                       /*amsgrad=*/false, /*maximize=*/false, {}, {});
+      in_backward_ = true;
     }
+#else
+    (void)in_backward;
+#endif
+  }
+  ~FusedAdam() {
+#ifdef MEMFL_HAVE_STEP_IN_BACKWARD
+    if (in_backward_) {
+      for (auto& p : params_) torch::autograd::impl::set_post_acc_grad_hooks(p, nullptr);
+    }
+#endif
+  }
+  FusedAdam(const FusedAdam&) = delete;
+  FusedAdam& operator=(const FusedAdam&) = delete;
+  // Whether step() is done by the backward itself.
+  bool in_backward() const { return in_backward_; }
+  void step() {
+    if (in_backward_) return;
+    torch::NoGradGuard g;
+    std::map<torch::ScalarType, std::vector<size_t>> by_dtype;  // one launch per dtype
+    for (size_t i = 0; i < params_.size(); ++i) {
+      if (params_[i].grad().defined()) by_dtype[params_[i].scalar_type()].push_back(i);
+    }
+    for (const auto& [dtype, idx] : by_dtype) update(idx);
   }
   int64_t state_bytes() const {
     int64_t b = 0;
-    for (const auto& [dtype, grp] : groups_) {
-      for (size_t i = 0; i < grp.params.size(); ++i) {
-        b += static_cast<int64_t>(grp.exp_avg[i].nbytes() + grp.exp_avg_sq[i].nbytes());
-      }
+    for (size_t i = 0; i < params_.size(); ++i) {
+      b += static_cast<int64_t>(exp_avg_[i].nbytes() + exp_avg_sq_[i].nbytes());
     }
     return b;
   }
 
  private:
-  struct Group {
-    std::vector<torch::Tensor> params, exp_avg, exp_avg_sq, steps;
+  void update(const std::vector<size_t>& idx) {
+    std::vector<torch::Tensor> ps, gs, ms, vs, ss;
+    for (size_t i : idx) {
+      ps.push_back(params_[i]);
+      gs.push_back(params_[i].grad());
+      ms.push_back(exp_avg_[i]);
+      vs.push_back(exp_avg_sq_[i]);
+      ss.push_back(steps_[i]);
+    }
+    at::_foreach_add_(ss, 1);
+    at::_fused_adam_(ps, gs, ms, vs, {}, ss, o_.lr, o_.beta1, o_.beta2, o_.weight_decay, o_.eps,
+                     /*amsgrad=*/false, /*maximize=*/false, {}, {});
+  }
+#ifdef MEMFL_HAVE_STEP_IN_BACKWARD
+  struct StepHook final : torch::autograd::PostAccumulateGradHook {
+    StepHook(FusedAdam* o, size_t i) : opt(o), index(i) {}
+    void operator()(const torch::autograd::Variable& /*param*/) override {
+      torch::NoGradGuard g;
+      opt->update({index});
+      opt->params_[index].mutable_grad() = torch::Tensor();
+    }
+    FusedAdam* opt;
+    size_t index;
   };
+#endif
   OptimConfig o_;
-  std::map<torch::ScalarType, Group> groups_;
+  std::vector<torch::Tensor> params_, exp_avg_, exp_avg_sq_, steps_;
+  bool in_backward_ = false;
 };
 #endif
 
@@ -250,7 +288,8 @@ class TorchReplica final : public ModelReplica {
     std::unique_ptr<FusedAdam> fused;
     if (device_.is_cuda() && o.optim == "Adam") {
       opt.reset();  // no state was made yet: torch::optim allocates it at the first step
-      fused = std::make_unique<FusedAdam>(net_->parameters(), o);
+      // FedProx adds its term to the whole gradient after the backward.
+      fused = std::make_unique<FusedAdam>(net_->parameters(), o, /*in_backward=*/cfg.mu == 0);
     }
 #endif
     // FedProx: the received global model's parameters, the anchor of the
@@ -315,6 +354,10 @@ class TorchReplica final : public ModelReplica {
           // an RSS peak inside training sees them (not only after the last step).
           int64_t grads = 0;
           for (auto& p : net_->parameters()) grads += tensor_bytes(p.grad());
+#ifdef MEMFL_HAVE_FUSED_ADAM
+          // Stepped in the backward: a parameter's gradient lives only until its step.
+          if (fused && fused->in_backward()) grads = largest_param_bytes();
+#endif
           Ledger::instance().set(MemoryCategory::kGradients, grads);
           Ledger::instance().set(MemoryCategory::kOptimizer, state_bytes(opt.get(), fused_ptr, o.optim));
         }
@@ -346,6 +389,9 @@ class TorchReplica final : public ModelReplica {
     // a gradient per parameter and the optimizer's state.
     if (r.num_steps > 0) {
       for (auto& p : net_->parameters()) r.gradient_bytes += tensor_bytes(p);
+#ifdef MEMFL_HAVE_FUSED_ADAM
+      if (fused && fused->in_backward()) r.gradient_bytes = largest_param_bytes();
+#endif
     }
     r.optimizer_bytes = state_bytes(opt.get(), fused_ptr, o.optim);
     auto& ledger = Ledger::instance();
@@ -354,6 +400,9 @@ class TorchReplica final : public ModelReplica {
     // Nothing of this client survives its turn: drop gradients and the optimizer.
     for (auto& p : net_->parameters()) p.mutable_grad() = torch::Tensor();
     opt.reset();
+#ifdef MEMFL_HAVE_FUSED_ADAM
+    fused.reset();
+#endif
     ledger.set(MemoryCategory::kGradients, 0);
     ledger.set(MemoryCategory::kOptimizer, 0);
     return finish_turn(std::move(r), data, val_idx, cfg);
@@ -512,6 +561,11 @@ class TorchReplica final : public ModelReplica {
     return optimizer_state_bytes(*opt, kind);
   }
 #endif
+  int64_t largest_param_bytes() {
+    int64_t b = 0;
+    for (auto& p : net_->parameters()) b = std::max(b, tensor_bytes(p));
+    return b;
+  }
   static int64_t optimizer_state_bytes(torch::optim::Optimizer& opt, const std::string& kind) {
     int64_t bytes = 0;
     for (auto& kv : opt.state()) {

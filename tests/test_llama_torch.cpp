@@ -1,0 +1,177 @@
+// memfl's Llama module (train/llama_module.h) against independent forms: the
+// loss over the vocabulary in chunks against full logits, the module's
+// hand-written backward passes (RMSNorm, SwiGLU, chunked loss, checkpointed
+// blocks) against autograd through a Llama composed here from plain torch
+// ops, fused attention against the math form, and the logits against a
+// Llama written in Python (tests/python/llama_oracle.py).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <string>
+
+#include "train/llama_module.h"
+
+namespace memfl::torch_internal {
+namespace {
+
+double max_rel_diff(const torch::Tensor& a, const torch::Tensor& b) {
+  const double scale = std::max(1e-12, b.abs().max().item<double>());
+  return (a.to(torch::kFloat64) - b.to(torch::kFloat64)).abs().max().item<double>() / scale;
+}
+
+LlamaSpec tiny_spec() {
+  LlamaSpec s;
+  s.name = "llama";
+  s.hidden_size = 32;
+  s.num_layers = 2;
+  s.num_heads = 4;
+  s.num_kv_heads = 2;
+  s.intermediate_size = 48;
+  s.vocab_size = 40;
+  return s;
+}
+
+// The Llama of the published architecture, written with autograd's own ops
+// on the module's parameters (by name), so its gradients are autograd's.
+torch::Tensor composed_loss(torch::nn::Module& net, const LlamaSpec& s, const torch::Tensor& x,
+                            const torch::Tensor& y) {
+  auto p = [&](const std::string& name) { return net.named_parameters()[name]; };
+  auto rms = [&](const torch::Tensor& v, const torch::Tensor& w) {
+    return w * (v * torch::rsqrt(v.pow(2).mean(-1, true) + s.rms_norm_eps));
+  };
+  const int64_t b = x.size(0), t = x.size(1), hd = s.head_dim();
+  auto h = torch::embedding(p("model.embed_tokens.weight"), x);
+  auto inv = torch::pow(s.rope_theta, -torch::arange(0, hd, 2, torch::kFloat32) / static_cast<double>(hd));
+  auto ang = torch::outer(torch::arange(t, torch::kFloat32), inv);
+  auto cos = torch::cat({ang.cos(), ang.cos()}, -1), sin = torch::cat({ang.sin(), ang.sin()}, -1);
+  auto rope = [&](const torch::Tensor& v) {
+    auto x1 = v.narrow(-1, 0, hd / 2), x2 = v.narrow(-1, hd / 2, hd / 2);
+    return v * cos + torch::cat({-x2, x1}, -1) * sin;
+  };
+  auto mask = torch::full({t, t}, -INFINITY).triu(1);
+  for (int64_t i = 0; i < s.num_layers; ++i) {
+    const std::string l = "model.layers." + std::to_string(i) + ".";
+    auto a = rms(h, p(l + "input_layernorm.weight"));
+    auto q = rope(torch::matmul(a, p(l + "self_attn.q_proj.weight").t()).view({b, t, s.num_heads, hd}).transpose(1, 2));
+    auto k =
+        rope(torch::matmul(a, p(l + "self_attn.k_proj.weight").t()).view({b, t, s.num_kv_heads, hd}).transpose(1, 2));
+    auto v = torch::matmul(a, p(l + "self_attn.v_proj.weight").t()).view({b, t, s.num_kv_heads, hd}).transpose(1, 2);
+    const int64_t rep = s.num_heads / s.num_kv_heads;
+    k = k.repeat_interleave(rep, 1);
+    v = v.repeat_interleave(rep, 1);
+    auto att =
+        torch::matmul(torch::softmax(torch::matmul(q, k.transpose(-1, -2)) / std::sqrt(double(hd)) + mask, -1), v);
+    h = h + torch::matmul(att.transpose(1, 2).reshape({b, t, -1}), p(l + "self_attn.o_proj.weight").t());
+    auto m = rms(h, p(l + "post_attention_layernorm.weight"));
+    auto g = torch::matmul(m, p(l + "mlp.gate_proj.weight").t());
+    auto u = torch::matmul(m, p(l + "mlp.up_proj.weight").t());
+    h = h + torch::matmul(torch::silu(g) * u, p(l + "mlp.down_proj.weight").t());
+  }
+  auto logits = torch::matmul(rms(h, p("model.norm.weight")), p("lm_head.weight").t());
+  return torch::nn::functional::cross_entropy(logits.reshape({-1, s.vocab_size}), y.reshape({-1}));
+}
+
+std::vector<torch::Tensor> grads_of(torch::nn::Module& net) {
+  std::vector<torch::Tensor> g;
+  for (auto& p : net.parameters()) g.push_back(p.grad().clone());
+  for (auto& p : net.parameters()) p.mutable_grad() = torch::Tensor();
+  return g;
+}
+
+TEST(LlamaTorch, ChunkedLossAndGradientsMatchFullLogits) {
+  torch::manual_seed(3);
+  // 37 rows in chunks of 8: the last chunk is partial.
+  auto h = torch::randn({37, 16}).requires_grad_(true);
+  auto w = torch::randn({50, 16}).requires_grad_(true);
+  auto y = torch::randint(0, 50, {37}, torch::kInt64);
+  auto [loss, correct] = linear_cross_entropy(h, w, y, 8);
+  loss.mul(2.5).backward();  // a scale on the loss must reach both gradients
+  auto gh = h.grad().clone(), gw = w.grad().clone();
+  h.mutable_grad() = torch::Tensor();
+  w.mutable_grad() = torch::Tensor();
+  auto logits = torch::matmul(h, w.t());
+  auto ref = torch::nn::functional::cross_entropy(logits, y);
+  ref.mul(2.5).backward();
+  EXPECT_NEAR(loss.item<double>(), ref.item<double>(), 1e-5);
+  EXPECT_EQ(correct.item<int64_t>(), logits.argmax(-1).eq(y).sum().item<int64_t>());
+  EXPECT_LT(max_rel_diff(gh, h.grad()), 1e-5);
+  EXPECT_LT(max_rel_diff(gw, w.grad()), 1e-5);
+}
+
+TEST(LlamaTorch, GradientsMatchAutogradThroughAComposedLlama) {
+  const LlamaSpec s = tiny_spec();
+  torch::manual_seed(11);
+  LlamaOptions o;
+  o.fused_attention = false;
+  auto net = make_llama(s, o);
+  {
+    // Norm weights away from 1, so a wrong norm gradient or weight shows.
+    torch::NoGradGuard g;
+    for (auto& kv : net->named_parameters()) {
+      if (kv.value().dim() == 1) kv.value().add_(torch::randn_like(kv.value()) * 0.2);
+    }
+  }
+  net->train();
+  auto x = torch::randint(0, s.vocab_size, {3, 9}, torch::kInt64);
+  auto y = torch::randint(0, s.vocab_size, {3, 9}, torch::kInt64);
+  auto [loss, correct] = net->loss_and_correct(x, y);
+  loss.backward();
+  auto got = grads_of(*net);
+  auto ref = composed_loss(*net, s, x, y);
+  ref.backward();
+  auto want = grads_of(*net);
+  EXPECT_NEAR(loss.item<double>(), ref.item<double>(), 1e-5);
+  auto names = net->named_parameters().keys();
+  for (size_t i = 0; i < got.size(); ++i) {
+    EXPECT_LT(max_rel_diff(got[i], want[i]), 1e-4) << names[i];
+  }
+}
+
+TEST(LlamaTorch, CheckpointedBlocksGiveTheSameGradients) {
+  const LlamaSpec s = tiny_spec();
+  torch::manual_seed(5);
+  auto net = make_llama(s);
+  net->train();
+  auto x = torch::randint(0, s.vocab_size, {2, 12}, torch::kInt64);
+  auto y = torch::randint(0, s.vocab_size, {2, 12}, torch::kInt64);
+  net->loss_and_correct(x, y).first.backward();
+  auto plain = grads_of(*net);
+  net->set_gradient_checkpointing(true);
+  net->loss_and_correct(x, y).first.backward();
+  auto recomputed = grads_of(*net);
+  for (size_t i = 0; i < plain.size(); ++i) EXPECT_LT(max_rel_diff(recomputed[i], plain[i]), 1e-6) << i;
+}
+
+TEST(LlamaTorch, FusedAttentionMatchesTheMathForm) {
+  if (!fused_attention_available()) GTEST_SKIP() << "this libtorch has no scaled_dot_product_attention";
+  torch::manual_seed(2);
+  auto q = torch::randn({2, 4, 33, 16}).requires_grad_(true);
+  auto k = torch::randn({2, 4, 33, 16}).requires_grad_(true);
+  auto v = torch::randn({2, 4, 33, 16}).requires_grad_(true);
+  auto w = torch::randn({2, 4, 33, 16});
+  (causal_attention(q, k, v, true) * w).sum().backward();
+  auto g1 = std::vector<torch::Tensor>{q.grad().clone(), k.grad().clone(), v.grad().clone()};
+  auto fused = causal_attention(q, k, v, true).detach();
+  for (auto* t : {&q, &k, &v}) t->mutable_grad() = torch::Tensor();
+  (causal_attention_math(q, k, v) * w).sum().backward();
+  // f32 on the CPU: only the summation order differs.
+  EXPECT_LT(max_rel_diff(fused, causal_attention_math(q, k, v).detach()), 1e-5);
+  EXPECT_LT(max_rel_diff(g1[0], q.grad()), 1e-4);
+  EXPECT_LT(max_rel_diff(g1[1], k.grad()), 1e-4);
+  EXPECT_LT(max_rel_diff(g1[2], v.grad()), 1e-4);
+}
+
+// The Python oracle exits 0 when memfl's logits and loss on its checkpoint
+// agree with its own Llama within the dtype's tolerance.
+TEST(LlamaTorch, LogitsMatchAnIndependentPythonLlama) {
+  for (const char* dtype : {"f32", "bf16"}) {
+    const std::string cmd = std::string("/usr/bin/python3 ") + MEMFL_SOURCE_DIR +
+                            "/tests/python/llama_oracle.py --memfl " + MEMFL_BINARY + " --oracle torch --dtype " +
+                            dtype;
+    EXPECT_EQ(std::system(cmd.c_str()), 0) << cmd;
+  }
+}
+
+}  // namespace
+}  // namespace memfl::torch_internal
