@@ -24,6 +24,8 @@ int run(SharedOptions& o) {
   }
   auto dir = resume ? memfl::StatusOr<std::string>(o.resume_dir) : memfl::prepare_run_dir(o.out_dir, *cfg);
   if (!dir.ok()) return fail(dir.status());
+  auto lock = memfl::RunDirLock::acquire(*dir);
+  if (!lock.ok()) return fail(lock.status());
   memfl::Status st = resume ? memfl::Status::Ok()
                             : memfl::write_text_file(*dir + "/config.yaml",
                                                      "# resolved from " + cfg->source + "\n" + cfg->resolved_yaml);

@@ -36,6 +36,8 @@ int server(SharedOptions& o) {
   std::error_code dir_ec;
   std::filesystem::create_directories(dir, dir_ec);
   if (dir_ec) return fail(memfl::invalid_argument("--out {}: cannot create it: {}", dir, dir_ec.message()));
+  auto lock = memfl::RunDirLock::acquire(dir);
+  if (!lock.ok()) return fail(lock.status());
   spdlog::set_pattern("[%H:%M:%S.%e] [server] [%l] %v");
   memfl::Status st = memfl::write_text_file(dir + "/config.yaml", cfg->resolved_yaml);
   start_profiler(*cfg, dir, "server");

@@ -14,9 +14,12 @@
 #include <mutex>
 #include <thread>
 
+#include <unistd.h>
+
 #include "aggregate/dp_fedavg.h"
 #include "comm/transport.h"
 #include "dp/rdp_accountant.h"
+#include "io/input_file.h"
 #include "io/run_dir.h"
 #include "model/llama.h"
 #include "model/synthetic.h"
@@ -156,19 +159,24 @@ namespace {
 // σ 1). Read whole: it is a small model's update, a few MB.
 StatusOr<std::vector<float>> standardised_values(const std::string& path) {
   const std::string key = "client_configs.train_configs.dummy_update_noise_values";
-  std::ifstream in(path, std::ios::binary | std::ios::ate);
-  if (!in) return not_found("{}: cannot read {}: {}", key, path, std::strerror(errno));
-  const std::streamoff size = in.tellg();
-  constexpr std::streamoff kMax = std::streamoff{1} << 30;
-  if (size <= 0 || size % 4 != 0 || size > kMax) {
+  constexpr uint64_t kMax = uint64_t{1} << 30;
+  // A regular file only: an ifstream on a FIFO waits for a writer forever.
+  MEMFL_ASSIGN_OR_RETURN(InputFile in, open_input_file(path, key, kMax));
+  const uint64_t size = in.size();
+  if (size == 0 || size % 4 != 0) {
     return invalid_argument(
         "{}: {} holds {} bytes; it must hold little-endian f32 values (a multiple of 4 bytes, "
         "at least one, at most 1 GiB)",
         key, path, size);
   }
   std::vector<float> v(static_cast<size_t>(size / 4));
-  in.seekg(0);
-  if (!in.read(reinterpret_cast<char*>(v.data()), size)) return internal_error("{}: reading {} failed", key, path);
+  auto* dst = reinterpret_cast<char*>(v.data());
+  for (uint64_t got = 0; got < size;) {
+    const ssize_t n = ::read(in.fd(), dst + got, static_cast<size_t>(size - got));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return internal_error("{}: reading {} failed (it shrank or cannot be read)", key, path);
+    got += static_cast<uint64_t>(n);
+  }
   double sum = 0, sq = 0;
   for (float x : v) {
     if (!std::isfinite(x)) return invalid_argument("{}: {} holds a value that is not finite", key, path);

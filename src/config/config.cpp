@@ -1,5 +1,6 @@
 #include "config/config.h"
 
+#include "io/input_file.h"
 #include "memory/budget.h"
 #include "model/llama.h"
 
@@ -1300,6 +1301,13 @@ Status cross_checks(const ExperimentConfig& c, const std::string& source) {
         "{}: model_name TorchScript needs 'client_configs.model_configs.torchscript_path' (a torch.jit.save'd module)",
         source);
   }
+  if (c.model.model_name == "TorchScript") {
+    // libtorch opens the module by name and would wait forever on a FIFO.
+    MEMFL_RETURN_IF_ERROR(check_input_file_if_present(c.model.torchscript_path,
+                                                      "client_configs.model_configs.torchscript_path",
+                                                      kTorchScriptFileLimit)
+                              .with_context(source));
+  }
   if (!c.train.dummy_update_noise_values.empty() && !(c.train.dummy_update_noise > 0)) {
     return invalid_argument(
         "{}: 'client_configs.train_configs.dummy_update_noise_values' shapes the DummyTrainer's noise, and "
@@ -1488,6 +1496,22 @@ bool may_change_on_resume(std::string_view key) {
   return key.rfind("memory_configs.profile", 0) == 0 || key.rfind("memory_configs.sample", 0) == 0;
 }
 
+std::map<std::string, std::string> experiment_identity(const ExperimentConfig& cfg) {
+  std::map<std::string, std::string> out;
+  YAML::Node resolved;
+  try {
+    resolved = YAML::Load(cfg.resolved_yaml);
+  } catch (const YAML::Exception&) {
+    return out;  // not reached: resolved_yaml is memfl's own dump
+  }
+  for (const auto& k : schema()) {
+    if (may_change_on_resume(k.path)) continue;
+    const YAML::Node n = lookup(resolved, k.path);
+    out[k.path] = n.IsDefined() ? YAML::Dump(n) : "(unset)";
+  }
+  return out;
+}
+
 Status check_resume_config(const std::string& committed_resolved, const std::string& committed_path,
                            const ExperimentConfig& now) {
   YAML::Node before, after;
@@ -1517,11 +1541,8 @@ Status check_resume_config(const std::string& committed_resolved, const std::str
 }
 
 StatusOr<ExperimentConfig> load_config_file(const std::string& path, const std::vector<std::string>& overrides) {
-  std::ifstream in(path);
-  if (!in) return not_found("config file {} cannot be read", path);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return load_config_text(ss.str(), path, overrides);
+  MEMFL_ASSIGN_OR_RETURN(std::string text, read_input_file(path, "config file", kConfigFileLimit));
+  return load_config_text(text, path, overrides);
 }
 
 std::string describe_config_keys() {

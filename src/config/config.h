@@ -9,6 +9,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -274,6 +275,12 @@ bool may_change_on_resume(std::string_view key);
 // written or any port opened.
 Status check_resume_config(const std::string& committed_resolved, const std::string& committed_path,
                            const ExperimentConfig& now);
+
+// What makes a run the experiment it is: every key of `cfg` that may not
+// change on resume, with its value as YAML text. A run's committed state
+// carries it, so a state/ of another run (another seed, another data set)
+// is refused on resume even beside this run's config.yaml.
+std::map<std::string, std::string> experiment_identity(const ExperimentConfig& cfg);
 
 // `train_configs.dummy_delay_s` as numbers (an error names the key).
 StatusOr<std::vector<double>> parse_delays(const std::string& text);

@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <random>
 
+#include "io/input_file.h"
 #include "memory/ledger.h"
 
 namespace memfl {
@@ -17,9 +18,14 @@ namespace memfl {
 namespace fs = std::filesystem;
 
 StatusOr<std::vector<uint8_t>> read_idx_file(const std::string& path, int expected_dims, std::vector<int64_t>* dims) {
-  // gzread reads plain files as they are, so one path handles both.
-  gzFile f = gzopen(path.c_str(), "rb");
+  // gzread reads plain files as they are, so one path handles both. Opened
+  // here first, as a regular file: gzopen on a FIFO would wait for a writer.
+  MEMFL_ASSIGN_OR_RETURN(InputFile in,
+                         open_input_file(path, "client_configs.data_configs.dataset_path (IDX file)", kIdxFileLimit));
+  const uint64_t file_size = in.size();
+  gzFile f = gzdopen(in.fd(), "rb");
   if (f == nullptr) return not_found("{}: cannot open", path);
+  (void)in.release();  // gzclose closes it now
   auto close = [&] { gzclose(f); };
   unsigned char magic[4];
   if (gzread(f, magic, 4) != 4) {
@@ -57,10 +63,9 @@ StatusOr<std::vector<uint8_t>> read_idx_file(const std::string& path, int expect
   // only as its bytes actually arrive (16 MiB at a time), so a 54-byte file
   // claiming 16 GiB costs nothing.
   if (gzdirect(f) != 0) {
-    std::error_code ec;
-    const auto size = std::filesystem::file_size(path, ec);
+    const uint64_t size = file_size;
     const size_t header = 4 + 4 * static_cast<size_t>(expected_dims);
-    if (!ec && size < header + total) {
+    if (size < header + total) {
       close();
       return data_loss("{}: the header claims {} data bytes, the file holds {}", path, total, size - header);
     }
@@ -84,7 +89,10 @@ StatusOr<std::vector<uint8_t>> read_idx_file(const std::string& path, int expect
 static std::string find_idx(const std::string& dir, const std::string& stem) {
   for (const std::string& suffix : {std::string(".gz"), std::string("")}) {
     fs::path p = fs::path(dir) / (stem + suffix);
-    if (fs::exists(p)) return p.string();
+    // Whatever is there is taken (read_idx_file refuses what is not a
+    // regular file, naming it), so a FIFO is not reported as missing.
+    std::error_code ec;
+    if (fs::exists(fs::symlink_status(p, ec))) return p.string();
   }
   return {};
 }
@@ -127,7 +135,8 @@ static StatusOr<ImageDataset> load_fmnist_split(const std::string& dir, const st
 
 StatusOr<DatasetSplits> load_fashion_mnist(const std::string& dir_in, size_t max_train, size_t max_test) {
   const std::string dir = dir_in.empty() ? kFashionMnistDefaultDir : dir_in;
-  if (!fs::is_directory(dir)) {
+  if (Status st = check_input_dir(dir, "client_configs.data_configs.dataset_path (Fashion-MNIST)"); !st.ok()) {
+    if (st.code() != StatusCode::kNotFound) return st;
     return not_found(
         "Fashion-MNIST directory {} does not exist — install the Debian package dataset-fashion-mnist "
         "(scripts/install-deps.sh does) or set client_configs.data_configs.dataset_path",
@@ -215,9 +224,8 @@ DatasetSplits make_synthetic_tokens(size_t num_train, size_t num_test, int seq_l
 }
 
 StatusOr<DatasetSplits> load_text_tokens(const std::string& path, int seq_length) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return not_found("client_configs.data_configs.dataset_path: cannot open text file '{}'", path);
-  std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  MEMFL_ASSIGN_OR_RETURN(std::string bytes, read_input_file(path, "client_configs.data_configs.dataset_path (TextFile)",
+                                                            kTextCorpusLimit));
   const size_t len = static_cast<size_t>(seq_length) + 1;
   const size_t n = bytes.size() / len;
   if (n < 10) {

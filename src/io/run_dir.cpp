@@ -1,5 +1,7 @@
 #include "io/run_dir.h"
 
+#include <fcntl.h>
+#include <sys/file.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -41,6 +43,38 @@ StatusOr<std::string> prepare_run_dir(const std::string& out, const ExperimentCo
   fs::create_directories(dir, ec);
   if (ec) return invalid_argument("cannot create run directory {}: {}", dir, ec.message());
   return dir;
+}
+
+StatusOr<RunDirLock> RunDirLock::acquire(const std::string& dir) {
+  const std::string path = (fs::path(dir) / "run.lock").string();
+  const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0644);
+  if (fd < 0) return invalid_argument("run directory {}: cannot open {}: {}", dir, path, std::strerror(errno));
+  if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
+    const int err = errno;
+    char buf[32] = {};
+    const ssize_t n = ::pread(fd, buf, sizeof buf - 1, 0);
+    ::close(fd);
+    if (err != EWOULDBLOCK)
+      return invalid_argument("run directory {}: cannot lock {}: {}", dir, path, std::strerror(err));
+    std::string holder = n > 0 ? std::string(buf, static_cast<size_t>(n)) : std::string("?");
+    while (!holder.empty() && (holder.back() == '\n' || holder.back() == ' ')) holder.pop_back();
+    return failed_precondition(
+        "run directory {} is in use by process {} (it holds {}); wait for it to end or stop it — two processes "
+        "writing one run would interleave its checkpoint, state and metrics",
+        dir, holder, path);
+  }
+  const std::string pid = std::to_string(::getpid()) + "\n";
+  if (::ftruncate(fd, 0) != 0 || ::pwrite(fd, pid.data(), pid.size(), 0) != static_cast<ssize_t>(pid.size())) {
+    ::close(fd);
+    return invalid_argument("run directory {}: cannot write {}: {}", dir, path, std::strerror(errno));
+  }
+  return RunDirLock(fd);
+}
+
+RunDirLock::~RunDirLock() {
+  // The lock goes with the descriptor; the file stays (removing it would
+  // race with a process that has just opened it to wait its turn).
+  if (fd_ >= 0) ::close(fd_);
 }
 
 StatusOr<std::unique_ptr<MetricsWriter>> MetricsWriter::open(const std::string& path) {

@@ -15,6 +15,25 @@ namespace memfl {
 // directory that already holds a run (metrics.csv), so nothing is overwritten.
 StatusOr<std::string> prepare_run_dir(const std::string& out, const ExperimentConfig& cfg);
 
+// An exclusive hold on a run directory for as long as it lives: two
+// processes writing one run (a resume started twice, two servers on one
+// --out) would interleave its checkpoint, state and metrics. A flock on
+// RUN_DIR/run.lock, so a process that dies, even by kill -9, releases it;
+// the file holds the holder's pid for the message the next one gets.
+class RunDirLock {
+ public:
+  // Refused (naming the holder's pid) when another live process holds it.
+  static StatusOr<RunDirLock> acquire(const std::string& dir);
+  RunDirLock(RunDirLock&& o) noexcept : fd_(o.fd_) { o.fd_ = -1; }
+  RunDirLock& operator=(RunDirLock&&) = delete;
+  RunDirLock(const RunDirLock&) = delete;
+  ~RunDirLock();
+
+ private:
+  explicit RunDirLock(int fd) : fd_(fd) {}
+  int fd_ = -1;
+};
+
 struct RoundMetrics {
   int round = 0;
   int clients = 0;

@@ -18,6 +18,7 @@
 #include "client/client_work.h"
 #include "comm/fault_plan.h"
 #include "comm/mpi/mpi_client_transport.h"
+#include "io/run_dir.h"
 #include "memory/malloc_policy.h"
 #include "roles/mpi_ranks.h"
 #include "schedule/scheduler.h"
@@ -143,6 +144,10 @@ Status run_mpi(int* argc, char*** argv, const ExperimentConfig& cfg_in, const Mp
   const std::string dir = fmt::format("{}/rank_{}", run_dir, rank);
   std::error_code ec;
   fs::create_directories(dir, ec);
+  // Each rank holds its own directory for the job's length: a second job on
+  // the same --out (or --resume) is refused before it writes a byte.
+  auto lock = RunDirLock::acquire(dir);
+  if (!lock.ok()) abort_job(fmt::format("rank {}: {}", rank, lock.status().message()));
   MEMFL_RETURN_IF_ERROR(write_text_file(dir + "/config.yaml", cfg.resolved_yaml));
   if (rank == 0 && opts.on_server_start) {
     if (Status h = opts.on_server_start(dir); !h.ok()) abort_job(fmt::format("rank 0: {}", h.message()));

@@ -73,7 +73,8 @@ RoundDriver::RoundDriver(const ExperimentConfig& cfg, GlobalModel& global, Serve
 }
 
 Status RoundDriver::resume() {
-  MEMFL_ASSIGN_OR_RETURN(CommittedState st, load_committed_state(opts_.run_dir, global_.layout(), global_.arena()));
+  MEMFL_ASSIGN_OR_RETURN(CommittedState st, load_committed_state(opts_.run_dir, global_.layout(), global_.arena(),
+                                                                 experiment_identity(cfg_)));
   MEMFL_RETURN_IF_ERROR(scheduler_.load(st.scheduler));
   if (opts_.load_extra) MEMFL_RETURN_IF_ERROR(opts_.load_extra(st.extra));
   dp_fedavg_epsilon_ = st.extra.value("dp_fedavg_epsilon", 0.0);
@@ -117,6 +118,7 @@ Status RoundDriver::commit(int round) {
   if (!policy.commits(round, cfg_.server.num_global_epochs)) return Status::Ok();
   CommittedState st;
   st.round = round;
+  st.experiment = experiment_identity(cfg_);
   st.scheduler = scheduler_.save();
   // The aggregator's state between rounds (a server optimizer's moments),
   // written under state/ before the commit that names it.

@@ -96,6 +96,7 @@ Status commit_state(const std::string& run_dir, const std::string& checkpoint, c
   j["scheduler"] = state.scheduler;
   j["aggregator"] = state.aggregator;
   j["extra"] = state.extra;
+  if (!state.experiment.empty()) j["experiment"] = state.experiment;
   const std::string body = j.dump(2);
   nlohmann::ordered_json outer;
   outer["body_xxh3"] = fmt::format("{:016x}", text_checksum(body));
@@ -158,7 +159,11 @@ Status check_checkpoint_disk(const std::string& run_dir, const CheckpointPolicy&
   const uint64_t files = policy.peak_model_files(last_round);
   const uint64_t kept = std::min<uint64_t>(static_cast<uint64_t>(policy.keep), files - 1);
   const uint64_t peak = model_bytes * files;
-  const uint64_t need = peak > already_on_disk ? peak - already_on_disk : 0;
+  // The next checkpoint is a new file whatever is on disk: on resume the
+  // global model is written again beside the commits it came from (it is
+  // not one of their links any more), so the files there can already reach
+  // the policy's peak and the next write still needs a whole model free.
+  const uint64_t need = std::max(peak > already_on_disk ? peak - already_on_disk : 0, model_bytes);
   if (need <= free_bytes) return Status::Ok();
   return resource_exhausted(
       "{}: the checkpoint policy needs {} bytes more disk ({} bytes of model x {} checkpoint files: {} kept "
@@ -174,7 +179,43 @@ StatusOr<uint64_t> free_disk_bytes(const std::string& dir) {
   return static_cast<uint64_t>(vfs.f_bavail) * static_cast<uint64_t>(vfs.f_frsize);
 }
 
-StatusOr<CommittedState> load_committed_state(const std::string& run_dir, const Layout& layout, Arena& model) {
+namespace {
+
+// Refuses a commit of another experiment than `expected`, naming up to a few
+// keys that differ (the commit's JSON is checksummed: a difference is
+// another run's state, not a torn file).
+Status check_experiment(const fs::path& path, const nlohmann::json& j,
+                        const std::map<std::string, std::string>& expected) {
+  if (expected.empty()) return Status::Ok();
+  const auto it = j.find("experiment");
+  if (it == j.end() || !it->is_object()) {
+    spdlog::warn("--resume: {} does not record its experiment (written by an older memfl); not checked", path.string());
+    return Status::Ok();
+  }
+  std::vector<std::string> differ;
+  for (const auto& [key, value] : expected) {
+    const auto v = it->find(key);
+    const std::string there = v != it->end() && v->is_string() ? v->get<std::string>() : std::string("(unset)");
+    if (there != value) differ.push_back(fmt::format("{}: {} in the state, {} in this run", key, there, value));
+  }
+  for (const auto& [key, value] : it->items()) {
+    if (expected.find(key) == expected.end()) differ.push_back(fmt::format("{}: only in the state", key));
+  }
+  if (differ.empty()) return Status::Ok();
+  const size_t shown = std::min<size_t>(differ.size(), 5);
+  std::string list;
+  for (size_t i = 0; i < shown; ++i) list += (i ? "; " : "") + differ[i];
+  if (differ.size() > shown) list += fmt::format("; and {} more", differ.size() - shown);
+  return failed_precondition(
+      "--resume: {} was committed by another experiment than this run's ({}); its state/ is not this run's. "
+      "Nothing was written",
+      path.string(), list);
+}
+
+}  // namespace
+
+StatusOr<CommittedState> load_committed_state(const std::string& run_dir, const Layout& layout, Arena& model,
+                                              const std::map<std::string, std::string>& experiment) {
   const fs::path dir = fs::path(run_dir) / "state";
   std::vector<std::pair<int, fs::path>> commits;
   std::error_code ec;
@@ -214,6 +255,9 @@ StatusOr<CommittedState> load_committed_state(const std::string& run_dir, const 
       fail("round does not match its name");
       continue;
     }
+    // Before the layout and the model: another run's state says so even
+    // when its model happens to have this run's layout.
+    MEMFL_RETURN_IF_ERROR(check_experiment(path, j, experiment));
     if (j.value("layout_hash", std::string()) != fmt::format("{:016x}", layout.hash())) {
       return failed_precondition("--resume: {} is a model of layout {} but this config's model has layout {:016x}",
                                  path.string(), j.value("layout_hash", std::string("?")), layout.hash());
@@ -240,6 +284,7 @@ StatusOr<CommittedState> load_committed_state(const std::string& run_dir, const 
     st.scheduler = j.value("scheduler", nlohmann::json::object());
     st.aggregator = j.value("aggregator", nlohmann::json::object());
     st.extra = j.value("extra", nlohmann::json::object());
+    st.experiment = experiment;
     spdlog::info("--resume: continuing after round {} from {}", r, path.string());
     return st;
   }

@@ -15,6 +15,7 @@
 #pragma once
 
 #include <algorithm>
+#include <map>
 #include <string>
 
 #include <nlohmann/json.hpp>
@@ -33,6 +34,9 @@ struct CommittedState {
   nlohmann::json scheduler;   // Scheduler::save()
   nlohmann::json aggregator;  // aggregator state between rounds (none for FedAvg)
   nlohmann::json extra;       // per-transport (e.g. client-level DP ε)
+  // experiment_identity() of the run that committed it: resume refuses a
+  // commit of another experiment (empty: not recorded, not checked).
+  std::map<std::string, std::string> experiment;
 };
 
 // Which rounds commit, and how many commits stay on disk
@@ -91,8 +95,11 @@ StatusOr<uint64_t> free_disk_bytes(const std::string& dir);
 // The newest commit in `run_dir` whose JSON and model bytes check out,
 // with its model loaded into `model` (whose layout must match the file's).
 // Commits that fail a check are named in a warning and skipped. NotFound
-// when `run_dir` holds no commit at all.
-StatusOr<CommittedState> load_committed_state(const std::string& run_dir, const Layout& layout, Arena& model);
+// when `run_dir` holds no commit at all. A commit whose experiment (see
+// CommittedState::experiment) differs from `experiment` is refused, naming
+// the keys; one written before commits recorded it passes with a warning.
+StatusOr<CommittedState> load_committed_state(const std::string& run_dir, const Layout& layout, Arena& model,
+                                              const std::map<std::string, std::string>& experiment = {});
 
 // Fault injection for the crash tests: MEMFL_CRASH_AT="<round>:<point>"
 // kills this process with SIGKILL (as kill -9 would) when the round driver
