@@ -253,5 +253,30 @@ TEST(Resume, TheNextCheckpointNeedsAWholeModelFreeEvenWithThePeakOnDisk) {
   EXPECT_TRUE(check_checkpoint_disk(tmp.path.string(), {2, 1, false}, 1000, 3000, 1000).ok());
 }
 
+// REL bounds the error by error_bound x the tensor's range; from 0.5 up the
+// range's midpoint alone meets it, so nothing of a change need survive.
+TEST(SilentSettings, ARelativeErrorBoundThatKeepsNothingIsRefused) {
+  const std::vector<std::string> lossy = {
+      "client_configs.comm_configs.compressor_configs.enable_compression=true",
+      "client_configs.comm_configs.compressor_configs.lossy_compressor=SZ2Compressor",
+      "client_configs.comm_configs.compressor_configs.error_bounding_mode=REL"};
+  for (const char* bound : {"0.5", "5"}) {
+    auto sets = lossy;
+    sets.push_back(std::string("client_configs.comm_configs.compressor_configs.error_bound=") + bound);
+    auto c = load_config_text(kDefaultConfigYaml, "exp.yaml", sets);
+    ASSERT_FALSE(c.ok()) << "REL bound " << bound << " accepted";
+    EXPECT_HAS(c.status().message(), "client_configs.comm_configs.compressor_configs.error_bound");
+  }
+  auto sets = lossy;
+  sets.push_back("client_configs.comm_configs.compressor_configs.error_bound=0.1");
+  EXPECT_TRUE(load_config_text(kDefaultConfigYaml, "exp.yaml", sets).ok());
+  // ABS 5 is a bound in the values' own units: it may be what the user means.
+  EXPECT_TRUE(
+      load_config_text(kDefaultConfigYaml, "exp.yaml",
+                       {lossy[0], lossy[1], "client_configs.comm_configs.compressor_configs.error_bounding_mode=ABS",
+                        "client_configs.comm_configs.compressor_configs.error_bound=5"})
+          .ok());
+}
+
 }  // namespace
 }  // namespace memfl

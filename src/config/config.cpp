@@ -1308,6 +1308,17 @@ Status cross_checks(const ExperimentConfig& c, const std::string& source) {
                                                       kTorchScriptFileLimit)
                               .with_context(source));
   }
+  if (c.compressor.enable_compression && c.compressor.lossy_compressor != "none" &&
+      c.compressor.error_bounding_mode == "REL" && c.compressor.error_bound >= 0.5) {
+    // Every value of a tensor lies within half its range of the range's
+    // midpoint, so a bound of 0.5 x range is met by sending that one
+    // constant: every change arrives as zero and training stops, silently.
+    return invalid_argument(
+        "{}: 'client_configs.comm_configs.compressor_configs.error_bound: {}' with error_bounding_mode REL allows "
+        "an error of {} x each tensor's value range; from 0.5 up every value may come back as one constant and "
+        "no change gets through. Use a bound below 0.5 (1e-3 is the default; 1e-2 is already coarse)",
+        source, c.compressor.error_bound, c.compressor.error_bound);
+  }
   if (!c.train.dummy_update_noise_values.empty() && !(c.train.dummy_update_noise > 0)) {
     return invalid_argument(
         "{}: 'client_configs.train_configs.dummy_update_noise_values' shapes the DummyTrainer's noise, and "

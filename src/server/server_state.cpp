@@ -207,8 +207,8 @@ Status check_experiment(const fs::path& path, const nlohmann::json& j,
   for (size_t i = 0; i < shown; ++i) list += (i ? "; " : "") + differ[i];
   if (differ.size() > shown) list += fmt::format("; and {} more", differ.size() - shown);
   return failed_precondition(
-      "--resume: {} was committed by another experiment than this run's ({}); its state/ is not this run's. "
-      "Nothing was written",
+      "--resume: {} was committed by another experiment than this run's ({}); its state/ is not this run's; "
+      "nothing was resumed from it",
       path.string(), list);
 }
 
