@@ -3,6 +3,7 @@
 #include "io/input_file.h"
 #include "memory/budget.h"
 #include "model/llama.h"
+#include "secagg/secagg.h"
 
 #include <fmt/ranges.h>  // fmt::join (its home since fmt 11; here on 9 too)
 #include <spdlog/spdlog.h>
@@ -616,6 +617,15 @@ const std::vector<KeySpec>& schema() {
        "seconds from the end of the broadcast for each client to train and upload its update; a client that has "
        "not is dropped and the round ends with those that did (0 = round_timeout_s)",
        I(server.upload_timeout_s)},
+      {"server_configs.max_round_retries",
+       Type::kInt,
+       "3",
+       {},
+       0,
+       1e6,
+       "times a synchronous round is played again after it could not complete (an upload broken part-way, a "
+       "secure-aggregation round that cannot be unmasked); one more and the run stops, naming why",
+       I(server.max_round_retries)},
       {"server_configs.max_num_samples",
        Type::kFloat,
        "1e12",
@@ -1136,6 +1146,16 @@ Status check_secure_aggregation(const ExperimentConfig& c, const std::string& so
     return invalid_argument("{}: '{}reconstruction_threshold: {}' exceeds num_shares ({})", source, key,
                             a.reconstruction_threshold, a.num_shares);
   }
+  // k and t as the first round resolves them: what the run would refuse.
+  const SecAggParams params{a.num_shares,
+                            a.reconstruction_threshold,
+                            a.max_weight,
+                            a.clipping_range,
+                            static_cast<uint64_t>(a.quantization_range),
+                            static_cast<uint64_t>(a.modulus_range)};
+  if (auto s = SecAggSettings::resolve(params, clients); !s.ok()) {
+    return invalid_argument("{}: {}", source, s.status().message());
+  }
   if (c.server.is_async() || c.server.aggregator == "FedAsyncAggregator" ||
       c.server.aggregator == "FedBuffAggregator" || c.server.aggregator == "FedCompassAggregator") {
     return invalid_argument(
@@ -1493,6 +1513,7 @@ bool may_change_on_resume(std::string_view key) {
       "server_configs.round_timeout_s",
       "server_configs.broadcast_timeout_s",
       "server_configs.upload_timeout_s",
+      "server_configs.max_round_retries",
       "server_configs.comm_configs.grpc_configs.connect_timeout_s",
       "server_configs.comm_configs.grpc_configs.server_uri",
       "server_configs.comm_configs.grpc_configs.data_channel_port",

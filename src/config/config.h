@@ -142,6 +142,9 @@ struct ServerConfig {
   // the time of the clients in the next (0 = round_timeout_s).
   int broadcast_timeout_s = 0;
   int upload_timeout_s = 0;
+  // Times a round is played again when it could not complete; one more
+  // and the run stops, so no client can keep a round repeating.
+  int max_round_retries = 3;
   int broadcast_deadline_s() const { return broadcast_timeout_s > 0 ? broadcast_timeout_s : round_timeout_s; }
   int upload_deadline_s() const { return upload_timeout_s > 0 ? upload_timeout_s : round_timeout_s; }
   int connect_timeout_s = 30;
