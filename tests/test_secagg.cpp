@@ -225,7 +225,9 @@ struct Round {
     }
     for (int id : ids) {
       if (!absent.count(id)) {
-        ASSERT_TRUE(client(id).receive_shares(server->inbox_for(id)).ok());
+        auto refused = client(id).receive_shares(server->inbox_for(id));
+        ASSERT_TRUE(refused.ok()) << refused.status().message();
+        ASSERT_TRUE(refused->empty());
       }
     }
   }
@@ -354,7 +356,7 @@ TEST(SecAgg, StochasticRoundingIsUnbiasedAtQuarterAndThreeQuarterSteps) {
   p.quantization_range = (uint64_t{1} << 20) + 1;
   p.max_weight = 1;
   const size_t half = 100000, elements = 2 * half;
-  Round r({2, 9}, p, elements);
+  Round r({2, 9, 13}, p, elements);
   r.share();
   const double step = 0x1.0p-16;
   std::vector<float> x(elements);
@@ -367,9 +369,9 @@ TEST(SecAgg, StochasticRoundingIsUnbiasedAtQuarterAndThreeQuarterSteps) {
     for (size_t k = part * half; k < (part + 1) * half; ++k) avg += (*mean)[k];
     avg /= half;
     const double f = part == 0 ? 0.25 : 0.75;
-    // Each client's element is a Bernoulli(f) step; the mean of 2 clients
-    // over `half` elements has σ = step·√(f(1 − f) / (2·half)). 6σ.
-    const double sigma = step * std::sqrt(f * (1 - f) / (2.0 * half));
+    // Each client's element is a Bernoulli(f) step; the mean of 3 clients
+    // over `half` elements has σ = step·√(f(1 − f) / (3·half)). 6σ.
+    const double sigma = step * std::sqrt(f * (1 - f) / (3.0 * half));
     EXPECT_NEAR(avg, f * step, 6 * sigma) << "fraction " << f;
   }
 }
@@ -547,7 +549,7 @@ TEST(SecAgg, RefusesBadPeerInputNamingTheClient) {
 
 TEST(SecAgg, ClientRefusesToMaskANonFiniteUpdate) {
   SecAggParams p;
-  Round r({1, 2}, p, 4);
+  Round r({1, 2, 3}, p, 4);
   r.share();
   ASSERT_TRUE(r.client(2).begin_update(4, 1).ok());
   const std::vector<float> x = {0.f, 1.f, std::nanf(""), 2.f};
@@ -583,21 +585,23 @@ TEST(SecAgg, RefusesWrongDuplicateAndReplayedShares) {
   moved[1].share.x = 2;
   st = r.server->add_revealed(1, moved);
   EXPECT_NE(st.message().find("client_1: a revealed share at x 2"), std::string::npos) << st.message();
-  // Client 1 lies about its share of client 3's seed; the others are honest.
+  // Client 1 lies about its share of client 3's seed: refused against the
+  // check client 3 sealed with it, naming client 1; the others are honest.
   auto wrong = *good1;
   for (auto& s : wrong)
     if (s.subject == 3) s.share.y[2] = gf_add(s.share.y[2], 1);
-  ASSERT_TRUE(r.server->add_revealed(1, wrong).ok());
-  EXPECT_NE(r.server->add_revealed(1, wrong).message().find("client_1: revealed its shares twice"), std::string::npos);
+  st = r.server->add_revealed(1, wrong);
+  EXPECT_EQ(st.code(), StatusCode::kRejected);
+  EXPECT_NE(st.message().find("client_1: its share of client_3's self-mask seed is not the one"), std::string::npos)
+      << st.message();
+  ASSERT_TRUE(r.server->add_revealed(1, *good1).ok());
+  EXPECT_NE(r.server->add_revealed(1, *good1).message().find("client_1: revealed its shares twice"), std::string::npos);
   for (int id : {2, 3, 4, 5}) {
     auto g = r.client(id).unmask(*req);
     ASSERT_TRUE(g.ok()) << g.status().message();
     ASSERT_TRUE(r.server->add_revealed(id, *g).ok());
   }
-  st = r.server->reconstruct();
-  EXPECT_EQ(st.code(), StatusCode::kRejected);
-  EXPECT_NE(st.message().find("client_1: its share of client_3's self-mask seed is wrong"), std::string::npos)
-      << st.message();
+  EXPECT_TRUE(r.server->reconstruct().ok());
   // A client asked to reveal both secrets of one client refuses.
   Round r2({1, 2, 3}, p, 4);
   r2.share();
@@ -626,21 +630,18 @@ TEST(SecAgg, SealedSharesOfAnotherRunOrRoundAreRefused) {
     ASSERT_TRUE(shares.ok());
     ASSERT_TRUE(c.server->add_shares(id, *shares).ok());
   }
-  ASSERT_TRUE(c.client(1).receive_shares(foreign).ok());
+  // None opens, its own included: every sender is named on arrival.
+  auto refused = c.client(1).receive_shares(foreign);
+  ASSERT_TRUE(refused.ok()) << refused.status().message();
+  EXPECT_EQ(*refused, (std::vector<int>{1, 2, 3}));
   ASSERT_TRUE(c.client(2).receive_shares(c.server->inbox_for(2)).ok());
   ASSERT_TRUE(c.client(3).receive_shares(c.server->inbox_for(3)).ok());
-  std::vector<float> v(4, 0.f);
-  for (int id : {1, 2, 3}) c.upload(id, v, 1, 4);
-  auto req = c.server->unmask_request();
-  ASSERT_TRUE(req.ok());
-  auto st = c.client(1).unmask(*req).status();
-  EXPECT_EQ(st.code(), StatusCode::kDataLoss);
-  EXPECT_NE(st.message().find("client_1: the share from client_"), std::string::npos) << st.message();
+  Status st;
   // Shares stamped with another round, or sent twice, are refused on arrival.
   auto stale = foreign;
   stale[0].round = 7;
   SecAggClient fresh(1, 1, {1, 2, 3}, c.settings);
-  EXPECT_NE(fresh.receive_shares(stale).message().find("round 7 in round 1"), std::string::npos);
+  EXPECT_NE(fresh.receive_shares(stale).status().message().find("round 7 in round 1"), std::string::npos);
   Round e({1, 2, 3}, p, 4);
   for (int id : {1, 2, 3}) ASSERT_TRUE(e.server->add_advert(e.client(id).advertise()).ok());
   ASSERT_TRUE(e.client(2).share_keys(e.server->roster_for(2)).ok());
@@ -649,7 +650,7 @@ TEST(SecAgg, SealedSharesOfAnotherRunOrRoundAreRefused) {
   std::vector<SealedShare> to2;
   for (const auto& s : *e_shares)
     if (s.to == 2) to2 = {s, s};
-  st = e.client(2).receive_shares(to2);
+  st = e.client(2).receive_shares(to2).status();
   EXPECT_NE(st.message().find("client_2: client_1 sent it two shares"), std::string::npos) << st.message();
   // The server refuses a share set with one neighbour twice.
   auto doubled = *e_shares;
@@ -779,7 +780,7 @@ TEST(SecAggRoundSeam, ChunkCuttingAnElementIsRefusedNamingTheKey) {
   lb.add("w", DType::kF32, {10});
   Layout layout = std::move(lb).build().value();
   SecAggParams params;
-  auto sa = SecAggRound::start(1, {0, 1}, params, layout);
+  auto sa = SecAggRound::start(1, {0, 1, 2}, params, layout);
   ASSERT_TRUE(sa.ok());
   SecAggClientStages clients;
   std::vector<int> failed;
@@ -797,7 +798,7 @@ TEST(SecAggRoundSeam, ChunkCuttingAnElementIsRefusedNamingTheKey) {
   LayoutBuilder hb;
   hb.add("h", DType::kBF16, {4});
   Layout half = std::move(hb).build().value();
-  auto refused = SecAggRound::start(1, {0, 1}, params, half);
+  auto refused = SecAggRound::start(1, {0, 1, 2}, params, half);
   ASSERT_FALSE(refused.ok());
   EXPECT_NE(refused.status().message().find("entry 'h' is bf16"), std::string::npos) << refused.status().message();
 }
@@ -1067,6 +1068,223 @@ TEST(SecAggWire, TruncatedForeignOrLyingMessagesAreRefusedNamingThePeer) {
   ASSERT_FALSE(why.empty());
   EXPECT_NE(why[0].message().find("client_0's sealed shares: 2147483647 items do not fit"), std::string::npos)
       << why[0].message();
+}
+
+// The clients' stages, honest but for what a test makes one of them do.
+class HostileStages final : public SecAggChannel {
+ public:
+  StatusOr<KeyAdvert> advertise(int client, int round, const std::vector<int>& selected,
+                                const SecAggSettings& settings) override {
+    return honest.advertise(client, round, selected, settings);
+  }
+  StatusOr<std::vector<SealedShare>> share_keys(int client, const std::vector<KeyAdvert>& roster) override {
+    auto r = honest.share_keys(client, roster);
+    if (r.ok() && on_share_keys) on_share_keys(client, &*r);
+    return r;
+  }
+  StatusOr<std::vector<int>> deliver_shares(int client, std::vector<SealedShare> inbox) override {
+    return honest.deliver_shares(client, std::move(inbox));
+  }
+  StatusOr<std::vector<RevealedShare>> unmask(int client, const UnmaskRequest& request) override {
+    auto r = honest.unmask(client, request);
+    if (r.ok() && on_unmask) on_unmask(client, &*r);
+    return r;
+  }
+  void end_round(int round) override { honest.end_round(round); }
+  SecAggClientStages honest;
+  std::function<void(int, std::vector<SealedShare>*)> on_share_keys;
+  std::function<void(int, std::vector<RevealedShare>*)> on_unmask;
+};
+
+// One round through the seam: keys over `stages`, client c's model
+// element i = (i·(c + 3)) mod 11 − 5 (integers: the mean comes back
+// exactly), uploaded by every client still in after the key exchange.
+struct SeamRound {
+  Layout layout;
+  std::unique_ptr<SecAggRound> sa;
+  std::vector<int> failed;
+  RecordingOpener aggregator;
+
+  static Layout small_layout() {
+    LayoutBuilder lb;
+    lb.add("w", DType::kF32, {21});
+    return std::move(lb).build().value();
+  }
+  static float element(int c, size_t i) { return static_cast<float>((static_cast<int>(i) * (c + 3)) % 11 - 5); }
+
+  // `recorded`: each client's masked bytes, as sent; `replayed`: bytes a
+  // client sends instead of its own masked upload.
+  SeamRound(const std::vector<int>& selected, SecAggParams params, HostileStages& stages, int round = 2,
+            std::map<int, std::vector<std::byte>>* recorded = nullptr,
+            const std::map<int, std::vector<std::byte>>* replayed = nullptr)
+      : layout(small_layout()) {
+    params.max_weight = 1;
+    params.clipping_range = 8;
+    params.quantization_range = (uint64_t{1} << 20) + 1;
+    sa = SecAggRound::start(round, selected, params, layout).value();
+    EXPECT_TRUE(sa->exchange_keys(stages, &failed).ok());
+    for (int c : selected) {
+      if (std::find(failed.begin(), failed.end(), c) != failed.end()) {
+        // Out of the round: its masked upload is refused.
+        EXPECT_FALSE(sa->open_update(client_id(c), 1.0).ok());
+        continue;
+      }
+      Arena model(layout.total_bytes(), MemoryCategory::kModel);
+      auto* f = reinterpret_cast<float*>(model.data());
+      for (size_t i = 0; i < layout.total_bytes() / 4; ++i) f[i] = element(c, i);
+      MaskingPlace masked(std::make_unique<ArenaPlace>(model), layout, *stages.honest.client(c));
+      EXPECT_TRUE(masked.begin(1.0).ok());
+      auto stream = sa->open_update(client_id(c), 1.0);
+      EXPECT_TRUE(stream.ok()) << stream.status().message();
+      if (replayed != nullptr && replayed->count(c)) {
+        const std::span<const std::byte> bytes = replayed->at(c);
+        EXPECT_TRUE((*stream)->accept(ChunkHeader{layout.hash(), 0, bytes.size(), chunk_checksum(bytes)}, bytes).ok());
+      } else {
+        TappedSink tap(**stream);
+        EXPECT_TRUE(stream_place(layout, masked, /*chunk=*/16, tap).ok());
+        if (recorded != nullptr) (*recorded)[c] = tap.seen;
+      }
+      EXPECT_TRUE((*stream)->commit().ok());
+    }
+  }
+  // The mean the aggregator was handed against the plain mean of `of`.
+  void expect_mean_of(const std::vector<int>& of) const {
+    ASSERT_EQ(aggregator.updates.size(), 1u);
+    const auto& u = *aggregator.updates[0];
+    ASSERT_EQ(u.bytes.size(), layout.total_bytes());
+    for (size_t i = 0; i < layout.total_bytes() / 4; ++i) {
+      float got;
+      std::memcpy(&got, u.bytes.data() + 4 * i, 4);
+      double want = 0;
+      for (int c : of) want += element(c, i);
+      ASSERT_EQ(got, static_cast<float>(want / static_cast<double>(of.size()))) << i;
+    }
+  }
+};
+
+// Flips a byte of every share `bad` seals for one of `victims`: they do
+// not open there.
+std::function<void(int, std::vector<SealedShare>*)> spoil_shares(int bad, std::set<int> victims) {
+  return [bad, victims](int client, std::vector<SealedShare>* shares) {
+    if (client != bad) return;
+    for (auto& s : *shares)
+      if (victims.count(s.to)) s.sealed[30] ^= 0x5a;
+  };
+}
+
+TEST(SecAggRoundSeam, SharesThatDoNotOpenDropTheirSenderAndTheRoundFinishesWithTheRest) {
+  // Client 2 seals every neighbour a share that does not open: every
+  // honest client would refuse to unmask, so the round could never finish.
+  // It is named, out, and the others' mean comes back, no round redone.
+  HostileStages stages;
+  stages.on_share_keys = spoil_shares(2, {0, 1, 3});
+  SeamRound r({0, 1, 2, 3}, SecAggParams{}, stages);
+  EXPECT_EQ(r.failed, (std::vector<int>{2}));
+  EXPECT_EQ(r.sa->culprits(), (std::vector<int>{2}));
+  auto n = r.sa->unmask_into(stages, r.aggregator, "secure_aggregate", 24);
+  ASSERT_TRUE(n.ok()) << n.status().message();
+  EXPECT_EQ(*n, 3u);
+  r.expect_mean_of({0, 1, 3});
+}
+
+TEST(SecAggRoundSeam, AShareSpoiledForOneNeighbourIsTakenOutAsADroppedClients) {
+  // Client 2 spoils only its share for client 0; 1, 3 and 4 opened theirs
+  // and paired masks with 2, client 0 did not. With 2 out, its masking key
+  // comes back from 1, 3 and 4 (t = 3) and only their pairwise masks with
+  // it are taken off the sum.
+  HostileStages stages;
+  stages.on_share_keys = spoil_shares(2, {0});
+  SecAggParams p;
+  p.reconstruction_threshold = 3;
+  SeamRound r({0, 1, 2, 3, 4}, p, stages);
+  EXPECT_EQ(r.failed, (std::vector<int>{2}));
+  auto n = r.sa->unmask_into(stages, r.aggregator, "secure_aggregate", 24);
+  ASSERT_TRUE(n.ok()) << n.status().message();
+  EXPECT_EQ(*n, 4u);
+  r.expect_mean_of({0, 1, 3, 4});
+}
+
+TEST(SecAggRoundSeam, AWrongRevealedShareWithExactlyTSharesNamesItsRevealer) {
+  // t = k = 3: no spare share to find the wrong one by; the share's public
+  // check names client 1 as the one whose share of client 3's seed is wrong.
+  HostileStages stages;
+  stages.on_unmask = [](int client, std::vector<RevealedShare>* shares) {
+    if (client != 1) return;
+    for (auto& s : *shares)
+      if (s.subject == 3) s.share.y[1] = gf_add(s.share.y[1], 1);
+  };
+  SecAggParams p;
+  p.reconstruction_threshold = 3;
+  SeamRound r({1, 2, 3}, p, stages);
+  ASSERT_TRUE(r.failed.empty());
+  auto n = r.sa->unmask_into(stages, r.aggregator, "secure_aggregate", 24);
+  ASSERT_FALSE(n.ok());
+  EXPECT_EQ(n.status().code(), StatusCode::kAborted);  // redone, without client 1
+  EXPECT_EQ(r.sa->culprits(), (std::vector<int>{1}));
+}
+
+TEST(SecAgg, ARevealedShareIsCheckedAgainstTheOneItsSubjectSealed) {
+  SecAggParams p;
+  p.reconstruction_threshold = 3;
+  Round r({1, 2, 3}, p, 8);
+  r.share();
+  std::vector<float> v(8, 1.0f);
+  for (int id : {1, 2, 3}) r.upload(id, v, 1, 8);
+  auto req = r.server->unmask_request();
+  ASSERT_TRUE(req.ok());
+  auto wrong = r.client(1).unmask(*req);
+  ASSERT_TRUE(wrong.ok());
+  for (auto& s : *wrong)
+    if (s.subject == 3) s.share.y[0] = gf_add(s.share.y[0], 7);
+  const Status st = r.server->add_revealed(1, *wrong);
+  EXPECT_EQ(st.code(), StatusCode::kRejected);
+  EXPECT_NE(st.message().find("client_1: its share of client_3's self-mask seed is not the one client_3 sealed"),
+            std::string::npos)
+      << st.message();
+}
+
+TEST(SecAggSettings, RefusesKBelowThreeAndTBelowTwoNamingTheKeyAndTheNumbers) {
+  SecAggParams p;
+  p.num_shares = 0.1;  // ⌈0.1·10⌉ = 1: each client would share only with itself
+  auto s = SecAggSettings::resolve(p, 10);
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.status().message().find("server_configs.secure_aggregation.num_shares: 0.1 resolves to k = 1 with 10"),
+            std::string::npos)
+      << s.status().message();
+  p.num_shares = 2;  // a count, even: made 3, which is allowed
+  p.reconstruction_threshold = 2;
+  EXPECT_TRUE(SecAggSettings::resolve(p, 10).ok());
+  p.num_shares = 1;
+  p.reconstruction_threshold = 0.2;  // ⌈0.2·5⌉ = 1: one share would be the secret
+  s = SecAggSettings::resolve(p, 5);
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.status().message().find("reconstruction_threshold: 0.2 resolves to t = 1 with k = 5"), std::string::npos)
+      << s.status().message();
+  p.reconstruction_threshold = 0.67;
+  s = SecAggSettings::resolve(p, 2);  // two clients: the sum tells each the other's update
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.status().message().find("at least 3 clients a round (2 selected)"), std::string::npos)
+      << s.status().message();
+}
+
+TEST(SecAggRoundSeam, AnUploadReplayedFromAnotherRoundIsRefusedNotSummedIntoTheModel) {
+  // Client 1's round-1 masked upload, replayed in round 2: its masks do not
+  // cancel there. Its words pass every chunk check, but the unmasked sum
+  // is out of range and the round is refused (redone), not folded.
+  HostileStages first;
+  std::map<int, std::vector<std::byte>> round1;
+  SeamRound r1({0, 1, 2, 3}, SecAggParams{}, first, /*round=*/1, &round1);
+  ASSERT_TRUE(r1.sa->unmask_into(first, r1.aggregator, "secure_aggregate", 24).ok());
+  first.end_round(1);
+  HostileStages second;
+  std::map<int, std::vector<std::byte>> replay = {{1, round1.at(1)}};
+  SeamRound r2({0, 1, 2, 3}, SecAggParams{}, second, /*round=*/2, nullptr, &replay);
+  auto n = r2.sa->unmask_into(second, r2.aggregator, "secure_aggregate", 24);
+  ASSERT_FALSE(n.ok());
+  EXPECT_EQ(n.status().code(), StatusCode::kAborted);
+  EXPECT_NE(n.status().message().find("was not made with this round's masks"), std::string::npos)
+      << n.status().message();
+  for (const auto& u : r2.aggregator.updates) EXPECT_FALSE(u->committed);
 }
 
 }  // namespace

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstring>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
@@ -219,6 +220,47 @@ TEST(SecAggRun, RefusesWhatCannotRunWithItNamingTheKey) {
           "secure_aggregation.modulus_range: 1000' must be a power of two");
   refused("server_configs.secure_aggregation.quantization_range=2000000000",
           "secure_aggregation.quantization_range: 2000000000' × 4 clients per round can wrap");
+}
+
+// What the first round would refuse, `memfl validate` refuses too, naming
+// the key and the k and t it resolves to for the 4 clients of a round.
+TEST(SecAggRun, ValidateRefusesSharesAndThresholdsTheRunWould) {
+  testing::TempDir tmp;
+  const std::string cfg = write_config(tmp, "");
+  const auto refused = [&](const std::string& set, const std::string& says) {
+    Result r = memfl_cli("validate " + cfg + " --set " + set);
+    EXPECT_NE(r.exit_code, 0) << set << ": " << r.output;
+    EXPECT_NE(r.output.find(says), std::string::npos) << set << ": " << r.output;
+  };
+  // ⌈0.2·4⌉ = 1: each client would share only with itself.
+  refused("server_configs.secure_aggregation.num_shares=0.2",
+          "server_configs.secure_aggregation.num_shares: 0.2 resolves to k = 1 with 4 clients a round");
+  refused("server_configs.secure_aggregation.reconstruction_threshold=7",
+          "server_configs.secure_aggregation.reconstruction_threshold: 7 resolves to t = 7 with k = 4 shares");
+  refused("server_configs.secure_aggregation.reconstruction_threshold=0.25",
+          "reconstruction_threshold: 0.25 resolves to t = 1 with k = 4 shares");
+  refused("server_configs.num_clients=2", "secure aggregation needs at least 3 clients a round (2 selected)");
+  Result ok = memfl_cli("validate " + cfg);
+  EXPECT_EQ(ok.exit_code, 0) << ok.output;
+}
+
+// k and t, as resolved, in the log of every round and in summary.json.
+TEST(SecAggRun, SharesAndThresholdAreInTheLogAndTheSummary) {
+  testing::TempDir tmp;
+  Result r = memfl_cli("run " + write_config(tmp, "    num_shares: 3\n    reconstruction_threshold: 2\n") +
+                       " -q --out " + tmp.file("run"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  for (int round = 1; round <= kRounds; ++round) {
+    EXPECT_NE(
+        r.output.find(fmt::format("round {}: secure aggregation over 4 clients: k = 3 shares each, t = 2", round)),
+        std::string::npos)
+        << r.output;
+  }
+  const auto summary = nlohmann::json::parse(testing::read_file(tmp.file("run/summary.json")));
+  ASSERT_TRUE(summary.contains("secure_aggregation")) << summary.dump(2);
+  EXPECT_EQ(summary["secure_aggregation"]["k"], 3);
+  EXPECT_EQ(summary["secure_aggregation"]["t"], 2);
+  EXPECT_EQ(summary["secure_aggregation"]["clients_per_round"], 4);
 }
 
 }  // namespace

@@ -142,6 +142,7 @@ Status run_grpc_server(const ExperimentConfig& cfg, const RoleOptions& opts) {
   summary["maps_libtorch"] = maps_library("libtorch");
   summary["compression"] = compression_summary(compression_settings(cfg));
   summary["memory_mode"] = sc.memory_mode;
+  if (cfg.secagg.enable) summary["secure_aggregation"] = secure_aggregation_summary(cfg);
   summary["final_test_accuracy"] = rounds.empty() ? 0.0 : rounds.back().test_accuracy;
   summary["status"] = result.ok() ? "ok" : result.message();
   MEMFL_RETURN_IF_ERROR(write_text_file((fs::path(opts.run_dir) / "summary.json").string(), summary.dump(2) + "\n"));

@@ -133,6 +133,7 @@ Status run_mpi_server(const ExperimentConfig& cfg, int world, const std::string&
   summary["compression"] = compression_summary(compression_settings(cfg));
   summary["chunk_path"] = shm.enabled() ? "shared_ring" : "point_to_point";
   summary["excluded_ranks"] = excluded;
+  if (cfg.secagg.enable) summary["secure_aggregation"] = secure_aggregation_summary(cfg);
   summary["updates_received_together"] = transport.most_received_together();
   MEMFL_RETURN_IF_ERROR(write_text_file(dir + "/summary.json", summary.dump(2) + "\n"));
   if (!excluded.empty()) {

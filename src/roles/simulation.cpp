@@ -178,6 +178,7 @@ StatusOr<SimulationResult> run_simulation(const ExperimentConfig& cfg, const Sim
                      {"max_client_epsilon", result.max_epsilon}};
   }
   summary["rounds"] = result.rounds.size();
+  if (cfg.secagg.enable) summary["secure_aggregation"] = secure_aggregation_summary(cfg);
   summary["final_test_accuracy"] = result.rounds.empty() ? 0.0 : result.rounds.back().test_accuracy;
   summary["final_test_loss"] = result.rounds.empty() ? 0.0 : result.rounds.back().test_loss;
   summary["peak_rss_bytes"] = result.peak_rss_bytes;

@@ -28,7 +28,8 @@ class SecAggChannel {
                                         const SecAggSettings& settings) = 0;
   // Stage 2: its neighbours' keys in, its sealed shares out.
   virtual StatusOr<std::vector<SealedShare>> share_keys(int client, const std::vector<KeyAdvert>& roster) = 0;
-  virtual Status deliver_shares(int client, std::vector<SealedShare> inbox) = 0;
+  // Returns the senders whose shares `client` could not open or check.
+  virtual StatusOr<std::vector<int>> deliver_shares(int client, std::vector<SealedShare> inbox) = 0;
   // Stage 4: the shares the server asked for.
   virtual StatusOr<std::vector<RevealedShare>> unmask(int client, const UnmaskRequest& request) = 0;
   // The round is over: its keys and seeds are forgotten.
@@ -46,7 +47,7 @@ class SecAggClientStages final : public SecAggChannel {
   StatusOr<KeyAdvert> advertise(int client, int round, const std::vector<int>& selected,
                                 const SecAggSettings& settings) override;
   StatusOr<std::vector<SealedShare>> share_keys(int client, const std::vector<KeyAdvert>& roster) override;
-  Status deliver_shares(int client, std::vector<SealedShare> inbox) override;
+  StatusOr<std::vector<int>> deliver_shares(int client, std::vector<SealedShare> inbox) override;
   StatusOr<std::vector<RevealedShare>> unmask(int client, const UnmaskRequest& request) override;
   void end_round(int round) override;
   // The client's protocol state for this round (null: it took no part).

@@ -31,7 +31,7 @@ StatusOr<std::vector<SealedShare>> SecAggClientStages::share_keys(int client, co
   return c->share_keys(roster);
 }
 
-Status SecAggClientStages::deliver_shares(int client, std::vector<SealedShare> inbox) {
+StatusOr<std::vector<int>> SecAggClientStages::deliver_shares(int client, std::vector<SealedShare> inbox) {
   SecAggClient* c = this->client(client);
   if (c == nullptr) return failed_precondition("client_{}: shares delivered before its keys", client);
   return c->receive_shares(std::move(inbox));

@@ -51,6 +51,34 @@ std::vector<uint8_t> encode_share(int subject, const ShamirShare& b, const Shami
   return out;
 }
 
+// The public check of one share: BLAKE2b of its x and pieces, keyed by
+// what it is a share of (round, sender, recipient, which secret). Shares
+// are uniform field elements (t ≥ 2), so the check tells nothing about the
+// secret; it only pins the share down.
+Secret32 share_check(int round, int from, int to, SecretKind kind, const ShamirShare& share) {
+  const std::string ctx = share_context(round, from, to) + (kind == SecretKind::kSelfMaskSeed ? " b" : " sk");
+  crypto_generichash_state st;
+  crypto_generichash_init(&st, nullptr, 0, 32);
+  crypto_generichash_update(&st, reinterpret_cast<const unsigned char*>(ctx.data()), ctx.size());
+  crypto_generichash_update(&st, reinterpret_cast<const unsigned char*>(&share.x), sizeof share.x);
+  crypto_generichash_update(&st, reinterpret_cast<const unsigned char*>(share.y.data()),
+                            share.y.size() * sizeof(share.y[0]));
+  Secret32 h{};
+  crypto_generichash_final(&st, h.data(), h.size());
+  return h;
+}
+
+// The two shares in an opened share's plaintext (encode_share's layout).
+void decode_share(const std::vector<uint8_t>& plain, ShamirShare* b, ShamirShare* sk) {
+  uint32_t x = 0;
+  std::memcpy(&x, plain.data() + 4, 4);
+  b->x = sk->x = x;
+  for (size_t k = 0; k < kShamirPieces; ++k) {
+    std::memcpy(&b->y[k], plain.data() + 8 + 8 * k, 8);
+    std::memcpy(&sk->y[k], plain.data() + 8 + kShamirPieces * 8 + 8 * k, 8);
+  }
+}
+
 uint64_t splitmix64(uint64_t& state) {
   uint64_t z = (state += 0x9E3779B97F4A7C15ull);
   z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
@@ -149,17 +177,38 @@ StatusOr<SecAggSettings> SecAggSettings::resolve(const SecAggParams& p, size_t c
     // The weight ratio (≤ 1) is quantised with the same clipping range.
     return invalid_argument("secure_aggregation: clipping_range must be at least 1 and max_weight positive");
   }
+  // The protocol's minimums (Bell et al.; Flower's SecAggPlusWorkflow
+  // refuses the same): with k < 3 a client shares only with itself and at
+  // most one other, and with t < 2 one share is the secret, so the server
+  // could strip a client's masks from what a single client tells it.
+  if (clients < 3) {
+    return invalid_argument(
+        "server_configs.secure_aggregation.enable: secure aggregation needs at least 3 clients a round ({} selected): "
+        "with fewer, the sum tells each "
+        "client the other's update",
+        clients);
+  }
   size_t k = p.num_shares <= 1 ? static_cast<size_t>(std::ceil(p.num_shares * static_cast<double>(clients)))
                                : static_cast<size_t>(p.num_shares);
-  k = std::clamp<size_t>(k, 1, clients);
+  k = std::min(k, clients);
   if (k < clients && k % 2 == 0) ++k;  // a ring centred on each client: odd
-  s.neighbours = std::min(k, clients);
+  if (k < 3) {
+    return invalid_argument(
+        "server_configs.secure_aggregation.num_shares: {} resolves to k = {} with {} clients a round; SecAgg+ needs k "
+        ">= 3 "
+        "(each client's secrets shared with at least two others)",
+        p.num_shares, k, clients);
+  }
+  s.neighbours = k;
   size_t t = p.reconstruction_threshold <= 1
                  ? static_cast<size_t>(std::ceil(p.reconstruction_threshold * static_cast<double>(s.neighbours)))
                  : static_cast<size_t>(p.reconstruction_threshold);
-  if (t < 1 || t > s.neighbours) {
-    return invalid_argument("secure_aggregation: reconstruction_threshold resolves to {} with {} shares", t,
-                            s.neighbours);
+  if (t < 2 || t > s.neighbours) {
+    return invalid_argument(
+        "server_configs.secure_aggregation.reconstruction_threshold: {} resolves to t = {} with k = {} shares ({} "
+        "clients a "
+        "round); it must be in [2, k]",
+        p.reconstruction_threshold, t, s.neighbours, clients);
   }
   s.threshold = t;
   return s;
@@ -265,14 +314,18 @@ StatusOr<std::vector<SealedShare>> SecAggClient::share_keys(const std::vector<Ke
       pairwise_.emplace_back(v, MaskStream(seed, round_));
       sodium_memzero(seed.data(), seed.size());
     }
-    const std::vector<uint8_t> plain = encode_share(client_, b_shares[i], sk_shares[i]);
-    out.push_back(SealedShare{round_, client_, v, seal(share_keys_[v], plain, share_context(round_, client_, v))});
+    std::vector<uint8_t> plain = encode_share(client_, b_shares[i], sk_shares[i]);
+    out.push_back(SealedShare{round_, client_, v, seal(share_keys_[v], plain, share_context(round_, client_, v)),
+                              share_check(round_, client_, v, SecretKind::kSelfMaskSeed, b_shares[i]),
+                              share_check(round_, client_, v, SecretKind::kMaskingKey, sk_shares[i])});
+    sodium_memzero(plain.data(), plain.size());
   }
   self_mask_.emplace(b_, round_);
   return out;
 }
 
-Status SecAggClient::receive_shares(std::vector<SealedShare> inbox) {
+StatusOr<std::vector<int>> SecAggClient::receive_shares(std::vector<SealedShare> inbox) {
+  std::vector<int> refused;
   for (SealedShare& s : inbox) {
     if (s.round != round_) {
       return invalid_argument("client_{}: a share from client_{} of round {} in round {}", client_, s.from, s.round,
@@ -289,11 +342,38 @@ Status SecAggClient::receive_shares(std::vector<SealedShare> inbox) {
                               s.sealed.size(), kSharePlain + kSealOverhead);
     }
     const int from = s.from;
-    if (!inbox_.emplace(from, std::move(s)).second) {
+    if (inbox_.count(from) || std::find(refused.begin(), refused.end(), from) != refused.end()) {
       return invalid_argument("client_{}: client_{} sent it two shares", client_, from);
     }
+    // Opened now, not at unmasking: a share that does not open (or does
+    // not match the checks the server routes with it) names its sender
+    // while the round can still go on without it.
+    auto key = share_keys_.find(from);
+    if (key == share_keys_.end()) {
+      return failed_precondition("client_{}: a share from client_{} before this client shared its keys", client_, from);
+    }
+    auto opened = open_sealed(key->second, s.sealed, share_context(round_, from, client_));
+    bool good = opened.ok();
+    if (good) {
+      std::vector<uint8_t> plain = std::move(opened).value();
+      uint32_t subject = 0;
+      std::memcpy(&subject, plain.data(), 4);
+      ShamirShare b, sk;
+      decode_share(plain, &b, &sk);
+      good = static_cast<int>(subject) == from && b.x == x_ &&
+             share_check(round_, from, client_, SecretKind::kSelfMaskSeed, b) == s.b_check &&
+             share_check(round_, from, client_, SecretKind::kMaskingKey, sk) == s.sk_check;
+      sodium_memzero(plain.data(), plain.size());
+      sodium_memzero(b.y.data(), sizeof b.y);
+      sodium_memzero(sk.y.data(), sizeof sk.y);
+    }
+    if (!good) {
+      refused.push_back(from);
+      continue;
+    }
+    inbox_.emplace(from, std::move(s));
   }
-  return Status::Ok();
+  return refused;
 }
 
 Status SecAggClient::begin_update(uint64_t model_elements, double sample_count) {
@@ -510,6 +590,22 @@ std::vector<SealedShare> SecAggServer::inbox_for(int client) const {
   return it == inboxes_.end() ? std::vector<SealedShare>{} : it->second;
 }
 
+StatusOr<std::vector<int>> SecAggServer::shares_refused(int recipient, const std::vector<int>& senders) {
+  MEMFL_ASSIGN_OR_RETURN(Peer * p, peer(recipient, "a report of shares that do not open"));
+  (void)p;
+  const auto& inbox = inboxes_[recipient];
+  std::vector<int> out;
+  for (int from : senders) {
+    const bool routed = std::any_of(inbox.begin(), inbox.end(), [&](const SealedShare& s) { return s.from == from; });
+    if (!routed || from == recipient) {
+      return invalid_argument("client_{}: reports client_{}'s share as not opening, but was sent none", recipient,
+                              from);
+    }
+    if (unpaired_.insert({recipient, from}).second) out.push_back(from);
+  }
+  return out;
+}
+
 Status SecAggServer::add_masked_chunk(int client, uint64_t element_offset, std::span<const uint32_t> chunk) {
   MEMFL_ASSIGN_OR_RETURN(Peer * p, peer(client, "a masked chunk"));
   if (!p->shared) return failed_precondition("client_{}: a masked chunk before it shared its keys", client);
@@ -597,6 +693,19 @@ Status SecAggServer::add_revealed(int client, const std::vector<RevealedShare>& 
     for (uint64_t y : r.share.y) {
       if (y >= kShamirPrime) return invalid_argument("client_{}: a revealed share outside the field", client);
     }
+    // The share must be the one its subject sealed for this client (whose
+    // check this client confirmed when it opened it): a wrong one is this
+    // client's doing, whatever t is.
+    const auto& inbox = inboxes_[client];
+    auto sealed = std::find_if(inbox.begin(), inbox.end(), [&](const SealedShare& s) { return s.from == r.subject; });
+    if (sealed == inbox.end() || unpaired_.count({client, r.subject})) {
+      return rejected("client_{}: revealed a share of client_{} that it was never sent", client, r.subject);
+    }
+    const Secret32& check = r.kind == SecretKind::kSelfMaskSeed ? sealed->b_check : sealed->sk_check;
+    if (share_check(round_, r.subject, client, r.kind, r.share) != check) {
+      return rejected("client_{}: its share of client_{}'s {} is not the one client_{} sealed for it", client,
+                      r.subject, r.kind == SecretKind::kSelfMaskSeed ? "self-mask seed" : "masking key", r.subject);
+    }
   }
   for (const RevealedShare& r : shares) revealed_[{r.subject, r.kind}].emplace_back(client, r.share);
   p->revealed = true;
@@ -622,6 +731,7 @@ Status SecAggServer::reconstruct() {
         std::vector<ShamirShare> trial(sh.begin(), sh.begin() + static_cast<long>(s_.threshold));
         trial[bad] = sh[spare];
         if (shamir_reconstruct(trial, s_.threshold, out).ok() && valid(*out)) {
+          wrong_revealers_.push_back(got[bad].first);
           return rejected("client_{}: its share of client_{}'s {} is wrong", got[bad].first, subject, what);
         }
       }
@@ -642,6 +752,14 @@ Status SecAggServer::reconstruct() {
     sodium_memzero(b.data(), b.size());
   }
   for (int d : dropped_) {
+    // Only the survivors that paired a mask with d need d's key: none (all
+    // refused its share) and it stays secret.
+    bool paired = false;
+    for (size_t j : neighbourhood(peers_.at(d).x - 1, s_)) {
+      const int u = selected_[j];
+      paired = paired || (contains(survivors_, u) && !unpaired_.count({u, d}));
+    }
+    if (!paired) continue;
     const PublicKey32 pub = peers_.at(d).advert->s_public;
     Secret32 sk{};
     MEMFL_RETURN_IF_ERROR(recover(
@@ -649,7 +767,8 @@ Status SecAggServer::reconstruct() {
         &sk));
     for (size_t j : neighbourhood(peers_.at(d).x - 1, s_)) {
       const int u = selected_[j];
-      if (!contains(survivors_, u)) continue;
+      // A survivor that could not open d's share paired no mask with d.
+      if (!contains(survivors_, u) || unpaired_.count({u, d})) continue;
       MEMFL_ASSIGN_OR_RETURN(Secret32 seed,
                              agree(sk, pub, peers_.at(u).advert->s_public, "memfl-secagg-pairwise-mask"));
       // Survivor u added sign(u, d)·PRG(s_ud); that is what comes off.

@@ -101,6 +101,11 @@ struct SealedShare {
   int round = -1;
   int from = -1, to = -1;
   std::vector<uint8_t> sealed;
+  // BLAKE2b of the two shares inside (of b, of the s secret key), bound to
+  // round, sender and recipient: the recipient checks them when the share
+  // opens, the server checks a revealed share against them, so a share that
+  // is wrong names who made it wrong even with exactly t shares.
+  Secret32 b_check{}, sk_check{};
 };
 
 struct UnmaskRequest {
@@ -130,8 +135,11 @@ class SecAggClient {
   // Stage 2: the neighbours' adverts (its own among them, unchanged) →
   // one sealed share for each neighbour.
   StatusOr<std::vector<SealedShare>> share_keys(const std::vector<KeyAdvert>& roster);
-  // The sealed shares neighbours sent it; kept sealed until unmasking.
-  Status receive_shares(std::vector<SealedShare> inbox);
+  // The sealed shares neighbours sent it, each opened and checked now and
+  // kept sealed until unmasking. Returns the senders whose share does not
+  // open or does not match its checks: those shares are left out (and no
+  // mask is paired with their senders); the server drops the senders.
+  StatusOr<std::vector<int>> receive_shares(std::vector<SealedShare> inbox);
   // Stage 3: starts a masked update of `model_elements` values (the weight
   // is element `model_elements`); `sample_count` gives the weight.
   Status begin_update(uint64_t model_elements, double sample_count);
@@ -184,6 +192,10 @@ class SecAggServer {
   std::vector<KeyAdvert> roster_for(int client) const;
   Status add_shares(int client, const std::vector<SealedShare>& shares);
   std::vector<SealedShare> inbox_for(int client) const;
+  // `recipient` could not open (or check) the shares `senders` sent it: it
+  // pairs no mask with them. Returns the senders, checked to be neighbours
+  // that shared; the caller drops them from the round.
+  StatusOr<std::vector<int>> shares_refused(int recipient, const std::vector<int>& senders);
   // Stage 3: words [element_offset, + chunk.size()) of `client`'s masked
   // vector, in order; checked before a word is summed.
   Status add_masked_chunk(int client, uint64_t element_offset, std::span<const uint32_t> chunk);
@@ -205,6 +217,8 @@ class SecAggServer {
 
   const std::vector<int>& survivors() const { return survivors_; }
   const std::vector<int>& dropped() const { return dropped_; }
+  // Survivors whose revealed share reconstruct found wrong (with spares).
+  const std::vector<int>& wrong_revealers() const { return wrong_revealers_; }
   uint64_t total_elements() const { return body_.size() + 1; }
 
  private:
@@ -226,6 +240,7 @@ class SecAggServer {
   uint32_t* tail_;            // the last: the weights'
   std::map<int, Peer> peers_;
   std::map<int, std::vector<SealedShare>> inboxes_;  // by recipient
+  std::set<std::pair<int, int>> unpaired_;           // (recipient, sender): a share that did not open
   std::vector<int> survivors_, dropped_;
   bool request_made_ = false;
   // (subject, kind) → revealed shares, each with its revealer.
@@ -233,6 +248,7 @@ class SecAggServer {
   std::vector<MaskStream> self_masks_;                        // survivors' PRG(b)
   std::vector<std::pair<int, MaskStream>> dropped_pairwise_;  // (sign as survivor added it, mask)
   bool reconstructed_ = false;
+  std::vector<int> wrong_revealers_;
 };
 
 }  // namespace memfl

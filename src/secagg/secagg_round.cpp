@@ -116,9 +116,26 @@ Status SecAggRound::exchange_keys(SecAggChannel& channel, std::vector<int>* fail
       out(c, st);
     }
   }
+  std::vector<std::pair<int, int>> refused;  // (sender, recipient)
   for (int c : shared) {
-    Status st = channel.deliver_shares(c, server_->inbox_for(c));
-    if (!st.ok()) out(c, st);
+    auto r = channel.deliver_shares(c, server_->inbox_for(c));
+    StatusOr<std::vector<int>> senders = r.ok() ? server_->shares_refused(c, *r) : r.status();
+    if (!senders.ok()) {
+      out(c, senders.status());
+      continue;
+    }
+    for (int from : *senders) refused.emplace_back(from, c);
+  }
+  // A share that does not open names its sender (only sender and recipient
+  // hold the key, so the server cannot tell which of the two lies; the
+  // sender is the one that can spoil everyone's unmasking): the sender is
+  // out, and the round goes on with the others, its pairwise masks taken
+  // out as a dropped client's.
+  for (const auto& [from, to] : refused) {
+    if (std::find(out_.begin(), out_.end(), from) != out_.end()) continue;
+    culprits_.push_back(from);
+    out(from, Status{StatusCode::kRejected,
+                     fmt::format("its share for {} does not open or does not match its checks", client_id(to))});
   }
   return Status::Ok();
 }
@@ -142,17 +159,34 @@ StatusOr<size_t> SecAggRound::unmask_into(SecAggChannel& channel, UpdateOpener& 
     auto revealed = channel.unmask(c, req);
     Status st = revealed.ok() ? server_->add_revealed(c, *revealed) : revealed.status();
     // A survivor silent now is tolerated as long as t shares of each secret
-    // still come back (reconstruct says when not).
-    if (!st.ok())
+    // still come back (reconstruct says when not); one whose shares are
+    // wrong is left out of later rounds too.
+    if (!st.ok()) {
       spdlog::warn("round {}: secure aggregation: {} did not unmask: {}", round_, client_id(c), st.message());
+      if (st.code() == StatusCode::kRejected) culprits_.push_back(c);
+    }
   }
   Status rec = server_->reconstruct();
+  for (int c : server_->wrong_revealers()) culprits_.push_back(c);
   if (!rec.ok()) {
     return aborted("round {}: secure aggregation cannot unmask: {}", round_, rec.message());
   }
   const uint64_t elements = body_.size();
   uint32_t& weight_word = own_.empty() ? weight_word_ : own_.back();
   MEMFL_RETURN_IF_ERROR(server_->unmask_chunk(elements, std::span(&weight_word, 1)));
+  // Every unmasked word is a sum of n quantised values, so at most
+  // n·(q − 1). A word above it means a masked upload was not made with this
+  // round's masks (another round's upload replayed, random words): its
+  // masks did not cancel and the mean would be noise. Which client sent it
+  // the sum cannot tell; the round is redone.
+  const uint64_t top = static_cast<uint64_t>(req.survivors.size()) * (settings_.quantization_range - 1);
+  const auto out_of_range = [&](uint64_t at, uint32_t word) {
+    return aborted(
+        "round {}: secure aggregation: unmasked word {} is {}, above {} survivors × (quantization_range − 1) = {}: "
+        "a masked upload was not made with this round's masks (replayed from another round, or not masks at all)",
+        round_, at, word, req.survivors.size(), top);
+  };
+  if (weight_word > top) return out_of_range(elements, weight_word);
   const double weight = server_->total_weight(weight_word);
   if (!(weight > 0)) return aborted("round {}: secure aggregation: the unmasked weights sum to {}", round_, weight);
   // Chunk by chunk: the sum's words unmasked in place, the mean's f32s in
@@ -166,6 +200,9 @@ StatusOr<size_t> SecAggRound::unmask_into(SecAggChannel& channel, UpdateOpener& 
     // words just read (it writes a round's first update, never reads it).
     auto words = body_.subspan(e, n);
     MEMFL_RETURN_IF_ERROR(server_->unmask_chunk(e, words));
+    for (size_t i = 0; i < n; ++i) {
+      if (words[i] > top) return out_of_range(e + i, words[i]);
+    }
     server_->dequantize(words, weight, std::span(mean).first(n));
     auto bytes = std::as_bytes(std::span(mean).first(n));
     MEMFL_RETURN_IF_ERROR(

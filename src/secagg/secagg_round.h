@@ -50,6 +50,11 @@ class SecAggRound final : public UpdateOpener {
   // What the round holds beside the global model: the masked sum (model +
   // 4 bytes) or, summing in the model's memory, 4 bytes.
   size_t sum_bytes() const { return (own_.empty() ? 1 : own_.size()) * sizeof(uint32_t); }
+  // Clients whose shares were refused (a sealed share that does not open,
+  // a revealed share that does not check): out of this round where it can
+  // still go on, and to be left out of the next ones.
+  const std::vector<int>& culprits() const { return culprits_; }
+  const SecAggSettings& settings() const { return settings_; }
 
  private:
   class Stream;
@@ -66,6 +71,7 @@ class SecAggRound final : public UpdateOpener {
   std::mutex mu_;              // the server's state: streams add chunks from several threads
   std::unique_ptr<SecAggServer> server_;
   std::vector<int> out_;  // clients that failed a key-exchange stage
+  std::vector<int> culprits_;
 };
 
 }  // namespace memfl

@@ -118,11 +118,13 @@ void put_shares(Writer& w, const std::vector<SealedShare>& v) {
     w.put<int32_t>(s.from);
     w.put<int32_t>(s.to);
     w.bytes(s.sealed);
+    for (uint8_t b : s.b_check) w.put(b);
+    for (uint8_t b : s.sk_check) w.put(b);
   }
 }
 Status get_shares(Reader& r, std::vector<SealedShare>* v) {
   uint32_t n = 0;
-  MEMFL_RETURN_IF_ERROR(r.count(&n, 16));
+  MEMFL_RETURN_IF_ERROR(r.count(&n, 16 + 64));
   v->resize(n);
   for (auto& s : *v) {
     int32_t round = 0, from = 0, to = 0;
@@ -133,6 +135,8 @@ Status get_shares(Reader& r, std::vector<SealedShare>* v) {
     s.from = from;
     s.to = to;
     MEMFL_RETURN_IF_ERROR(r.bytes(&s.sealed, kMaxSealed));
+    MEMFL_RETURN_IF_ERROR(r.get(&s.b_check));
+    MEMFL_RETURN_IF_ERROR(r.get(&s.sk_check));
   }
   return Status::Ok();
 }
@@ -216,13 +220,16 @@ StatusOr<std::vector<SealedShare>> RemoteSecAggChannel::share_keys(int client, c
   return shares;  // SecAggServer::add_shares checks sender, recipient and round
 }
 
-Status RemoteSecAggChannel::deliver_shares(int client, std::vector<SealedShare> inbox) {
+StatusOr<std::vector<int>> RemoteSecAggChannel::deliver_shares(int client, std::vector<SealedShare> inbox) {
   Writer w;
   request_head(SecAggStage::kDeliverShares, client, round_, &w);
   put_shares(w, inbox);
   MEMFL_ASSIGN_OR_RETURN(std::string body, call(client, SecAggStage::kDeliverShares, w.take()));
   Reader r(body, fmt::format("client_{}'s receipt of its shares", client));
-  return r.done();
+  std::vector<int> refused;
+  MEMFL_RETURN_IF_ERROR(r.ints(&refused));
+  MEMFL_RETURN_IF_ERROR(r.done());
+  return refused;  // SecAggServer::shares_refused checks each sender
 }
 
 StatusOr<std::vector<RevealedShare>> RemoteSecAggChannel::unmask(int client, const UnmaskRequest& request) {
@@ -326,7 +333,8 @@ StatusOr<std::string> serve_secagg_request(SecAggChannel& stages, std::string_vi
       std::vector<SealedShare> inbox;
       MEMFL_RETURN_IF_ERROR(get_shares(r, &inbox));
       MEMFL_RETURN_IF_ERROR(r.done());
-      return answer(stages.deliver_shares(client, std::move(inbox)), [](Writer&) {});
+      auto refused = stages.deliver_shares(client, std::move(inbox));
+      return answer(refused.status(), [&](Writer& out) { out.ints(*refused); });
     }
     case SecAggStage::kUnmask: {
       UnmaskRequest req;

@@ -47,7 +47,7 @@ class RemoteSecAggChannel final : public SecAggChannel {
   StatusOr<KeyAdvert> advertise(int client, int round, const std::vector<int>& selected,
                                 const SecAggSettings& settings) override;
   StatusOr<std::vector<SealedShare>> share_keys(int client, const std::vector<KeyAdvert>& roster) override;
-  Status deliver_shares(int client, std::vector<SealedShare> inbox) override;
+  StatusOr<std::vector<int>> deliver_shares(int client, std::vector<SealedShare> inbox) override;
   StatusOr<std::vector<RevealedShare>> unmask(int client, const UnmaskRequest& request) override;
   void end_round(int round) override { on_end_round_(round); }
   void drop(int client, const Status& why) override { on_drop_(client, why); }

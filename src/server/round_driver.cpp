@@ -186,9 +186,22 @@ Status RoundDriver::play_round(int round, RoundMetrics* m, bool* redo) {
       in_model = std::span(reinterpret_cast<uint32_t*>(idle.data()), words);
     }
     MEMFL_ASSIGN_OR_RETURN(secure, SecAggRound::start(round, selected, params, global_.layout(), in_model));
+    spdlog::info("round {}: secure aggregation over {} clients: k = {} shares each, t = {} reconstruct", round,
+                 selected.size(), secure->settings().neighbours, secure->settings().threshold);
     sampler_.mark(round, "secagg_keys");
     MEMFL_RETURN_IF_ERROR(secure->exchange_keys(*opts_.secure_aggregation, &key_failed));
   }
+  // A client whose secure-aggregation messages were refused is out for the
+  // rest of the run, whether or not the round could go on without it.
+  const auto drop_culprits = [&] {
+    if (!secure) return;
+    for (int c : secure->culprits()) {
+      if (std::find(dropped_.begin(), dropped_.end(), c) != dropped_.end()) continue;
+      spdlog::warn("round {}: {} is out of the run: its secure-aggregation shares were refused", round, client_id(c));
+      live::client_dropped(c, round);
+      dropped_.push_back(c);
+    }
+  };
   // Updates fold in client order whatever order they arrive in (parked
   // until their turn), so every transport gives the same model bit for bit.
   std::vector<std::string> fold_order;
@@ -224,6 +237,7 @@ Status RoundDriver::play_round(int round, RoundMetrics* m, bool* redo) {
     // The unmasked mean through the same value checks as any update.
     auto n = secure->unmask_into(*opts_.secure_aggregation, checked, kSecureAggregateId);
     opts_.secure_aggregation->end_round(round);
+    drop_culprits();
     if (!n.ok()) {
       if (n.status().code() != StatusCode::kAborted) return n.status();
       // Nothing was folded: the pre-round model stays; the clients that
@@ -396,11 +410,23 @@ Status RoundDriver::run() {
   for (const auto& m : rounds_) MEMFL_RETURN_IF_ERROR(metrics_->append(m));  // the committed rounds, again
   const int last = cfg_.server.num_global_epochs;
   live::set_planned(last, /*asynchronous=*/false);
+  int retries = 0;  // of the round now played
   for (int round = first_round_; round <= last;) {
     RoundMetrics m;
     bool redo = false;
     MEMFL_RETURN_IF_ERROR(play_round(round, &m, &redo));
-    if (redo) continue;
+    if (redo) {
+      // Each redo leaves out the clients that made it necessary when it can
+      // tell them; the cap is for when it cannot.
+      if (++retries > cfg_.server.max_round_retries) {
+        return aborted(
+            "round {}: could not complete after {} retries (server_configs.max_round_retries); the log says why each "
+            "try failed",
+            round, cfg_.server.max_round_retries);
+      }
+      continue;
+    }
+    retries = 0;
     // Committed first (with this round's metrics), then the metrics row: a
     // kill in between loses nothing, --resume rewrites metrics.csv from the
     // commit. A round the checkpoint policy does not commit is replayed by
@@ -418,6 +444,32 @@ Status RoundDriver::run() {
   live::loop_finished();
   transport_.finish(last);
   return Status::Ok();
+}
+
+}  // namespace memfl
+
+namespace memfl {
+
+nlohmann::json secure_aggregation_summary(const ExperimentConfig& cfg) {
+  const SecAggConfig& a = cfg.secagg;
+  if (!a.enable) return nullptr;
+  const auto& sc = cfg.server;
+  const int per_round = sc.clients_per_round > 0 ? std::min(sc.clients_per_round, sc.num_clients) : sc.num_clients;
+  const SecAggParams params{a.num_shares,
+                            a.reconstruction_threshold,
+                            a.max_weight,
+                            a.clipping_range,
+                            static_cast<uint64_t>(a.quantization_range),
+                            static_cast<uint64_t>(a.modulus_range)};
+  nlohmann::json j = {{"clients_per_round", per_round},
+                      {"num_shares", a.num_shares},
+                      {"reconstruction_threshold", a.reconstruction_threshold}};
+  auto s = SecAggSettings::resolve(params, static_cast<size_t>(std::max(per_round, 0)));
+  if (s.ok()) {
+    j["k"] = s->neighbours;
+    j["t"] = s->threshold;
+  }
+  return j;
 }
 
 }  // namespace memfl

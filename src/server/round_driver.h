@@ -111,6 +111,11 @@ class RoundDriver {
 // RoundDriver::run checks it; a role may check it sooner (before clients wait).
 Status check_server_memory_bound(const ExperimentConfig& cfg, GlobalModel& global);
 
+// summary.json's "secure_aggregation": the configured num_shares and
+// reconstruction_threshold and the k and t they resolve to for a full
+// round (null when secure aggregation is off).
+nlohmann::json secure_aggregation_summary(const ExperimentConfig& cfg);
+
 nlohmann::json round_metrics_to_json(const RoundMetrics& m);
 RoundMetrics round_metrics_from_json(const nlohmann::json& j);
 
