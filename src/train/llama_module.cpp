@@ -107,6 +107,15 @@ struct EmbedImpl : torch::nn::Module {
 };
 TORCH_MODULE(Embed);
 
+// at::scaled_dot_product_attention takes fewer KV heads than query heads (2.5+).
+constexpr bool gqa_in_kernel() {
+#if defined(TORCH_VERSION_MAJOR) && (TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 5))
+  return true;
+#else
+  return false;
+#endif
+}
+
 torch::Tensor rotate_half(const torch::Tensor& x) {
   const int64_t half = x.size(-1) / 2;
   return torch::cat({-x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1);
@@ -128,7 +137,7 @@ struct AttentionImpl : torch::nn::Module {
     auto v = v_proj(x).view({b, t, kv_heads, head_dim}).transpose(1, 2);
     q = q * cos + rotate_half(q) * sin;
     k = k * cos + rotate_half(k) * sin;
-    if (kv_heads != heads) {
+    if (kv_heads != heads && !(fused && gqa_in_kernel())) {
       k = k.repeat_interleave(heads / kv_heads, 1);
       v = v.repeat_interleave(heads / kv_heads, 1);
     }
@@ -335,7 +344,15 @@ torch::Tensor causal_attention_math(const torch::Tensor& q, const torch::Tensor&
 
 torch::Tensor causal_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, bool fused) {
 #if defined(TORCH_VERSION_MAJOR) && TORCH_VERSION_MAJOR >= 2
-  if (fused) return at::scaled_dot_product_attention(q, k, v, {}, 0.0, /*is_causal=*/true);
+  if (fused) {
+#if TORCH_VERSION_MAJOR > 2 || TORCH_VERSION_MINOR >= 5
+    // Grouped-query heads inside the kernel: k and v are not repeated.
+    return at::scaled_dot_product_attention(q, k, v, {}, 0.0, /*is_causal=*/true, std::nullopt,
+                                            /*enable_gqa=*/k.size(1) != q.size(1));
+#else
+    return at::scaled_dot_product_attention(q, k, v, {}, 0.0, /*is_causal=*/true);
+#endif
+  }
 #else
   (void)fused;
 #endif

@@ -8,6 +8,10 @@
 #include "train/dp_sgd.h"  // CNN_GN
 #include "train/llama_module.h"
 
+#include <cstring>
+
+#include "common/parallel.h"
+
 namespace memfl::torch_internal {
 
 namespace {
@@ -227,6 +231,58 @@ torch::ScalarType scalar_type_of(DType d) {
   return torch::kFloat32;
 }
 
+#ifdef MEMFL_HAVE_CUDA_COPY
+void copy_cuda_arena(std::vector<torch::Tensor>& tensors, const Layout& layout, Arena& arena, bool to_device) {
+  // Two pinned staging buffers: while the GPU copies one, the host threads
+  // fill (or drain) the other. A pageable copy stages through the driver's
+  // small buffers on one thread, 3-4 × slower for a model of many GB.
+  constexpr size_t kStage = size_t{256} << 20;
+  const auto pinned = torch::TensorOptions().dtype(torch::kUInt8).pinned_memory(true);
+  torch::Tensor stage[2] = {torch::empty({static_cast<int64_t>(kStage)}, pinned),
+                            torch::empty({static_cast<int64_t>(kStage)}, pinned)};
+  at::cuda::CUDAEvent done[2];
+  bool used[2] = {false, false};
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  int b = 0;
+  auto host_copy = [](uint8_t* dst, const uint8_t* src, size_t n) {
+    parallel_for(n, size_t{8} << 20, [&](size_t lo, size_t hi) { std::memcpy(dst + lo, src + lo, hi - lo); });
+  };
+  // Device to host: the GPU copy of piece k overlaps the host's drain of piece k − 1.
+  struct Pending {
+    uint8_t* dst = nullptr;
+    size_t n = 0;
+  } pending[2];
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    auto& t = tensors[i];
+    if (!t.is_cuda()) continue;
+    auto* host = reinterpret_cast<uint8_t*>(arena.data()) + layout.entries()[i].offset;
+    auto* dev = static_cast<uint8_t*>(t.data_ptr());
+    const size_t bytes = t.nbytes();
+    for (size_t off = 0; off < bytes; off += kStage) {
+      const size_t n = std::min(kStage, bytes - off);
+      auto* buf = stage[b].data_ptr<uint8_t>();
+      if (used[b]) done[b].synchronize();
+      if (to_device) {
+        host_copy(buf, host + off, n);
+        C10_CUDA_CHECK(cudaMemcpyAsync(dev + off, buf, n, cudaMemcpyHostToDevice, stream));
+      } else {
+        if (pending[b].n > 0) host_copy(pending[b].dst, buf, pending[b].n);
+        C10_CUDA_CHECK(cudaMemcpyAsync(buf, dev + off, n, cudaMemcpyDeviceToHost, stream));
+        pending[b] = {host + off, n};
+      }
+      done[b].record(stream);
+      used[b] = true;
+      b ^= 1;
+    }
+  }
+  for (int j : {b, b ^ 1}) {  // the older piece first
+    if (!used[j]) continue;
+    done[j].synchronize();
+    if (!to_device && pending[j].n > 0) host_copy(pending[j].dst, stage[j].data_ptr<uint8_t>(), pending[j].n);
+  }
+}
+#endif
+
 StatusOr<BoundModel> bind_to_arena(Net& net) {
   std::vector<std::pair<std::string, torch::Tensor>> tensors = net.named_tensors();
   LayoutBuilder b;
@@ -238,14 +294,24 @@ StatusOr<BoundModel> bind_to_arena(Net& net) {
   MEMFL_ASSIGN_OR_RETURN(bound.layout, std::move(b).build());
   bound.arena = Arena(bound.layout.total_bytes(), MemoryCategory::kModel);
   torch::NoGradGuard no_grad;
+  std::vector<torch::Tensor> on_gpu(tensors.size());
   for (size_t i = 0; i < tensors.size(); ++i) {
     const LayoutEntry& e = bound.layout.entries()[i];
     auto& t = tensors[i].second;
+#ifdef MEMFL_HAVE_CUDA_COPY
+    if (t.is_cuda() && t.is_contiguous()) {
+      on_gpu[i] = t;  // copied below, in one pipelined pass
+      continue;
+    }
+#endif
     torch::Tensor view =
         torch::from_blob(bound.arena.data() + e.offset, t.sizes(), torch::TensorOptions().dtype(t.scalar_type()));
     view.copy_(t);
     if (!t.is_cuda()) t.set_data(view);  // the module now computes on the arena's bytes
   }
+#ifdef MEMFL_HAVE_CUDA_COPY
+  copy_cuda_arena(on_gpu, bound.layout, bound.arena, /*to_device=*/false);
+#endif
   return bound;
 }
 

@@ -4,6 +4,16 @@
 
 #include <torch/torch.h>
 
+// CUDA builds of libtorch (the GPU machine's): pinned, pipelined copies
+// between a module on the GPU and its arena.
+#if __has_include(<ATen/cuda/CUDAEvent.h>) && __has_include(<cuda_runtime_api.h>)
+#include <ATen/cuda/CUDAEvent.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime_api.h>
+#define MEMFL_HAVE_CUDA_COPY 1
+#endif
+
 #include "config/config.h"
 #include "tensor/arena.h"
 #include "tensor/layout.h"
@@ -62,5 +72,12 @@ struct BoundModel {
 // A module on a GPU keeps its tensors there: the arena gets a copy of them
 // (the host side that travels) and the module is left as it is.
 StatusOr<BoundModel> bind_to_arena(Net& net);
+
+#ifdef MEMFL_HAVE_CUDA_COPY
+// tensors[i] (contiguous, on the GPU; others are skipped) ↔ the arena bytes of
+// layout entry i, through pinned staging buffers, on the current stream;
+// returns when the copy is done.
+void copy_cuda_arena(std::vector<torch::Tensor>& tensors, const Layout& layout, Arena& arena, bool to_device);
+#endif
 
 }  // namespace memfl::torch_internal

@@ -148,6 +148,13 @@ class FusedAdam {
   FusedAdam& operator=(const FusedAdam&) = delete;
   // Whether step() is done by the backward itself.
   bool in_backward() const { return in_backward_; }
+  // Before a backward that steps: every step count + 1 in one launch (the
+  // hooks then launch only the update, one per parameter).
+  void begin_backward() {
+    if (!in_backward_) return;
+    torch::NoGradGuard g;
+    at::_foreach_add_(steps_, 1);
+  }
   void step() {
     if (in_backward_) return;
     torch::NoGradGuard g;
@@ -175,7 +182,7 @@ class FusedAdam {
       vs.push_back(exp_avg_sq_[i]);
       ss.push_back(steps_[i]);
     }
-    at::_foreach_add_(ss, 1);
+    if (!in_backward_) at::_foreach_add_(ss, 1);  // in the backward: begin_backward() did
     at::_fused_adam_(ps, gs, ms, vs, {}, ss, o_.lr, o_.beta1, o_.beta2, o_.weight_decay, o_.eps,
                      /*amsgrad=*/false, /*maximize=*/false, {}, {});
   }
@@ -248,6 +255,9 @@ class TorchReplica final : public ModelReplica {
     for (auto& b : net_->buffers(true)) ts.push_back(b);
     return ts;
   }
+  static bool all_contiguous(const std::vector<torch::Tensor>& ts) {
+    return std::all_of(ts.begin(), ts.end(), [](const torch::Tensor& t) { return t.is_cuda() && t.is_contiguous(); });
+  }
   torch::Tensor host_view(size_t i, const torch::Tensor& like) {
     const auto& e = bound_.layout.entries()[i];
     return torch::from_blob(bound_.arena.data() + e.offset, like.sizes(),
@@ -257,12 +267,18 @@ class TorchReplica final : public ModelReplica {
     if (!device_.is_cuda()) return;
     torch::NoGradGuard g;
     auto ts = all_tensors();
+#ifdef MEMFL_HAVE_CUDA_COPY
+    if (all_contiguous(ts)) return copy_cuda_arena(ts, bound_.layout, bound_.arena, /*to_device=*/true);
+#endif
     for (size_t i = 0; i < ts.size(); ++i) ts[i].copy_(host_view(i, ts[i]));
   }
   void sync_to_host() {
     if (!device_.is_cuda()) return;
     torch::NoGradGuard g;
     auto ts = all_tensors();
+#ifdef MEMFL_HAVE_CUDA_COPY
+    if (all_contiguous(ts)) return copy_cuda_arena(ts, bound_.layout, bound_.arena, /*to_device=*/false);
+#endif
     for (size_t i = 0; i < ts.size(); ++i) host_view(i, ts[i]).copy_(ts[i]);
   }
 
@@ -331,6 +347,9 @@ class TorchReplica final : public ModelReplica {
         y = y.to(device_, /*non_blocking=*/true);
         if (!device_.is_cuda()) opt->zero_grad();
         auto [loss, right] = net_->loss_and_correct(x, y);
+#ifdef MEMFL_HAVE_FUSED_ADAM
+        if (fused) fused->begin_backward();
+#endif
         loss.backward();
         if (cfg.mu > 0) {
           // ∇ μ/2·‖w − w_g‖² = μ·(w − w_g), added to each gradient.
