@@ -65,14 +65,13 @@ struct SwiGluDownFn : torch::autograd::Function<SwiGluDownFn> {
     auto saved = ctx->get_saved_variables();
     const auto &gate = saved[0], &up = saved[1], &w = saved[2];
     const auto& gy = grads[0];
-    auto sig = torch::sigmoid(gate);
-    auto act = gate * sig;           // silu(gate)
+    auto act = torch::silu(gate);
     auto dp = torch::matmul(gy, w);  // [.., intermediate]
     const int64_t out = gy.size(-1), inner = up.size(-1);
     auto dw = torch::matmul(gy.reshape({-1, out}).t(), (act * up).reshape({-1, inner}));
     auto dup = dp * act;
-    // silu'(g) = σ(g)·(1 + g·(1 − σ(g))).
-    auto dgate = dp * up * sig * (1 + gate * (1 - sig));
+    // libtorch's own silu derivative, one kernel: σ(g)·(1 + g·(1 − σ(g))).
+    auto dgate = torch::silu_backward(dp * up, gate);
     return {dgate, dup, dw};
   }
 };
