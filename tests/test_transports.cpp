@@ -644,6 +644,36 @@ TEST(RunDirectories, AServerOrLaunchOnAUsedRunDirectoryIsRefusedAndLosesNothing)
   EXPECT_EQ(read_csv(tmp.file("run/server/metrics.csv")), metrics_before);
 }
 
+// An update whose metadata lies (a NaN train_loss, or the next round's
+// number) is refused before its bytes count, naming its client; the rounds
+// go on with the other three, metrics.csv holds numbers only, and the model
+// is their FedAvg (computed here).
+class LyingMetadata : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(LyingMetadata, IsRefusedNamingTheClientAndTheRoundsGoOn) {
+  testing::TempDir tmp;
+  const std::string cfg = write_config(tmp, "c", "", 1000);
+  setenv("MEMFL_FAULT", GetParam().c_str(), 1);
+  setenv("MEMFL_FAULT_CLIENT", "2", 1);
+  Result r = memfl_cli("launch " + cfg + " --clients 4 -q --out " + tmp.file("run"));
+  unsetenv("MEMFL_FAULT");
+  unsetenv("MEMFL_FAULT_CLIENT");
+  EXPECT_NE(r.exit_code, 0) << "the lying client fails";
+  const std::string server_log = testing::read_file(tmp.file("run/server.log"));
+  const std::string why = GetParam() == "nan_train_loss" ? "its metric train_loss is nan" : "it says it is for round 2";
+  EXPECT_NE(server_log.find("round 1: the update of client_2 is refused: " + why), std::string::npos) << server_log;
+  const auto rows = read_csv(tmp.file("run/server/metrics.csv"));
+  ASSERT_EQ(rows.size(), static_cast<size_t>(kRounds + 1)) << server_log;
+  for (size_t i = 1; i < rows.size(); ++i) {
+    EXPECT_EQ(rows[i][1], "3") << "round " << i;
+    for (const auto& cell : rows[i]) EXPECT_EQ(cell.find("nan"), std::string::npos) << "round " << i;
+  }
+  EXPECT_TRUE(equals_expected(tmp.file("run/server/global_model.safetensors"),
+                              expected_model(std::vector<std::vector<int>>(kRounds, std::vector<int>{0, 1, 3}))));
+}
+
+INSTANTIATE_TEST_SUITE_P(Faults, LyingMetadata, ::testing::Values("nan_train_loss", "wrong_round"));
+
 TEST(GrpcRejoin, AClientThatDiedComesBackAndTakesPartAgain) {
   testing::TempDir tmp;
   // A fixed port (the restarted client must find the server again), 10

@@ -7,6 +7,8 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <map>
+#include <string>
 #include <vector>
 
 #include "aggregate/fedavg_aggregator.h"
@@ -136,6 +138,31 @@ TEST(UpdateCheck, SampleCountsMustBeFinitePositiveAndBounded) {
 // Through the aggregator: client_1's update carries an Inf in its first
 // chunk and client_3 reports 1e308 samples; both are refused, and the round
 // is the weighted mean of clients 0 and 2 alone, computed here.
+TEST(UpdateCheck, AnUpdateForAnotherRoundIsRefusedNamingTheClient) {
+  EXPECT_TRUE(check_update_round(3, 3, "client_1").ok());
+  for (int claimed : {2, 4, 0, -1}) {
+    const Status st = check_update_round(claimed, 3, "client_1");
+    EXPECT_EQ(st.code(), StatusCode::kRejected) << claimed;
+    EXPECT_NE(st.message().find("round 3: the update of client_1 is refused: it says it is for round " +
+                                std::to_string(claimed)),
+              std::string::npos)
+        << st.message();
+  }
+}
+
+TEST(UpdateCheck, MetricsMustBeFiniteAndTheBadOneIsNamed) {
+  std::map<std::string, double> metrics{{"train_loss", 0.5}, {"val_accuracy", 1.0}, {"local_steps", 10}};
+  EXPECT_TRUE(check_update_metrics(metrics, "client_0", 2).ok());
+  for (double bad : {std::nan(""), std::numeric_limits<double>::infinity(), -std::numeric_limits<double>::infinity()}) {
+    metrics["val_accuracy"] = bad;
+    const Status st = check_update_metrics(metrics, "client_3", 2);
+    EXPECT_EQ(st.code(), StatusCode::kRejected) << bad;
+    EXPECT_NE(st.message().find("round 2: the update of client_3 is refused: its metric val_accuracy is"),
+              std::string::npos)
+        << st.message();
+  }
+}
+
 TEST(UpdateCheck, RefusedUpdatesLeaveTheRoundToTheOthers) {
   LayoutBuilder b;
   b.add("w", DType::kF32, {1000}).add("b", DType::kF32, {10});

@@ -153,6 +153,8 @@ class TransferFaults {
   // header, or return an error that the transport acts out as a dropped
   // connection.
   virtual Status before_upload_chunk(size_t /*index*/, bool /*last*/, ChunkHeader* /*header*/) { return Status::Ok(); }
+  // An update's metadata is about to go: it may alter what it reports.
+  virtual void before_update_meta(UpdateMeta* /*meta*/) {}
   // The process's part of `round` is over.
   virtual void after_round(int /*round*/) {}
 };

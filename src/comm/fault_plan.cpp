@@ -2,6 +2,7 @@
 
 #include <csignal>
 #include <cstdlib>
+#include <limits>
 #include <string>
 
 #include <spdlog/spdlog.h>
@@ -33,6 +34,12 @@ class EnvFaults final : public TransferFaults {
     if (kind_ == "offset_past_end") h->offset = UINT64_MAX / 2;
     if (kind_ == "extra_bytes") h->length -= 1;  // more bytes follow than the header announces
     return Status::Ok();
+  }
+
+  void before_update_meta(UpdateMeta* meta) override {
+    if (uploads_done_ > 0) return;
+    if (kind_ == "nan_train_loss") meta->metrics["train_loss"] = std::numeric_limits<double>::quiet_NaN();
+    if (kind_ == "wrong_round") meta->round += 1;
   }
 
   void after_round(int round) override {

@@ -11,7 +11,9 @@
 // chunks: under secure aggregation, a client gone after sharing its keys);
 // stop_in_broadcast, stop_mid_upload (the process stops itself with SIGSTOP,
 // once, as a stalled node would; SIGCONT lets it go on); die_after_round_1
-// (the process exits at once after its part of round 1, as a crashed node).
+// (the process exits at once after its part of round 1, as a crashed node);
+// nan_train_loss, wrong_round (the first update's metadata reports a NaN
+// train_loss, or names the next round).
 //
 // Only process wiring (roles/) asks for a plan; the transports call the
 // TransferFaults seam (comm/client_transport.h) and know no kind.

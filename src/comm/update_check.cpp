@@ -18,6 +18,19 @@ Status check_sample_count(double sample_count, const UpdateLimits& limits, std::
                             round, peer, sample_count, limits.max_num_samples));
 }
 
+Status check_update_round(int claimed, int round, std::string_view peer) {
+  if (claimed == round) return Status::Ok();
+  return Status(StatusCode::kRejected,
+                fmt::format("round {}: the update of {} is refused: it says it is for round {}", round, peer, claimed));
+}
+
+Status check_update_metric(std::string_view name, double value, std::string_view peer, int round) {
+  if (std::isfinite(value)) return Status::Ok();
+  return Status(StatusCode::kRejected,
+                fmt::format("round {}: the update of {} is refused: its metric {} is {}, not a finite number", round,
+                            peer, name, value));
+}
+
 namespace {
 
 // An element is not finite when its exponent bits are all ones. The loop

@@ -1,7 +1,8 @@
 // What the server checks of a client update's values, as its chunks arrive
 // (sizes, offsets and checksums are checked by verify_chunk before this):
 // every float element is finite, and the sample count it is weighted by is
-// finite, positive and at most server_configs.max_num_samples. One NaN or
+// finite, positive and at most server_configs.max_num_samples; its metadata
+// names the round being collected and reports finite metrics. One NaN or
 // Inf folded into a running sum makes every later global model NaN, and a
 // sample count of 1e308 makes one client the whole mean; both are refused
 // naming the client, the tensor and the round, and the round goes on with the
@@ -31,6 +32,24 @@ struct UpdateLimits {
 // A sample count a server may weigh an update by; else kRejected naming
 // `peer` and `round`.
 Status check_sample_count(double sample_count, const UpdateLimits& limits, std::string_view peer, int round);
+
+// The round an update says it is for (its metadata's round field) is the
+// round being collected: an update kept from another round, or a made-up
+// one, is refused (kRejected) naming `peer`.
+Status check_update_round(int claimed, int round, std::string_view peer);
+
+// A metric a client reports with its update (train_loss, val_accuracy,
+// local_steps, …) is finite: one NaN would be averaged into metrics.csv and
+// every later mean, and the scheduler would rank by it. Else kRejected
+// naming `peer`, the metric and the round.
+Status check_update_metric(std::string_view name, double value, std::string_view peer, int round);
+
+// Every (name, value) of `metrics` (a std::map or a protobuf Map).
+template <typename Metrics>
+Status check_update_metrics(const Metrics& metrics, std::string_view peer, int round) {
+  for (const auto& m : metrics) MEMFL_RETURN_IF_ERROR(check_update_metric(m.first, m.second, peer, round));
+  return Status::Ok();
+}
 
 // Follows one model stream (chunks in order, cut anywhere, even inside an
 // element) and fails at the first non-finite float element, naming its

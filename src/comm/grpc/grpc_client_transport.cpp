@@ -314,11 +314,13 @@ Status GrpcClientTransport::wait_released() {
 
 Status GrpcClientTransport::send(const UpdateMeta& meta, ModelPlace& from) {
   if (receiving_ || round_ < 0) return failed_precondition("send() before this round's model was received");
+  UpdateMeta told = meta;
+  faults_->before_update_meta(&told);
   wire::ClientMessage out;
   auto* md = out.mutable_update_metadata();
-  md->set_round(meta.round);
-  md->set_sample_count(meta.sample_count);
-  for (const auto& [k, v] : meta.metrics) (*md->mutable_metrics())[k] = v;
+  md->set_round(told.round);
+  md->set_sample_count(told.sample_count);
+  for (const auto& [k, v] : told.metrics) (*md->mutable_metrics())[k] = v;
   MEMFL_RETURN_IF_ERROR(write_client_message(*stream_, out, peer_));
   // From an arena the chunks go by reference (zero-copy); from anywhere
   // else each is copied into one staging buffer, reused once gRPC let go;

@@ -9,6 +9,8 @@
 
 #include <spdlog/spdlog.h>
 
+#include "comm/update_check.h"
+
 namespace memfl::grpc_detail {
 
 void ServerAgent::follow_locked(const AsyncNext& next) {
@@ -98,6 +100,12 @@ grpc::Status ServerAgent::async_receive_update(grpc::ServerContext* ctx, grpc::S
   size_t slot = 0;
   {
     std::lock_guard lock(mu_);
+    // The metadata before any byte: an update says it is the change from
+    // the version this client was sent, and its metrics are numbers.
+    const int base = static_cast<int>(a.base_version[static_cast<size_t>(id)]);
+    Status meta = check_update_round(md.round(), base, client_id(id));
+    if (meta.ok()) meta = check_update_metrics(md.metrics(), client_id(id), base);
+    if (!meta.ok()) return {grpc::StatusCode::INVALID_ARGUMENT, meta.message()};
     slot = a.slots->take();
   }
   auto give_back = [&] {

@@ -9,6 +9,8 @@
 
 #include <spdlog/spdlog.h>
 
+#include "comm/update_check.h"
+
 namespace memfl::grpc_detail {
 
 grpc::Status ServerAgent::receive_update(grpc::ServerContext* ctx, grpc::ServerReaderWriter<Frame, Frame>* stream,
@@ -29,6 +31,11 @@ grpc::Status ServerAgent::receive_update(grpc::ServerContext* ctx, grpc::ServerR
     if (slots_[static_cast<size_t>(id)].failed || phase_ != Phase::kUpload) {
       return {grpc::StatusCode::ABORTED, peer + ": not part of this round's upload"};
     }
+    // The metadata before any byte: an update for another round, or one
+    // whose metrics are not numbers, is refused as a bad sample count is.
+    Status meta = check_update_round(md.round(), round_, client_id(id));
+    if (meta.ok()) meta = check_update_metrics(md.metrics(), client_id(id), round_);
+    if (!meta.ok()) return {grpc::StatusCode::INVALID_ARGUMENT, meta.message()};
     if (!up_start_) up_start_ = Clock::now();
     slots_[static_cast<size_t>(id)].uploading = true;
   }

@@ -22,6 +22,7 @@
 #include <spdlog/spdlog.h>
 
 #include "comm/mpi/mpi_detail.h"
+#include "comm/update_check.h"
 
 namespace memfl {
 
@@ -317,6 +318,13 @@ Status MpiServerTransport::collect(int round, const std::vector<int>& selected, 
                               md.client, md.round, round));
       }
       done[static_cast<size_t>(md.client)] = true;
+      const std::pair<const char*, double> metrics[] = {{"train_loss", md.train_loss},
+                                                        {"train_accuracy", md.train_accuracy},
+                                                        {"val_accuracy", md.val_accuracy},
+                                                        {"local_steps", md.local_steps}};
+      if (Status bad = check_update_metrics(metrics, client_id(md.client), round); !bad.ok()) {
+        abort_job(fmt::format("rank {}: {}", w, bad.message()));
+      }
       auto opened = agg.open_update(client_id(md.client), md.sample_count);
       if (!opened.ok()) abort_job(opened.status().message());
       // The bytes on the wire (compressed frames are fewer than the model's).
