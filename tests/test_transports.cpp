@@ -647,7 +647,8 @@ TEST(RunDirectories, AServerOrLaunchOnAUsedRunDirectoryIsRefusedAndLosesNothing)
 // An update whose metadata lies (a NaN train_loss, or the next round's
 // number) is refused before its bytes count, naming its client; the rounds
 // go on with the other three, metrics.csv holds numbers only, and the model
-// is their FedAvg (computed here).
+// is their FedAvg (computed here). The refused client ends with the
+// server's reason: its call finished once, not aborted on a second Finish.
 class LyingMetadata : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(LyingMetadata, IsRefusedNamingTheClientAndTheRoundsGoOn) {
@@ -662,6 +663,8 @@ TEST_P(LyingMetadata, IsRefusedNamingTheClientAndTheRoundsGoOn) {
   const std::string server_log = testing::read_file(tmp.file("run/server.log"));
   const std::string why = GetParam() == "nan_train_loss" ? "its metric train_loss is nan" : "it says it is for round 2";
   EXPECT_NE(server_log.find("round 1: the update of client_2 is refused: " + why), std::string::npos) << server_log;
+  const std::string client_log = testing::read_file(tmp.file("run/client_2.log"));
+  EXPECT_NE(client_log.find("the update of client_2 is refused"), std::string::npos) << client_log;
   const auto rows = read_csv(tmp.file("run/server/metrics.csv"));
   ASSERT_EQ(rows.size(), static_cast<size_t>(kRounds + 1)) << server_log;
   for (size_t i = 1; i < rows.size(); ++i) {

@@ -99,9 +99,11 @@ StatusOr<std::unique_ptr<GrpcClientTransport>> GrpcClientTransport::connect(cons
 GrpcClientTransport::~GrpcClientTransport() { (void)close(); }
 
 Status GrpcClientTransport::open_session() {
+  stream_.reset();  // it refers to the context: it goes first
   ctx_ = std::make_unique<grpc::ClientContext>();
   grpc::internal::RpcMethod method(kSessionMethod, grpc::internal::RpcMethod::BIDI_STREAMING, channel_);
   stream_.reset(grpc::internal::ClientReaderWriterFactory<Frame, Frame>::Create(channel_.get(), method, ctx_.get()));
+  finished_ = false;
   data_.reset();
   round_ = -1;
   receiving_ = false;
@@ -289,6 +291,14 @@ Status GrpcClientTransport::receive(ModelPlace& place) {
   return write_client_message(*stream_, out, peer_);
 }
 
+grpc::Status GrpcClientTransport::finish() {
+  if (!finished_) {
+    finished_ = true;
+    ended_ = stream_->Finish();
+  }
+  return ended_;
+}
+
 void GrpcClientTransport::cancel() {
   ctx_->TryCancel();
   if (data_ != nullptr) data_->shutdown();
@@ -385,7 +395,7 @@ Status GrpcClientTransport::recover(const Status& why) {
   // would not change. (Finish waits for every message to be read: read what
   // is left first; a rejection of our update says best why the session
   // ended.)
-  for (Frame left; stream_->Read(&left);) {
+  for (Frame left; !finished_ && stream_->Read(&left);) {
     DecodedFrame ld;
     wire::ServerMessage lm;
     if (decode_frame(left, kServerChunkField, peer_, &ld, &lm).ok() && !ld.is_chunk && lm.has_update_ack() &&
@@ -394,10 +404,13 @@ Status GrpcClientTransport::recover(const Status& why) {
                     fmt::format("server {} rejected the update of {}: {}", peer_, role_, lm.update_ack().message()));
     }
   }
-  const grpc::Status ended = stream_->Finish();
+  const grpc::Status ended = finish();
   // CANCELLED: the server dropped this client at a deadline (it stalled,
-  // or its link did): a new session rejoins from the next round.
-  if (ended.error_code() != grpc::StatusCode::UNAVAILABLE && ended.error_code() != grpc::StatusCode::CANCELLED) {
+  // or its link did); OK: the call was ended in the middle of a round with
+  // no reason given (a proxy, a server that let the session go). A new
+  // session rejoins from the next round.
+  if (ended.error_code() != grpc::StatusCode::UNAVAILABLE && ended.error_code() != grpc::StatusCode::CANCELLED &&
+      !ended.ok()) {
     return Status(StatusCode::kAborted, fmt::format("{}; the server ended this client's session ({}{}{})",
                                                     why.message(), static_cast<int>(ended.error_code()),
                                                     ended.error_message().empty() ? "" : ": ", ended.error_message()));
@@ -432,14 +445,14 @@ Status GrpcClientTransport::close() {
   // for the update) and would not read a Bye behind it: end the call.
   if (in_round()) {
     cancel();
-    (void)stream_->Finish();
+    (void)finish();  // recover() may have finished it already
     return Status::Ok();
   }
   wire::ClientMessage out;
   out.mutable_bye();
   (void)write_client_message(*stream_, out, peer_);
   stream_->WritesDone();
-  (void)stream_->Finish();  // the server may already have shut down
+  (void)finish();  // the server may already have shut down
   return Status::Ok();
 }
 

@@ -10,9 +10,10 @@
 //
 // Every chunk is checked (layout hash, offset, length, checksum) before its
 // bytes count, on the stream or on the data channel when the server offers
-// one. A server that went away (UNAVAILABLE) or dropped this client at a
-// deadline (CANCELLED) is met with a new session (recover), with backoff,
-// for connect_timeout_s at most.
+// one. A server that went away (UNAVAILABLE), dropped this client at a
+// deadline (CANCELLED) or ended its call mid-round with no reason (OK) is
+// met with a new session (recover), with backoff, for connect_timeout_s at
+// most.
 #pragma once
 
 #include <grpcpp/grpcpp.h>
@@ -95,6 +96,9 @@ class GrpcClientTransport final : public ClientTransport {
   // Ends the call now (a failed round): gRPC lets go of every chunk it holds.
   void cancel();
   Status wait_released();
+  // The call's status. gRPC allows one Finish() a call (a second aborts the
+  // process): recover() and close() both ask, this asks gRPC once.
+  grpc::Status finish();
 
   GrpcClientOptions o_;
   TransferFaults no_faults_;
@@ -111,6 +115,8 @@ class GrpcClientTransport final : public ClientTransport {
   size_t chunk_ = 0;
   int round_ = -1;
   bool receiving_ = false, closed_ = false;
+  bool finished_ = false;  // this session's call has been finished; ended_ is its status
+  grpc::Status ended_;
   // The round whose model the last place that keeps it received (0: none),
   // told to the server with each GetGlobalModel; and what this round's
   // ModelBegin says its chunks are the change from (0: the model's bytes).
