@@ -17,8 +17,11 @@
 #include <filesystem>
 #include <fstream>
 
+#include <grpcpp/impl/codegen/method_handler.h>
+
 #include "aggregate/fedavg_aggregator.h"
 #include "comm/grpc/data_channel.h"
+#include "comm/grpc/grpc_client_transport.h"
 #include "comm/grpc/wire.h"
 #include "model/synthetic.h"
 
@@ -713,6 +716,83 @@ TEST(DataChannel, HostAndPortOfAGrpcTarget) {
   Status bad = split_host_port("nohost", &host, &port);
   EXPECT_FALSE(bad.ok());
   EXPECT_NE(bad.message().find("server_uri"), std::string::npos) << bad.message();
+}
+
+// A server that speaks a session up to the round and then, in the first
+// session only, ends the call with OK where the model should come (as a
+// proxy or a server letting the session go would); the second session
+// hears that the run is over.
+class CleanEndService final : public grpc::Service {
+ public:
+  CleanEndService() {
+    AddMethod(new grpc::internal::RpcServiceMethod(
+        kSessionMethod, grpc::internal::RpcMethod::BIDI_STREAMING,
+        new grpc::internal::BidiStreamingHandler<CleanEndService, Frame, Frame>(
+            [](CleanEndService* self, grpc::ServerContext*, grpc::ServerReaderWriter<Frame, Frame>* stream) {
+              return self->session(stream);
+            },
+            this)));
+  }
+  std::atomic<int> sessions{0};
+
+ private:
+  grpc::Status session(grpc::ServerReaderWriter<Frame, Frame>* stream) {
+    const int n = ++sessions;
+    for (Frame f; stream->Read(&f);) {
+      DecodedFrame d;
+      wire::ClientMessage m;
+      if (!decode_frame(f, kClientChunkField, "client", &d, &m).ok() || d.is_chunk) {
+        return {grpc::StatusCode::INVALID_ARGUMENT, "bad frame"};
+      }
+      wire::ServerMessage r;
+      if (m.has_register_()) {
+        r.mutable_register_reply()->set_accepted(true);
+      } else if (m.has_get_configuration()) {
+        r.mutable_configuration()->set_config_yaml("server_configs:\n  num_clients: 1\n");
+      } else if (m.has_custom_action()) {
+        r.mutable_custom_action_reply()->set_payload(R"([{"name": "w", "dtype": "f32", "shape": [4]}])");
+      } else if (m.has_get_global_model()) {
+        if (n == 1) return grpc::Status::OK;
+        r.mutable_model_begin()->set_finished(true);
+      } else {
+        return grpc::Status::OK;  // Bye
+      }
+      stream->Write(encode_message(r));
+    }
+    return grpc::Status::OK;
+  }
+};
+
+// A call the server ends cleanly in the middle of a round is finished once
+// and met with a new session, as a server that went away is.
+TEST(GrpcClientTransport, ACallEndedCleanlyMidRoundIsMetWithANewSession) {
+  CleanEndService service;
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+  builder.RegisterService(&service);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  ASSERT_NE(server, nullptr);
+  {
+    GrpcClientOptions options;
+    options.server_uri = "127.0.0.1:" + std::to_string(port);
+    options.connect_timeout_s = 10;
+    auto t = GrpcClientTransport::connect(options);
+    ASSERT_TRUE(t.ok()) << t.status().message();
+    auto first = (*t)->next_round();
+    ASSERT_FALSE(first.ok());
+    EXPECT_EQ(first.status().code(), StatusCode::kUnavailable) << first.status().message();
+    const Status back = (*t)->recover(first.status());
+    EXPECT_TRUE(back.ok()) << back.message();
+    EXPECT_EQ(service.sessions.load(), 2);
+    if (back.ok()) {
+      auto next = (*t)->next_round();
+      ASSERT_TRUE(next.ok()) << next.status().message();
+      EXPECT_TRUE(next->finished());
+    }
+    EXPECT_TRUE((*t)->close().ok());
+  }
+  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
 }
 
 }  // namespace
