@@ -161,6 +161,12 @@ TEST(UpdateCheck, MetricsMustBeFiniteAndTheBadOneIsNamed) {
               std::string::npos)
         << st.message();
   }
+  // DP-SGD without noise spends ε = +∞: reported, not refused; a NaN ε is.
+  metrics["val_accuracy"] = 1.0;
+  metrics["epsilon"] = std::numeric_limits<double>::infinity();
+  EXPECT_TRUE(check_update_metrics(metrics, "client_0", 2).ok());
+  metrics["epsilon"] = std::nan("");
+  EXPECT_EQ(check_update_metrics(metrics, "client_0", 2).code(), StatusCode::kRejected);
 }
 
 TEST(UpdateCheck, RefusedUpdatesLeaveTheRoundToTheOthers) {
