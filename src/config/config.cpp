@@ -19,6 +19,15 @@
 
 namespace memfl {
 
+SecAggParams secagg_params(const SecAggConfig& a) {
+  return SecAggParams{a.num_shares,
+                      a.reconstruction_threshold,
+                      a.max_weight,
+                      a.clipping_range,
+                      static_cast<uint64_t>(a.quantization_range),
+                      static_cast<uint64_t>(a.modulus_range)};
+}
+
 const std::vector<std::string>& known_model_names() {
   static const std::vector<std::string> names = {"CNN",       "MLP",        "ResNet18",   "CNN_GN",
                                                  "synthetic", "llama-tiny", "llama-1b",   "llama-8b",
@@ -1147,12 +1156,7 @@ Status check_secure_aggregation(const ExperimentConfig& c, const std::string& so
                             a.reconstruction_threshold, a.num_shares);
   }
   // k and t as the first round resolves them: what the run would refuse.
-  const SecAggParams params{a.num_shares,
-                            a.reconstruction_threshold,
-                            a.max_weight,
-                            a.clipping_range,
-                            static_cast<uint64_t>(a.quantization_range),
-                            static_cast<uint64_t>(a.modulus_range)};
+  const SecAggParams params = secagg_params(a);
   if (auto s = SecAggSettings::resolve(params, clients); !s.ok()) {
     return invalid_argument("{}: {}", source, s.status().message());
   }

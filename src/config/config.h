@@ -230,6 +230,11 @@ struct MemoryConfig {
   std::string scratch_dir;               // file backing: empty = the role's run directory
 };
 
+struct SecAggParams;  // secagg/secagg.h
+// The protocol's parameters as the config gives them (resolved per round
+// against the clients selected: SecAggSettings::resolve).
+SecAggParams secagg_params(const SecAggConfig& a);
+
 struct ExperimentConfig {
   TrainConfig train;
   ModelConfig model;

@@ -166,12 +166,7 @@ Status RoundDriver::play_round(int round, RoundMetrics* m, bool* redo) {
           transport_.name());
     }
     const SecAggConfig& a = cfg_.secagg;
-    const SecAggParams params{a.num_shares,
-                              a.reconstruction_threshold,
-                              a.max_weight,
-                              a.clipping_range,
-                              static_cast<uint64_t>(a.quantization_range),
-                              static_cast<uint64_t>(a.modulus_range)};
+    const SecAggParams params = secagg_params(a);
     // Once the model has left (the transport is done with it before the
     // upload) and the aggregator will write its one update over it, the
     // masked sum lives in the model's own memory: no second model.
@@ -455,12 +450,7 @@ nlohmann::json secure_aggregation_summary(const ExperimentConfig& cfg) {
   if (!a.enable) return nullptr;
   const auto& sc = cfg.server;
   const int per_round = sc.clients_per_round > 0 ? std::min(sc.clients_per_round, sc.num_clients) : sc.num_clients;
-  const SecAggParams params{a.num_shares,
-                            a.reconstruction_threshold,
-                            a.max_weight,
-                            a.clipping_range,
-                            static_cast<uint64_t>(a.quantization_range),
-                            static_cast<uint64_t>(a.modulus_range)};
+  const SecAggParams params = secagg_params(a);
   nlohmann::json j = {{"clients_per_round", per_round},
                       {"num_shares", a.num_shares},
                       {"reconstruction_threshold", a.reconstruction_threshold}};
