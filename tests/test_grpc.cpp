@@ -2,6 +2,7 @@
 // started through `memfl launch`, as users run them.
 #include <gtest/gtest.h>
 
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cstdlib>
@@ -280,6 +281,69 @@ TEST(GrpcSecurity, WrongTokenIsRefusedAndTheRoundGoesOn) {
   auto metrics = read_csv(tmp.file("run/server/metrics.csv"));
   ASSERT_EQ(metrics.size(), 3u) << r.output;
   EXPECT_EQ(metrics[1][1], "1") << "the round went on with the client that presented the token";
+}
+
+// With a token per client, holding one client's token does not let a peer
+// register as another id; the owners of both ids then run the whole job.
+TEST(GrpcSecurity, PerClientTokensKeepEachIdToItsOwner) {
+  testing::TempDir tmp;
+  const std::string tokens = tmp.file("tokens"), stolen = tmp.file("stolen");
+  std::ofstream(tokens) << "# id token\n0 aaaaaaaaaaaaaaaa0000\n1 bbbbbbbbbbbbbbbb1111   # client 1\n";
+  // The attacker holds client 1's token and claims id 0 with it.
+  std::ofstream(stolen) << "0 bbbbbbbbbbbbbbbb1111\n";
+  ASSERT_EQ(::chmod(tokens.c_str(), 0600), 0);
+  const std::string cfg = synthetic_config(tmp, 2, 1000, 1000);
+  const std::string key = " --set server_configs.comm_configs.grpc_configs.client_tokens_file=";
+  const std::string server_dir = tmp.file("server");
+  ASSERT_EQ(std::system((std::string(MEMFL_BINARY) + " server " + cfg + key + tokens +
+                         " -q --set server_configs.round_timeout_s=20 --out " + server_dir + " > " +
+                         tmp.file("server.log") + " 2>&1 & echo $! > " + tmp.file("server.pid"))
+                            .c_str()),
+            0);
+  std::string port;
+  for (int i = 0; i < 200 && port.empty(); ++i) {
+    std::ifstream in(server_dir + "/port");
+    if (in) std::getline(in, port);
+    if (port.empty()) usleep(50000);
+  }
+  ASSERT_FALSE(port.empty());
+  const std::string uri = " --set server_configs.comm_configs.grpc_configs.server_uri=127.0.0.1:" + port;
+  Result thief = memfl_cli("client " + cfg + " --client-id 0 -q" + key + stolen + uri + " --out " + tmp.file("thief"));
+  EXPECT_NE(thief.exit_code, 0) << thief.output;
+  EXPECT_NE(thief.output.find("client 0 from"), std::string::npos) << thief.output;
+  EXPECT_NE(thief.output.find("wrong token"), std::string::npos) << thief.output;
+  // A client whose file has no line for it is stopped before it connects.
+  Result lineless = memfl_cli("client " + cfg + " --client-id 1 -q" + key + stolen + uri + " --out " + tmp.file("nl"));
+  EXPECT_NE(lineless.exit_code, 0);
+  EXPECT_NE(lineless.output.find("no line gives client 1 a token"), std::string::npos) << lineless.output;
+  Result owners = run_shell(std::string(MEMFL_BINARY) + " client " + cfg + " --client-id 0 -q" + key + tokens + uri +
+                            " --out " + tmp.file("c0") + " & " + MEMFL_BINARY + " client " + cfg + " --client-id 1 -q" +
+                            key + tokens + uri + " --out " + tmp.file("c1") + "; wait; pid=$(cat " +
+                            tmp.file("server.pid") + "); while kill -0 $pid 2>/dev/null; do sleep 0.1; done");
+  EXPECT_EQ(owners.exit_code, 0) << owners.output;
+  const std::string log = testing::read_file(tmp.file("server.log"));
+  auto metrics = read_csv(server_dir + "/metrics.csv");
+  ASSERT_EQ(metrics.size(), 3u) << log;
+  EXPECT_EQ(metrics[1][1], "2") << "both owners took part: " << log;
+  EXPECT_EQ(metrics[2][1], "2") << log;
+  EXPECT_NE(log.find("client 0 from"), std::string::npos) << log;
+  // The shared token still works, with a warning that it does not tell clients apart.
+  Result both =
+      memfl_cli("validate " + cfg + key + tokens + " --set server_configs.comm_configs.grpc_configs.auth_token=x");
+  EXPECT_EQ(both.exit_code, 2) << both.output;
+  EXPECT_NE(both.output.find("auth_token' and 'client_tokens_file' are both set"), std::string::npos) << both.output;
+}
+
+TEST(GrpcSecurity, ASharedTokenIsWarnedAbout) {
+  testing::TempDir tmp;
+  const std::string cfg = synthetic_config(tmp, 1, 1000, 1000);
+  Result r = memfl_cli("launch " + cfg +
+                       " --clients 1 --set server_configs.num_global_epochs=1"
+                       " --set server_configs.comm_configs.grpc_configs.auth_token=s3cret --out " +
+                       tmp.file("run"));
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  const std::string log = testing::read_file(tmp.file("run/server.log"));
+  EXPECT_NE(log.find("whoever holds it can register as any client id"), std::string::npos) << log;
 }
 
 TEST(GrpcSecurity, TlsWithASelfSignedPair) {

@@ -14,6 +14,7 @@
 #include <string>
 
 #include "cli_util.h"
+#include "comm/client_tokens.h"
 #include "config/config.h"
 #include "data/dataset.h"
 #include "default_config.h"
@@ -276,6 +277,83 @@ TEST(SilentSettings, ARelativeErrorBoundThatKeepsNothingIsRefused) {
                        {lossy[0], lossy[1], "client_configs.comm_configs.compressor_configs.error_bounding_mode=ABS",
                         "client_configs.comm_configs.compressor_configs.error_bound=5"})
           .ok());
+}
+
+}  // namespace
+}  // namespace memfl
+
+namespace memfl {
+namespace {
+
+// Only the spelling memfl's clients send names an id: the aliases of 1 that
+// std::stoi accepts are refused, so one client has one name.
+TEST(ClientIds, OnlyPlainDecimalIdsParse) {
+  EXPECT_EQ(parse_client_id("0", 3), 0);
+  EXPECT_EQ(parse_client_id("1", 3), 1);
+  EXPECT_EQ(parse_client_id("2", 3), 2);
+  EXPECT_EQ(parse_client_id("12", 13), 12);
+  for (const char* alias : {"01", "+1", " 1", "1 ", "1\n", "0x1", "1.0", "-0", "", "3", "99999999999", "1e0"}) {
+    EXPECT_FALSE(parse_client_id(alias, 3).has_value()) << "'" << alias << "'";
+  }
+}
+
+TEST(ClientTokens, EachIdHasItsOwnTokenAndOthersDoNotMatch) {
+  testing::TempDir tmp;
+  const std::string path = tmp.file("tokens");
+  std::ofstream(path) << "# tokens\n\n2 cccccccccccccccc\n0   aaaaaaaaaaaaaaaa  # zero\n";
+  ASSERT_EQ(::chmod(path.c_str(), 0600), 0);
+  std::vector<std::string> warnings;
+  auto t = load_client_tokens(path, kClientTokensFileKey, 3, &warnings);
+  ASSERT_TRUE(t.ok()) << t.status().message();
+  EXPECT_TRUE(warnings.empty());
+  EXPECT_TRUE(t->matches(0, "aaaaaaaaaaaaaaaa"));
+  EXPECT_TRUE(t->matches(2, "cccccccccccccccc"));
+  EXPECT_FALSE(t->matches(0, "cccccccccccccccc")) << "client 2's token is not client 0's";
+  EXPECT_FALSE(t->matches(2, "aaaaaaaaaaaaaaaa"));
+  EXPECT_FALSE(t->matches(1, "")) << "an id without a line has no token, not an empty one";
+  EXPECT_FALSE(t->matches(0, "aaaaaaaaaaaaaaa")) << "a prefix is not the token";
+  EXPECT_EQ(t->missing(), std::vector<int>{1});
+  auto own = load_own_client_token(path, kClientTokensFileKey, 2);
+  ASSERT_TRUE(own.ok());
+  EXPECT_EQ(*own, "cccccccccccccccc");
+  ASSERT_EQ(::chmod(path.c_str(), 0644), 0);
+  ASSERT_TRUE(load_client_tokens(path, kClientTokensFileKey, 3, &warnings).ok());
+  ASSERT_EQ(warnings.size(), 1u);
+  EXPECT_NE(warnings[0].find("chmod 600"), std::string::npos) << warnings[0];
+}
+
+TEST(ClientTokens, BadFilesAreRefusedNamingTheKeyAndTheLine) {
+  testing::TempDir tmp;
+  const std::string path = tmp.file("tokens");
+  auto refused = [&](const std::string& text, int clients) {
+    std::ofstream(path, std::ios::trunc) << text;
+    auto t = load_client_tokens(path, kClientTokensFileKey, clients);
+    EXPECT_FALSE(t.ok()) << text;
+    return t.ok() ? std::string() : std::string(t.status().message());
+  };
+  std::string m = refused("0 aaaaaaaaaaaaaaaa\n01 bbbbbbbbbbbbbbbb\n", 3);
+  EXPECT_NE(m.find("client_tokens_file"), std::string::npos) << m;
+  EXPECT_NE(m.find("line 2"), std::string::npos) << m;
+  m = refused("0 aaaaaaaaaaaaaaaa\n0 bbbbbbbbbbbbbbbb\n", 3);
+  EXPECT_NE(m.find("line 2: client 0 already has a token (line 1)"), std::string::npos) << m;
+  m = refused("0 short\n", 3);
+  EXPECT_NE(m.find("at least 16"), std::string::npos) << m;
+  m = refused("3 aaaaaaaaaaaaaaaa\n", 3);
+  EXPECT_NE(m.find("0..2"), std::string::npos) << m;
+  m = refused("0 aaaaaaaaaaaaaaaa extra\n", 3);
+  EXPECT_NE(m.find("found 3 field(s)"), std::string::npos) << m;
+  m = refused("# nothing\n", 3);
+  EXPECT_NE(m.find("gives no client a token"), std::string::npos) << m;
+  EXPECT_FALSE(load_client_tokens(tmp.path.string(), kClientTokensFileKey, 3).ok())
+      << "a directory is not a tokens file";
+}
+
+TEST(ClientTokens, ComparisonIsExactAndPeerTextIsEscaped) {
+  EXPECT_TRUE(tokens_equal("abcdefgh", "abcdefgh"));
+  EXPECT_FALSE(tokens_equal("abcdefgh", "abcdefgx"));
+  EXPECT_FALSE(tokens_equal("abcdefgh", "abcdefg"));
+  EXPECT_EQ(printable_peer_text("a\nb\\"), "a\\x0ab\\x5c");
+  EXPECT_EQ(printable_peer_text(std::string(100, 'x')).size(), 64u + std::string("... (100 bytes)").size());
 }
 
 }  // namespace

@@ -1,7 +1,10 @@
 // memfl validate: check a config and print it with every default resolved.
+#include <filesystem>
+
 #include <CLI/CLI.hpp>
 
 #include "cli/commands.h"
+#include "comm/client_tokens.h"
 
 namespace memfl::cli {
 
@@ -11,6 +14,11 @@ CommandFn add_validate(CLI::App& cmd, SharedOptions& shared) {
   return [&shared](int&, char**&) {
     auto cfg = load(shared.config_path, shared.sets);
     if (!cfg.ok()) return fail(cfg.status());
+    // What the server would refuse at start, where this machine has the file.
+    if (const auto& path = cfg->server.client_tokens_file; !path.empty() && std::filesystem::exists(path)) {
+      auto tokens = load_client_tokens(path, kClientTokensFileKey, cfg->server.num_clients);
+      if (!tokens.ok()) return fail(tokens.status());
+    }
     fmt::print("# {} — valid\n{}", cfg->source, cfg->resolved_yaml);
     return kExitOk;
   };

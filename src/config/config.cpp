@@ -853,8 +853,18 @@ const std::vector<KeySpec>& schema() {
        {},
        -kInf,
        kInf,
-       "token clients must present at Register (empty = none)",
+       "one token every client presents at Register (empty = none); it does not tell clients apart, see "
+       "client_tokens_file",
        S(server.auth_token)},
+      {"server_configs.comm_configs.grpc_configs.client_tokens_file",
+       Type::kString,
+       "\"\"",
+       {},
+       -kInf,
+       kInf,
+       "file of '<client_id> <token>' lines: each client registers with its own token (the server reads every "
+       "line, a client its own); not with auth_token",
+       S(server.client_tokens_file)},
       // memory_configs
       // clang-format off
       {"memory_configs.arena_backing", Type::kString, "memory", {"memory", "file"}, -kInf, kInf, "model-sized arenas in anonymous memory, or in mmap'd files (models larger than RAM)", S(memory.arena_backing)},
@@ -1361,6 +1371,12 @@ Status cross_checks(const ExperimentConfig& c, const std::string& source) {
         "and root_cert",
         source);
   }
+  if (!c.server.auth_token.empty() && !c.server.client_tokens_file.empty()) {
+    return invalid_argument(
+        "{}: 'server_configs.comm_configs.grpc_configs.auth_token' and 'client_tokens_file' are both set; a client "
+        "has one credential: keep client_tokens_file (a token per client) and drop auth_token",
+        source);
+  }
   if (c.server.use_ssl && c.server.data_channel == "tcp") {
     // The data channel carries the model in the clear: TLS on the stream
     // alone would protect the control messages and leave the model open.
@@ -1519,6 +1535,9 @@ bool may_change_on_resume(std::string_view key) {
       "server_configs.upload_timeout_s",
       "server_configs.max_round_retries",
       "server_configs.comm_configs.grpc_configs.connect_timeout_s",
+      // Credentials: rotating them changes who may join, not what a round computes.
+      "server_configs.comm_configs.grpc_configs.auth_token",
+      "server_configs.comm_configs.grpc_configs.client_tokens_file",
       "server_configs.comm_configs.grpc_configs.server_uri",
       "server_configs.comm_configs.grpc_configs.data_channel_port",
       "server_configs.logging_output_dirname",

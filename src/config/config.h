@@ -136,7 +136,8 @@ struct ServerConfig {
   int64_t max_message_size = 0;  // 0 = chunk size + headroom
   bool use_ssl = false;
   std::string server_cert, server_key, root_cert;  // PEM files
-  std::string auth_token;
+  std::string auth_token;          // one token for every client (a shared secret)
+  std::string client_tokens_file;  // a token per client id (comm/client_tokens.h)
   int round_timeout_s = 600;
   // Each phase has its own deadline, so a client stalled in one cannot use up
   // the time of the clients in the next (0 = round_timeout_s).

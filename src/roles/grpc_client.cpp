@@ -9,6 +9,7 @@
 
 #include "client/client_driver.h"
 #include "client/client_work.h"
+#include "comm/client_tokens.h"
 #include "comm/fault_plan.h"
 #include "comm/grpc/grpc_client_transport.h"
 #include "io/run_dir.h"
@@ -42,9 +43,13 @@ Status run_grpc_client(const ExperimentConfig& local, int client_id, const RoleO
   // The fault tests' misbehaving peer, when the environment names this client.
   const auto faults = transfer_faults_from_env(client_id, "MEMFL_FAULT_CLIENT");
   const auto& lc = local.server;
+  std::string token = lc.auth_token;
+  if (!lc.client_tokens_file.empty()) {
+    MEMFL_ASSIGN_OR_RETURN(token, load_own_client_token(lc.client_tokens_file, kClientTokensFileKey, client_id));
+  }
   MEMFL_ASSIGN_OR_RETURN(auto transport, GrpcClientTransport::connect({.server_uri = lc.server_uri,
                                                                        .client_id = static_cast<uint32_t>(client_id),
-                                                                       .token = lc.auth_token,
+                                                                       .token = token,
                                                                        .use_ssl = lc.use_ssl,
                                                                        .root_cert = lc.root_cert,
                                                                        .max_message_size = lc.max_message_size,

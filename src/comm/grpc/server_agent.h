@@ -27,6 +27,7 @@
 #include <grpcpp/support/sync_stream.h>
 
 #include "comm/chunk.h"
+#include "comm/client_tokens.h"
 #include "comm/grpc/data_channel.h"
 #include "comm/grpc/wire.h"
 #include "comm/spool_update.h"
@@ -109,6 +110,8 @@ struct NaiveSerialised {
 // global arena or the aggregator.
 class ServerAgent final : public ServerTransport {
  public:
+  // Before the server starts: who may register as which id.
+  void set_client_tokens(ClientTokens tokens) { tokens_ = std::move(tokens); }
   ServerAgent(const ExperimentConfig& cfg, const Layout& layout, bool naive)
       : cfg_(cfg),
         layout_(layout),
@@ -266,6 +269,8 @@ class ServerAgent final : public ServerTransport {
   uint64_t bytes_down_ = 0, bytes_up_ = 0;
   // Naive mode: every client's serialised model, held until the end of the upload phase.
   std::vector<std::pair<int, std::pair<double, std::vector<std::byte>>>> naive_updates_;
+  // Per-client tokens (client_tokens_file); empty: the shared auth_token, if any.
+  ClientTokens tokens_;
   int data_port_ = 0;         // 0: no TCP port offered
   bool offers_data_ = false;  // a data channel (TCP port or Unix socket) is offered
   // Last: destroyed first, so its thread stops before what it touches.

@@ -16,6 +16,7 @@
 #include <fstream>
 #include <string>
 
+#include <fmt/ranges.h>
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/impl/codegen/method_handler.h>
 #include <spdlog/spdlog.h>
@@ -38,22 +39,21 @@ grpc::Status ServerAgent::session(grpc::ServerContext* ctx, grpc::ServerReaderWr
     return {grpc::StatusCode::INVALID_ARGUMENT, "the first message must be Register"};
   }
   const auto& reg = msg.register_();
-  int id = -1;
   uint64_t my_session = 0;   // this session's number in the client's slot
   uint64_t data_ticket = 0;  // non-zero: chunks travel on the data channel
   std::string refusal;
-  try {
-    size_t pos = 0;
-    id = std::stoi(reg.client_id(), &pos);
-    if (pos != reg.client_id().size()) id = -1;
-  } catch (...) {
-    id = -1;
-  }
-  if (!cfg_.server.auth_token.empty() && reg.token() != cfg_.server.auth_token) {
-    refusal = fmt::format("client '{}' from {}: wrong token", reg.client_id(), peer_addr);
-  } else if (id < 0 || id >= cfg_.server.num_clients) {
-    refusal = fmt::format("client id '{}' from {} is unknown (expected 0..{})", reg.client_id(), peer_addr,
-                          cfg_.server.num_clients - 1);
+  const int id = parse_client_id(reg.client_id(), cfg_.server.num_clients).value_or(-1);
+  // The id is checked before the token so that a refusal never says whose
+  // token a guess was tried against; the bytes shown are escaped (a peer's).
+  const std::string shown_id = printable_peer_text(reg.client_id());
+  if (id < 0) {
+    refusal = fmt::format("client id '{}' from {} is not an id of this run (expected a plain decimal 0..{})", shown_id,
+                          peer_addr, cfg_.server.num_clients - 1);
+  } else if (!tokens_.empty() ? !tokens_.matches(id, reg.token())
+                              : !cfg_.server.auth_token.empty() && !tokens_equal(reg.token(), cfg_.server.auth_token)) {
+    refusal =
+        fmt::format("client {} from {}: wrong token{}", id, peer_addr,
+                    !tokens_.empty() && tokens_.token(id).empty() ? " (client_tokens_file gives this id none)" : "");
   } else {
     std::lock_guard lock(mu_);
     auto& s = slots_[static_cast<size_t>(id)];
@@ -309,6 +309,24 @@ StatusOr<std::unique_ptr<GrpcServerTransport>> GrpcServerTransport::listen(const
   const auto& sc = cfg.server;
   std::unique_ptr<GrpcServerTransport> t(new GrpcServerTransport());
   t->impl_ = std::make_unique<Impl>(cfg, layout, naive);
+  if (!sc.client_tokens_file.empty()) {
+    std::vector<std::string> warnings;
+    MEMFL_ASSIGN_OR_RETURN(auto tokens,
+                           load_client_tokens(sc.client_tokens_file, kClientTokensFileKey, sc.num_clients, &warnings));
+    for (const auto& w : warnings) spdlog::warn("{}", w);
+    if (const auto missing = tokens.missing(); !missing.empty()) {
+      spdlog::warn("{} gives no token to client(s) {}: they cannot register", kClientTokensFileKey,
+                   fmt::join(missing, ", "));
+    }
+    t->impl_->agent.set_client_tokens(std::move(tokens));
+  } else if (!sc.auth_token.empty()) {
+    // Kept for the single-tenant case (every client run by one person), but
+    // a shared token proves only membership, not which client one is.
+    spdlog::warn(
+        "server_configs.comm_configs.grpc_configs.auth_token is one token for every client: whoever holds it can "
+        "register as any client id; give each client its own with {}",
+        kClientTokensFileKey);
+  }
   grpc::ServerBuilder builder;
   std::shared_ptr<grpc::ServerCredentials> creds = grpc::InsecureServerCredentials();
   if (sc.use_ssl) {
