@@ -2,8 +2,11 @@
 // by a small parser written here, its bounded timeline, and end to end a
 // `memfl run --http 127.0.0.1:0` scraped while it runs — /metrics twice (the
 // round counter moves), /healthz, bad requests (unknown path, huge headers,
-// a crowd of idle connections, a missing token) — and headless Chromium
-// loading the live page with its curves and clients table filled in.
+// a crowd of idle connections, a missing token); in process, an endpoint
+// under connections that trickle their heads, a head of many small headers,
+// a many-ranged Range; an address off loopback without a token refused —
+// and headless Chromium loading the live page with its curves and clients
+// table filled in.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -14,12 +17,14 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <memory>
 #include <regex>
 #include <set>
 #include <thread>
@@ -28,6 +33,7 @@
 
 #include "cli_util.h"
 #include "io/run_dir.h"
+#include "live/http_endpoint.h"
 #include "live/live_metrics.h"
 #include "test_util.h"
 
@@ -310,11 +316,12 @@ class BackgroundRun {
 };
 
 // Small rounds, many of them: the run lasts long enough to be watched.
-std::string live_run_args(int rounds) {
+std::string live_run_args(int rounds, const std::string& http = "127.0.0.1:0") {
   return "run -q --set server_configs.num_clients=3 --set server_configs.num_global_epochs=" + std::to_string(rounds) +
          " --set client_configs.data_configs.dataset_kwargs.max_train_samples=600"
          " --set client_configs.data_configs.dataset_kwargs.max_test_samples=200"
-         " --set client_configs.train_configs.num_threads=1 --http 127.0.0.1:0";
+         " --set client_configs.train_configs.num_threads=1 --http " +
+         http;
 }
 
 double scraped(int port, const std::string& name, Exposition* out = nullptr) {
@@ -484,6 +491,99 @@ TEST(LiveEndpoint, BadAddressIsAnErrorNamingTheFlag) {
   const Result r = memfl_cli("run -q --http 127.0.0.1:notaport --out " + tmp.file("run"));
   EXPECT_NE(r.exit_code, 0);
   EXPECT_NE(r.output.find("--http 127.0.0.1:notaport"), std::string::npos) << r.output;
+}
+
+// An endpoint in this process, on a free loopback port.
+std::unique_ptr<LiveEndpoint> local_endpoint() {
+  live::reset_for_test();
+  auto ep = LiveEndpoint::start({"127.0.0.1:0", "", "test"});
+  EXPECT_TRUE(ep.ok()) << ep.status().message();
+  return ep.ok() ? std::move(*ep) : nullptr;
+}
+
+// Far more connections than the endpoint has threads, each sending its
+// request head a byte a second and never finishing it: /healthz and
+// /metrics still answer while they trickle.
+TEST(LiveEndpoint, AnswersWhileManyConnectionsTrickleTheirHeaders) {
+  auto ep = local_endpoint();
+  ASSERT_NE(ep, nullptr);
+  const int port = ep->port();
+  std::vector<int> tricklers;
+  for (int i = 0; i < 200; ++i) {
+    if (const int fd = connect_to(port); fd >= 0) tricklers.push_back(fd);
+  }
+  ASSERT_GT(tricklers.size(), 100u);
+  const std::string head = "GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ";
+  std::atomic<bool> done{false};
+  std::thread trickle([&] {
+    for (size_t i = 0; !done; ++i) {
+      const char c = i < head.size() ? head[i] : 'a';
+      for (const int fd : tricklers) (void)send(fd, &c, 1, MSG_NOSIGNAL | MSG_DONTWAIT);
+      for (int k = 0; k < 10 && !done; ++k) std::this_thread::sleep_for(100ms);
+    }
+  });
+  std::this_thread::sleep_for(2500ms);  // every trickler has begun its head
+  // http_get waits up to 10 s for an answer: no answer at all is the failure.
+  const Reply health = http_get(port, "/healthz");
+  const Reply metrics = http_get(port, "/metrics");
+  done = true;
+  trickle.join();
+  for (const int fd : tricklers) close(fd);
+  EXPECT_EQ(health.status, 200);
+  EXPECT_EQ(health.body, "ok\n");
+  EXPECT_EQ(metrics.status, 200);
+  EXPECT_NE(metrics.body.find("memfl_up"), std::string::npos);
+}
+
+// The head's limit holds for its total, not only for each header line.
+TEST(LiveEndpoint, AHeadOfManySmallHeadersIsRefused) {
+  auto ep = local_endpoint();
+  ASSERT_NE(ep, nullptr);
+  std::string many;
+  for (int i = 0; i < 100'000; ++i) many += "X-a: b\r\n";
+  const Reply r = http_get(ep->port(), "/healthz", many);
+  EXPECT_TRUE(r.status == 431 || r.status == 0) << "answered " << r.status;  // 0: the connection was closed
+  // As many headers as a browser sends still pass.
+  std::string some;
+  for (int i = 0; i < 20; ++i) some += "X-" + std::to_string(i) + ": " + std::string(100, 'b') + "\r\n";
+  EXPECT_EQ(http_get(ep->port(), "/healthz", some).status, 200);
+}
+
+// A Range header of many ranges gets the page once, whole: no answer grows
+// with the number of ranges asked for.
+TEST(LiveEndpoint, ARangeOfManyRangesIsAnsweredWhole) {
+  auto ep = local_endpoint();
+  ASSERT_NE(ep, nullptr);
+  const Reply whole = http_get(ep->port(), "/");
+  ASSERT_EQ(whole.status, 200);
+  std::string ranges = "bytes=0-";
+  for (int i = 0; i < 99; ++i) ranges += ",0-";
+  const Reply r = http_get(ep->port(), "/", "Range: " + ranges + "\r\n");
+  EXPECT_EQ(r.status, 200);
+  EXPECT_EQ(r.body.size(), whole.body.size());
+}
+
+// Off loopback, the endpoint needs a token, or a flag saying an open
+// endpoint is meant; the refusal comes before it listens.
+TEST(LiveEndpoint, AnAddressOffLoopbackNeedsATokenOrTheFlagSayingItIsMeant) {
+  testing::TempDir tmp;
+  unsetenv("MEMFL_HTTP_TOKEN");
+  const Result open = memfl_cli(live_run_args(2, "0.0.0.0:0") + " --out " + tmp.file("open"));
+  EXPECT_NE(open.exit_code, 0);
+  EXPECT_NE(open.output.find("--http 0.0.0.0:0"), std::string::npos) << open.output;
+  EXPECT_NE(open.output.find("--http-token"), std::string::npos) << open.output;
+  EXPECT_NE(open.output.find("--http-insecure-bind"), std::string::npos) << open.output;
+  EXPECT_FALSE(std::filesystem::exists(tmp.file("open") + "/http_address"));
+  // Said to be meant: it listens on every address, loopback among them.
+  BackgroundRun meant(live_run_args(20, "0.0.0.0:0") + " --http-insecure-bind", tmp.file("meant"));
+  const int port = meant.port();
+  ASSERT_GT(port, 0) << meant.log();
+  EXPECT_EQ(http_get(port, "/healthz").status, 200);
+  EXPECT_EQ(http_get(port, "/metrics").status, 200);
+  EXPECT_EQ(meant.wait(), 0) << meant.log();
+  // A token is enough.
+  const Result token = memfl_cli(live_run_args(2, "0.0.0.0:0") + " --http-token s3cret --out " + tmp.file("token"));
+  EXPECT_EQ(token.exit_code, 0) << token.output;
 }
 
 TEST(LiveEndpoint, AServerWithTlsKeepsItsPlainHttpEndpointOnLoopback) {

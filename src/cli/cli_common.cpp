@@ -73,6 +73,9 @@ void add_http_options(CLI::App& cmd, SharedOptions& shared) {
                  "picks a free one, logged and written to RUN_DIR/http_address)");
   cmd.add_option("--http-token", shared.http_token,
                  "require `Authorization: Bearer TOKEN` on --http (default: $MEMFL_HTTP_TOKEN; /healthz stays open)");
+  cmd.add_flag("--http-insecure-bind", shared.http_insecure_bind,
+               "allow --http on an address off loopback without --http-token (anyone who reaches it reads the "
+               "metrics and the live page)");
 }
 
 namespace {
@@ -83,7 +86,24 @@ bool http_on_loopback(const std::string& addr) {
   if (host.size() >= 2 && host.front() == '[' && host.back() == ']') host = host.substr(1, host.size() - 2);
   return host.empty() || host == "localhost" || host == "::1" || host.rfind("127.", 0) == 0;
 }
+
+// --http-token, or the environment's, so a token need not sit on a command line (ps).
+std::string http_token(const SharedOptions& o) {
+  if (const char* env = std::getenv("MEMFL_HTTP_TOKEN"); o.http_token.empty() && env != nullptr) return env;
+  return o.http_token;
+}
 }  // namespace
+
+memfl::Status check_http_exposure(const SharedOptions& o) {
+  if (o.http.empty() || o.http_insecure_bind || http_on_loopback(o.http) || !http_token(o).empty()) {
+    return memfl::Status::Ok();
+  }
+  return memfl::invalid_argument(
+      "--http {}: an address off loopback with no token lets anyone who can reach this host read the run's "
+      "metrics and live page; give --http-token (or $MEMFL_HTTP_TOKEN), bind 127.0.0.1 and reach it through an "
+      "SSH tunnel, or pass --http-insecure-bind if an open endpoint is meant",
+      o.http);
+}
 
 memfl::StatusOr<std::unique_ptr<memfl::LiveEndpoint>> start_http(const SharedOptions& o, const std::string& role,
                                                                  const std::string& dir, bool tls) {
@@ -94,9 +114,8 @@ memfl::StatusOr<std::unique_ptr<memfl::LiveEndpoint>> start_http(const SharedOpt
         "endpoint speaks plain HTTP; bind it to 127.0.0.1 and reach it through an SSH tunnel or a TLS proxy",
         o.http);
   }
-  std::string token = o.http_token;
-  // From the environment, so a token need not sit on a command line (ps).
-  if (const char* env = std::getenv("MEMFL_HTTP_TOKEN"); token.empty() && env != nullptr) token = env;
+  MEMFL_RETURN_IF_ERROR(check_http_exposure(o));
+  const std::string token = http_token(o);
   MEMFL_ASSIGN_OR_RETURN(auto ep, memfl::LiveEndpoint::start({o.http, token, role}));
   spdlog::info("live: http://{}/ (metrics at /metrics, health at /healthz{})", ep->address(),
                token.empty() ? "" : "; needs the bearer token");

@@ -50,14 +50,21 @@ struct SharedOptions {
   std::string config_path, out_dir, resume_dir;
   std::vector<std::string> sets;
   bool quiet = false;
-  bool profile = false;       // main turns it into --set memory_configs.profile=true
-  int colocated_clients = 0;  // `memfl server`: client processes on this host (launch passes it)
-  std::string http;           // --http ADDR:PORT: the live endpoint (empty: none)
-  std::string http_token;     // --http-token (or $MEMFL_HTTP_TOKEN)
+  bool profile = false;             // main turns it into --set memory_configs.profile=true
+  int colocated_clients = 0;        // `memfl server`: client processes on this host (launch passes it)
+  std::string http;                 // --http ADDR:PORT: the live endpoint (empty: none)
+  std::string http_token;           // --http-token (or $MEMFL_HTTP_TOKEN)
+  bool http_insecure_bind = false;  // --http-insecure-bind: off loopback without a token is meant
 };
 
-// Adds --http and --http-token to a long-running command.
+// Adds --http, --http-token and --http-insecure-bind to a long-running command.
 void add_http_options(CLI::App& cmd, SharedOptions& shared);
+
+// --http's address is off loopback with no token (none given, none in
+// $MEMFL_HTTP_TOKEN): refused, naming the address and the flags, unless
+// --http-insecure-bind says it is meant. Checked where the endpoint starts,
+// and by `memfl launch` before it starts any process.
+memfl::Status check_http_exposure(const SharedOptions& o);
 
 // --http: starts the live endpoint for `role` (null when --http is not
 // given), logs its address and writes it to DIR/http_address, where

@@ -17,6 +17,7 @@ namespace memfl::cli {
 namespace {
 
 int launch(SharedOptions& o, int num_clients) {
+  if (memfl::Status st = check_http_exposure(o); !st.ok()) return fail(st);  // before any process starts
   std::string path = o.config_path;
   std::string dir = o.out_dir.empty() ? fmt::format("runs/launch-{}", getpid()) : o.out_dir;
   // A second launch into one --out would find the first run's port file and
@@ -39,6 +40,7 @@ int launch(SharedOptions& o, int num_clients) {
   if (!cfg.ok()) return fail(cfg.status());
   std::vector<std::string> server_args;
   if (!o.http.empty()) server_args = {"--http", o.http};
+  if (o.http_insecure_bind) server_args.push_back("--http-insecure-bind");
   // The token reaches the server through its environment, not its command line.
   if (!o.http_token.empty()) setenv("MEMFL_HTTP_TOKEN", o.http_token.c_str(), 1);
   memfl::Status st = memfl::run_launch(path, o.sets, num_clients, dir, !o.quiet, server_args);

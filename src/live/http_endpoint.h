@@ -4,10 +4,17 @@
 //   /api/state   the live page's data, JSON
 //   /            the live page (the report's page script and inlined charts,
 //                polling /api/state; works with no network)
-// It serves from its own threads (a small pool) and reads only atomics and
+// It serves from one thread of its own, an event loop that reads request
+// heads and sends answers without blocking, and reads only atomics and
 // copies taken under the live state's short lock, so a slow or hostile
-// client never holds up a round. With a token, every path but /healthz needs
-// `Authorization: Bearer TOKEN` (or ?token=TOKEN, for a browser).
+// client never holds up a round, nor the other clients: a connection that
+// trickles its head or does not take its answer costs a descriptor and its
+// buffers, and is closed at a deadline (a whole head within 5 s, an answer
+// taken within 10 s). A head over 16 KiB or with over 100 headers gets 431;
+// a Range is answered whole. Connections are capped (128, 32 a peer); a new
+// one past a cap replaces the oldest of the peer that holds the most. With a
+// token, every path but /healthz needs `Authorization: Bearer TOKEN` (or
+// ?token=TOKEN, for a browser).
 //
 //   auto ep = LiveEndpoint::start({"127.0.0.1:0", "", "simulation"});
 //   spdlog::info("live page on http://{}/", (*ep)->address());
