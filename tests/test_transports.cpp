@@ -386,7 +386,10 @@ TEST(KillAndResumeGrpc, ServerKilledDuringUploadResumesAndClientsReconnect) {
 struct StallCase {
   const char* fault;
   int client;
-  bool data_channel = false;  // grpc_configs.data_channel: tcp (a deadline shuts the connection down)
+  // grpc_configs.data_channel: grpc (in the stream), tcp or auto (the Unix
+  // socket of a client on the server's host); on a data channel a deadline
+  // shuts the connection down.
+  const char* data_channel = "grpc";
 };
 class Stragglers : public ::testing::TestWithParam<StallCase> {};
 
@@ -414,8 +417,7 @@ TEST_P(Stragglers, AStoppedGrpcClientIsDroppedTheOthersFinishAndItRejoinsLater) 
                              " 2>/dev/null)\" = 1 ] && break; sleep 0.1; done; kill -CONT $(cat " + dir + "/pid_" +
                              std::to_string(sc.client) + ") ) & ";
   Result r = run_shell(clients + let_go + bin + " server " + cfg +
-                       (sc.data_channel ? " --set server_configs.comm_configs.grpc_configs.data_channel=tcp"
-                                        : " --set server_configs.comm_configs.grpc_configs.data_channel=grpc") +
+                       " --set server_configs.comm_configs.grpc_configs.data_channel=" + sc.data_channel +
                        " --set server_configs.broadcast_timeout_s=2 --set server_configs.upload_timeout_s=4 --out " +
                        dir + "/server > " + dir + "/server.log 2>&1; rc=$?; sleep 1; kill -9 $(cat " + dir +
                        "/pid_*) 2>/dev/null; wait; exit $rc");
@@ -427,7 +429,7 @@ TEST_P(Stragglers, AStoppedGrpcClientIsDroppedTheOthersFinishAndItRejoinsLater) 
   EXPECT_EQ(rows[1][1], "3") << "round 1 ends without the stopped client\n" << text;
   EXPECT_EQ(rows[kStallRounds][1], "4") << "it is back by the last round\n" << text;
   EXPECT_NE(text.find("client_" + std::to_string(sc.client) + " rejoined"), std::string::npos) << text;
-  if (sc.data_channel) {
+  if (std::string(sc.data_channel) != "grpc") {
     std::ifstream clog(dir + "/client_" + std::to_string(sc.client) + ".log");
     const std::string ctext((std::istreambuf_iterator<char>(clog)), {});
     EXPECT_NE(ctext.find("chunks travel on the data channel"), std::string::npos) << ctext;
@@ -444,10 +446,13 @@ TEST_P(Stragglers, AStoppedGrpcClientIsDroppedTheOthersFinishAndItRejoinsLater) 
 
 INSTANTIATE_TEST_SUITE_P(Faults, Stragglers,
                          ::testing::Values(StallCase{"stop_in_broadcast", 1}, StallCase{"stop_mid_upload", 0},
-                                           StallCase{"stop_in_broadcast", 1, true},
-                                           StallCase{"stop_mid_upload", 0, true}),
+                                           StallCase{"stop_in_broadcast", 1, "tcp"},
+                                           StallCase{"stop_mid_upload", 0, "tcp"},
+                                           StallCase{"stop_in_broadcast", 1, "auto"},
+                                           StallCase{"stop_mid_upload", 0, "auto"}),
                          [](const auto& p) {
-                           return std::string(p.param.fault) + (p.param.data_channel ? "_on_the_data_channel" : "");
+                           const std::string dc = p.param.data_channel;
+                           return std::string(p.param.fault) + (dc == "grpc" ? "" : "_on_data_channel_" + dc);
                          });
 #endif
 
