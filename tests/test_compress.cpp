@@ -408,6 +408,45 @@ TEST_P(FrameChunks, LossyTensorsStayWithinTheirBoundAndTheRestComesBackExact) {
   }
 }
 
+// An ABS bound larger than every change sends every lossy-coded change as
+// zero; the encoder counts those (checked here against the rebuilt model:
+// changed elements of lossy tensors that came back unchanged) and its
+// warning says so. A bound below the changes keeps them and stays quiet.
+TEST(LossyZeroedChanges, AnAbsBoundAboveTheChangesIsCountedAndWarnedAbout) {
+  const Layout layout = model_layout();
+  for (Lossy lossy : {Lossy::kZfp, Lossy::kQuantizer}) {
+    if (!lossy_available(lossy)) continue;
+    for (double bound : {1e3, 1e-4}) {
+      Arena x(layout.total_bytes(), MemoryCategory::kModel), y(layout.total_bytes(), MemoryCategory::kModel),
+          rebuilt(layout.total_bytes(), MemoryCategory::kModel);
+      make_models(layout, x, y, 5);
+      const EncodedStats st = round_trip(layout, settings(lossy, false, bound), y, x, nullptr, 4096, rebuilt);
+      uint64_t zeroed = 0, changed = 0;
+      for (const LayoutEntry& e : layout.entries()) {
+        if (!goes_lossy(e)) continue;
+        for (size_t i = 0; i < e.numel(); ++i) {
+          const float xv = load_float(e.dtype, x.data() + e.offset, i),
+                      yv = load_float(e.dtype, y.data() + e.offset, i);
+          if (yv == xv) continue;
+          ++changed;
+          zeroed += load_float(e.dtype, rebuilt.data() + e.offset, i) == xv ? 1 : 0;
+        }
+      }
+      ASSERT_GT(st.lossy_elements, 0u);
+      EXPECT_EQ(st.zeroed_elements, zeroed) << lossy_codec_name(lossy) << " ABS " << bound;
+      const std::string w = zeroed_changes_warning(st, "client_2");
+      if (bound > 1) {
+        EXPECT_GT(zeroed, changed / 2) << "the test's premise: a bound of 1e3 is larger than the changes";
+        EXPECT_NE(w.find("client_2: "), std::string::npos) << w;
+        EXPECT_NE(w.find("arrive as zero"), std::string::npos) << w;
+      } else {
+        EXPECT_LT(zeroed, changed / 10) << lossy_codec_name(lossy);
+        EXPECT_EQ(w, "") << w;
+      }
+    }
+  }
+}
+
 #ifdef MEMFL_TEST_TORCH
 // A real update: the Fashion-MNIST CNN's change after one client's local
 // epoch (round 2's checkpoint − round 1's, FedAvg over that one client), coded

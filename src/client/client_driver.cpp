@@ -56,7 +56,7 @@ StatusOr<std::unique_ptr<ModelPlace>> ClientDriver::upload_place(const TripUpdat
     }
     residual = &it->second;
   }
-  auto framed = std::make_unique<EncodingPlace>(std::move(raw), layout, compression_);
+  auto framed = std::make_unique<EncodingPlace>(std::move(raw), layout, compression_, fmt::format("client_{}", client));
   MEMFL_RETURN_IF_ERROR(framed->begin(base, residual));
   // The next frame is coded while the transport sends this one.
   return std::unique_ptr<ModelPlace>(std::make_unique<PrefetchingPlace>(std::move(framed), layout.total_bytes()));

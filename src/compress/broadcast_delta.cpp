@@ -88,7 +88,10 @@ Status BroadcastDelta::prepare(int round, Arena& global) {
     stats_.raw_bytes += c.stats().raw_bytes;
     stats_.frame_bytes += c.stats().frame_bytes;
     stats_.lossy_elements += c.stats().lossy_elements;
+    stats_.zeroed_elements += c.stats().zeroed_elements;
   }
+  if (const std::string w = zeroed_changes_warning(stats_, fmt::format("round {}: the broadcast", round)); !w.empty())
+    spdlog::warn("{}", w);
   from_round_ = reference_round_;
   to_round_ = round;
   reference_round_ = round;

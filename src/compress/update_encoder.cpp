@@ -5,7 +5,18 @@
 #include <cstring>
 #include <limits>
 
+#include <fmt/format.h>
+#include <spdlog/spdlog.h>
+
 namespace memfl {
+
+std::string zeroed_changes_warning(const EncodedStats& stats, std::string_view what) {
+  if (stats.lossy_elements == 0 || stats.zeroed_share() < 0.5) return "";
+  return fmt::format(
+      "{}: {:.1f}% of the {} lossy-coded changes that were not zero arrive as zero; the error bound is larger than "
+      "the changes (an ABS error_bound is in the values' units: lower it, or use REL)",
+      what, 100.0 * stats.zeroed_share(), stats.lossy_elements);
+}
 
 namespace {
 
@@ -248,6 +259,7 @@ StatusOr<std::span<const std::byte>> UpdateEncoder::encode(uint64_t offset, size
       ++segments_;
       rebuild_delta(en.dtype, x_ != nullptr ? x_ + a : nullptr, decoded_.data(), n, recon_.data() + (a - offset));
       stats_.lossy_elements += n;
+      for (size_t i = 0; i < n; ++i) stats_.zeroed_elements += (decoded_[i] == 0.0f && delta_[i] != 0.0f) ? 1 : 0;
     }
     add_raw(b, stop, offset);
     pos = stop;
@@ -314,6 +326,14 @@ void UpdateEncoder::update_residual(uint64_t offset, size_t length) {
       store_float(en.dtype, r + k * es, (xv + d) - load_float(en.dtype, rebuilt, 0));
     }
   }
+}
+
+StatusOr<std::span<const std::byte>> EncodingPlace::frame(uint64_t offset, size_t length) {
+  auto f = encoder_.encode(offset, length);
+  if (f.ok() && offset + length >= total_bytes_) {
+    if (const std::string w = zeroed_changes_warning(encoder_.stats(), sender_); !w.empty()) spdlog::warn("{}", w);
+  }
+  return f;
 }
 
 }  // namespace memfl

@@ -22,6 +22,8 @@
 #include <functional>
 #include <memory>
 #include <span>
+#include <string>
+#include <string_view>
 #include <vector>
 
 #include "comm/client_transport.h"
@@ -36,7 +38,18 @@ namespace memfl {
 struct EncodedStats {
   uint64_t raw_bytes = 0, frame_bytes = 0;
   uint64_t lossy_elements = 0;  // elements that went through a lossy codec
+  // Of those, the ones whose change was not zero and arrives as zero: all of
+  // them when an ABS error_bound is larger than every change.
+  uint64_t zeroed_elements = 0;
+  double zeroed_share() const {
+    return lossy_elements == 0 ? 0.0 : static_cast<double>(zeroed_elements) / static_cast<double>(lossy_elements);
+  }
 };
+
+// The log line of an update or broadcast whose lossy changes mostly arrived
+// as zero ("" when fewer than half did): the error bound is larger than
+// the changes and the receiver learns nothing from them.
+std::string zeroed_changes_warning(const EncodedStats& stats, std::string_view what);
 
 class UpdateEncoder {
  public:
@@ -101,20 +114,28 @@ class UpdateEncoder {
 // transport when compression is on. Owns the place it reads from.
 class EncodingPlace final : public ModelPlace {
  public:
-  EncodingPlace(std::unique_ptr<ModelPlace> source, const Layout& layout, CompressionSettings settings)
-      : source_(std::move(source)), encoder_(layout, std::move(settings)) {}
+  // `sender` names the update in the log ("client_3").
+  EncodingPlace(std::unique_ptr<ModelPlace> source, const Layout& layout, CompressionSettings settings,
+                std::string sender = "the update")
+      : source_(std::move(source)),
+        encoder_(layout, std::move(settings)),
+        total_bytes_(layout.total_bytes()),
+        sender_(std::move(sender)) {}
   Status begin(const Arena* base, Arena* residual) { return encoder_.begin(*source_, base, residual); }
   std::unique_ptr<ModelWriter> writer(const Layout&, std::string) override { return nullptr; }
   Status read(uint64_t offset, std::span<std::byte> into) override { return source_->read(offset, into); }
   bool framed() const override { return true; }
-  StatusOr<std::span<const std::byte>> frame(uint64_t offset, size_t length) override {
-    return encoder_.encode(offset, length);
-  }
+  // Once the last frame is coded, says so in the log if the bound left the
+  // update's changes mostly zero (zeroed_changes_warning): the receiver
+  // cannot tell such an update from an unchanged model.
+  StatusOr<std::span<const std::byte>> frame(uint64_t offset, size_t length) override;
   const EncodedStats& stats() const { return encoder_.stats(); }
 
  private:
   std::unique_ptr<ModelPlace> source_;
   UpdateEncoder encoder_;
+  uint64_t total_bytes_ = 0;
+  std::string sender_;
 };
 
 }  // namespace memfl
