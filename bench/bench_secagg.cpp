@@ -4,7 +4,10 @@
 //                           alone (OpenSSL's where memfl uses it), 64 KiB at
 //                           a time, one thread
 //   libsodium_keystream_gbps_per_core  libsodium's XChaCha20 keystream alone
-//   mask_client_seconds     one client quantising and masking its update (k streams)
+//   tag_gbps                upload frames' tags (Poly1305 pieces), 1 MiB frames,
+//                           on the pool's threads (MEMFL_THREADS=1: one core)
+//   mask_client_seconds     one client quantising, masking and tagging its
+//                           update (k streams)
 //   unmask_seconds_dropped  the server's unmasking with 0, 1, 2 dropped clients;
 //                           the slope is the cost per dropped client
 // Usage: memfl_bench_secagg [ELEMENTS=10000000] [CLIENTS=10]
@@ -47,7 +50,7 @@ double round_seconds(size_t elements, int n, int dropped, double* mask_seconds) 
   std::vector<uint32_t> sum(elements + 1);
   SecAggServer server(1, ids, s, sum);
   std::vector<std::unique_ptr<SecAggClient>> clients;
-  for (int id : ids) clients.push_back(std::make_unique<SecAggClient>(id, 1, ids, s));
+  for (int id : ids) clients.push_back(std::make_unique<SecAggClient>(id, 1, ids, server.settings()));
   for (auto& c : clients) (void)server.add_advert(c->advertise());
   for (auto& c : clients) (void)server.add_shares(c->client(), *c->share_keys(server.roster_for(c->client())));
   for (auto& c : clients) (void)c->receive_shares(server.inbox_for(c->client()));
@@ -61,10 +64,11 @@ double round_seconds(size_t elements, int n, int dropped, double* mask_seconds) 
     for (size_t off = 0; off < elements; off += kChunk) {
       const size_t len = std::min(kChunk, elements - off);
       (void)c.mask_chunk(off, std::span(x).first(len), std::span(words).first(len));
-      (void)server.add_masked_chunk(c.client(), off, std::span(words).first(len));
+      const auto tag = c.tag(off, std::span(words).first(len));
+      (void)server.add_masked_chunk(c.client(), off, std::span(words).first(len), *tag);
     }
     const uint32_t w = c.masked_weight();
-    (void)server.add_masked_chunk(c.client(), elements, std::span(&w, 1));
+    (void)server.add_masked_chunk(c.client(), elements, std::span(&w, 1), *c.tag(elements, std::span(&w, 1)));
     (void)server.finish_upload(c.client());
     if (i == dropped) *mask_seconds = seconds_since(t);
   }
@@ -92,7 +96,7 @@ double mask_gbps_all_cores(int cores) {
     const auto t = Clock::now();
     for (int c = 0; c < cores; ++c) {
       threads.emplace_back([] {
-        MaskStream m(random_secret(), 1);
+        MaskStream m(random_secret(), "bench");
         std::vector<uint32_t> buf(kCall);
         for (size_t off = 0; off < kWords; off += kCall) m.apply(off, buf, +1);
       });
@@ -119,7 +123,7 @@ int main(int argc, char** argv) {
   out["clients"] = clients;
   // Mask regeneration alone: one stream over the update, 1 MiB at a time.
   {
-    MaskStream m(random_secret(), 1);
+    MaskStream m(random_secret(), "bench");
     std::vector<uint32_t> buf(1 << 18);
     double best = 0;
     for (int rep = 0; rep < 3; ++rep) {
@@ -130,6 +134,21 @@ int main(int argc, char** argv) {
       best = std::max(best, static_cast<double>(elements) * 4 / seconds_since(t) / 1e9);
     }
     out["mask_gbps_per_core"] = best;
+  }
+  {
+    const MaskStream keys(random_secret(), "bench");
+    std::vector<uint32_t> buf(1 << 18, 7u);
+    double best = 0;
+    uint8_t fold = 0;  // keeps the tags from being optimised away
+    for (int rep = 0; rep < 3; ++rep) {
+      const auto t = Clock::now();
+      for (size_t off = 0; off < elements; off += buf.size()) {
+        fold ^= upload_tag(keys, off, std::span(buf).first(std::min(buf.size(), elements - off)))[0];
+      }
+      best = std::max(best, static_cast<double>(elements) * 4 / seconds_since(t) / 1e9);
+    }
+    out["tag_gbps"] = best;
+    out["tag_fold"] = fold;
   }
   {
     std::vector<unsigned char> zeros(1 << 16), stream(1 << 16);

@@ -27,6 +27,9 @@
 namespace memfl {
 namespace {
 
+// The run's id most tests use (a server makes one per run).
+const ExperimentId kRun = secagg_experiment_id({{"server_configs.seed", "1"}});
+
 TEST(Shamir, FieldArithmeticHandWorked) {
   const uint64_t p = kShamirPrime;
   EXPECT_EQ(gf_add(p - 1, 2), 1u);
@@ -113,7 +116,7 @@ TEST(SecAggCrypto, SealedShareOpensOnlyInItsContext) {
 
 TEST(SecAggCrypto, MaskStreamRegeneratesAtAnyOffset) {
   const Secret32 seed = random_secret();
-  MaskStream m(seed, 3);
+  MaskStream m(seed, "round=3");
   std::vector<uint32_t> whole(10000);
   m.generate(0, whole);
   // Odd offsets and lengths, across block (16 words) and scratch (4096) edges.
@@ -122,9 +125,9 @@ TEST(SecAggCrypto, MaskStreamRegeneratesAtAnyOffset) {
     m.generate(off, part);
     for (size_t i = 0; i < len; ++i) ASSERT_EQ(part[i], whole[off + i]) << off << "+" << i;
   }
-  // The same seed in another round is another stream.
+  // The same seed for another purpose is another stream.
   std::vector<uint32_t> next(16);
-  MaskStream(seed, 4).generate(0, next);
+  MaskStream(seed, "round=4").generate(0, next);
   EXPECT_FALSE(std::equal(next.begin(), next.end(), whole.begin()));
   // apply(−1) undoes apply(+1).
   std::vector<uint32_t> v(100, 7u);
@@ -133,20 +136,15 @@ TEST(SecAggCrypto, MaskStreamRegeneratesAtAnyOffset) {
   EXPECT_TRUE(std::all_of(v.begin(), v.end(), [](uint32_t w) { return w == 7u; }));
 }
 
-// The mask is libsodium's XChaCha20 keystream of the seed under the round's
-// nonce, whichever library makes the blocks: checked word for word against
+// The mask is libsodium's XChaCha20 keystream of the seed under its
+// context's nonce, whichever library makes the blocks: checked word for word against
 // crypto_stream_xchacha20_xor_ic itself, at offsets that start mid-block and
 // one that crosses the block counter's low 32 bits (element 2^36, a 256 GiB
 // f32 model's, where a 32-bit counter would wrap).
 TEST(SecAggCrypto, MaskStreamIsLibsodiumsXChaCha20Keystream) {
   const Secret32 seed = random_secret();
-  const int round = 7;
-  std::array<unsigned char, 24> nonce{};
-  const char tag[] = "memfl-secagg-mask";  // the nonce crypto.cpp documents
-  std::memcpy(nonce.data(), tag, sizeof tag - 1);
-  const uint32_t r = round;
-  std::memcpy(nonce.data() + 20, &r, 4);
-  MaskStream m(seed, round);
+  const std::array<unsigned char, 24> nonce = mask_nonce("round=7");
+  MaskStream m(seed, "round=7");
   const uint64_t wrap = uint64_t{1} << 36;  // block 2^32
   for (auto [off, len] : {std::pair<uint64_t, size_t>{0, 5000}, {3, 9000}, {wrap - 16 * 3 - 5, 200}, {wrap + 1, 64}}) {
     std::vector<uint32_t> got(len);
@@ -161,6 +159,83 @@ TEST(SecAggCrypto, MaskStreamIsLibsodiumsXChaCha20Keystream) {
       ASSERT_EQ(got[i], want) << "element " << off + i;
     }
   }
+}
+
+// What a round makes is bound to the run, the round and the clients: a
+// sealed share opens only in its own context, and masks made for another
+// run, round or client are other streams, so they do not cancel.
+TEST(SecAggCrypto, SharesAndMasksAreBoundToTheRunTheRoundAndTheClients) {
+  SecAggSettings a, b;
+  a.experiment = kRun;
+  b.experiment = secagg_experiment_id({{"server_configs.seed", "1"}});  // the same config, another run
+  using secagg_internal::share_context;
+  const Secret32 key = random_secret();
+  const std::vector<uint8_t> msg(56, 0x3c);
+  const auto sealed = seal(key, msg, share_context(a, 3, 1, 2));
+  EXPECT_TRUE(open_sealed(key, sealed, share_context(a, 3, 1, 2)).ok());
+  EXPECT_FALSE(open_sealed(key, sealed, share_context(b, 3, 1, 2)).ok()) << "another run";
+  EXPECT_FALSE(open_sealed(key, sealed, share_context(a, 4, 1, 2)).ok()) << "the next round";
+  EXPECT_FALSE(open_sealed(key, sealed, share_context(a, 3, 2, 1)).ok()) << "sender and recipient swapped";
+  EXPECT_FALSE(open_sealed(key, sealed, share_context(a, 3, 1, 3)).ok()) << "another recipient";
+  // A pairwise mask: client 1 adds it, client 2 subtracts the one it makes
+  // from the same seed. Made for one run they cancel word for word; made
+  // for two runs (or rounds) they leave noise in (nearly) every word.
+  const Secret32 seed = random_secret();
+  const auto residue = [&](const SecAggSettings& s1, int r1, const SecAggSettings& s2, int r2) {
+    std::vector<uint32_t> w(4096, 0u);
+    secagg_internal::pairwise_mask(seed, s1, r1, 1, 2).apply(0, w, +1);
+    secagg_internal::pairwise_mask(seed, s2, r2, 2, 1).apply(0, w, -1);
+    return static_cast<size_t>(std::count_if(w.begin(), w.end(), [](uint32_t x) { return x != 0; }));
+  };
+  EXPECT_EQ(residue(a, 3, a, 3), 0u);
+  EXPECT_GT(residue(a, 3, b, 3), 4090u) << "another run's mask";
+  EXPECT_GT(residue(a, 3, a, 4), 4090u) << "the next round's mask";
+  // A self mask of one seed differs by run, round and client.
+  std::vector<uint32_t> m0(64), m1(64), m2(64), m3(64);
+  secagg_internal::self_mask(seed, a, 3, 1).generate(0, m0);
+  secagg_internal::self_mask(seed, b, 3, 1).generate(0, m1);
+  secagg_internal::self_mask(seed, a, 4, 1).generate(0, m2);
+  secagg_internal::self_mask(seed, a, 3, 2).generate(0, m3);
+  EXPECT_NE(m0, m1);
+  EXPECT_NE(m0, m2);
+  EXPECT_NE(m0, m3);
+}
+
+// The frame tag is Poly1305 (libsodium's, checked here whichever library
+// computes it) of each 2^14-word piece under 32 bytes of the key stream at
+// the block numbered by the piece's first element, the pieces' tags added
+// mod 2^128; and any change of word, offset or key changes it.
+TEST(SecAggCrypto, UploadTagIsPoly1305OfEachPieceSummed) {
+  const MaskStream keys(random_secret(), "tag keys");
+  std::vector<uint32_t> words(2 * kTagPieceWords + 7232);
+  std::mt19937 gen(3);
+  for (uint32_t& w : words) w = gen();
+  const uint64_t offset = 100;
+  uint64_t lo = 0, hi = 0;
+  for (size_t at = 0; at < words.size(); at += kTagPieceWords) {
+    const size_t n = std::min(kTagPieceWords, words.size() - at);
+    std::array<uint32_t, 8> key{};
+    keys.generate((offset + at) * 16, key);
+    unsigned char t[16];
+    crypto_onetimeauth(t, reinterpret_cast<const unsigned char*>(words.data() + at), n * 4,
+                       reinterpret_cast<const unsigned char*>(key.data()));
+    uint64_t tlo = 0, thi = 0;
+    std::memcpy(&tlo, t, 8);
+    std::memcpy(&thi, t + 8, 8);
+    lo += tlo;
+    hi += thi + (lo < tlo ? 1 : 0);
+  }
+  UploadTag want{};
+  std::memcpy(want.data(), &lo, 8);
+  std::memcpy(want.data() + 8, &hi, 8);
+  EXPECT_EQ(upload_tag(keys, offset, words), want);
+  // One word changed, in the last piece; the same words at another offset;
+  // under other keys.
+  auto changed = words;
+  changed.back() ^= 1;
+  EXPECT_NE(upload_tag(keys, offset, changed), want);
+  EXPECT_NE(upload_tag(keys, offset + 1, words), want);
+  EXPECT_NE(upload_tag(MaskStream(random_secret(), "tag keys"), offset, words), want);
 }
 
 TEST(SecAggSettings, ResolvesFlowerProportionsAndRefusesWrap) {
@@ -205,6 +280,7 @@ struct Round {
     settings = SecAggSettings::resolve(p, ids.size()).value();
     sum.resize(elements + 1);
     server = std::make_unique<SecAggServer>(round, ids, settings, sum);
+    settings = server->settings();  // with the server's key of the round
     for (int id : ids) clients.push_back(std::make_unique<SecAggClient>(id, round, ids, settings));
   }
   SecAggClient& client(int id) {
@@ -243,13 +319,13 @@ struct Round {
       EXPECT_TRUE(c.mask_chunk(off, std::span(x).subspan(off, len), words).ok());
       std::copy(words.begin(), words.end(), all.begin() + static_cast<long>(off));
       if (to_server) {
-        EXPECT_TRUE(server->add_masked_chunk(id, off, words).ok());
+        EXPECT_TRUE(server->add_masked_chunk(id, off, words, *c.tag(off, words)).ok());
       }
     }
     const uint32_t w = c.masked_weight();
     all[elements] = w;
     if (to_server) {
-      EXPECT_TRUE(server->add_masked_chunk(id, elements, std::span(&w, 1)).ok());
+      EXPECT_TRUE(server->add_masked_chunk(id, elements, std::span(&w, 1), *c.tag(elements, std::span(&w, 1))).ok());
       EXPECT_TRUE(server->finish_upload(id).ok());
     }
     return all;
@@ -482,7 +558,7 @@ TEST(SecAgg, UploadBrokenPartWayRedoesTheRound) {
   ASSERT_TRUE(r.client(3).begin_update(100, 10).ok());
   std::vector<uint32_t> words(25);
   ASSERT_TRUE(r.client(3).mask_chunk(0, std::span(v).first(25), words).ok());
-  ASSERT_TRUE(r.server->add_masked_chunk(3, 0, words).ok());
+  ASSERT_TRUE(r.server->add_masked_chunk(3, 0, words, *r.client(3).tag(0, words)).ok());
   auto req = r.server->unmask_request();
   ASSERT_FALSE(req.ok());
   EXPECT_EQ(req.status().code(), StatusCode::kAborted);
@@ -537,11 +613,12 @@ TEST(SecAgg, RefusesBadPeerInputNamingTheClient) {
   // Masked vectors: wrong length, a repeated chunk, an early end.
   ASSERT_TRUE(r.client(1).begin_update(10, 1).ok());
   std::vector<uint32_t> long_chunk(12);
-  st = r.server->add_masked_chunk(1, 0, long_chunk);
+  st = r.server->add_masked_chunk(1, 0, long_chunk, *r.client(1).tag(0, long_chunk));
   EXPECT_NE(st.message().find("client_1: masked vector longer than 11"), std::string::npos) << st.message();
   std::vector<uint32_t> four(4);
-  ASSERT_TRUE(r.server->add_masked_chunk(2, 0, four).ok());
-  st = r.server->add_masked_chunk(2, 0, four);
+  ASSERT_TRUE(r.client(2).begin_update(10, 1).ok());
+  ASSERT_TRUE(r.server->add_masked_chunk(2, 0, four, *r.client(2).tag(0, four)).ok());
+  st = r.server->add_masked_chunk(2, 0, four, *r.client(2).tag(0, four));
   EXPECT_NE(st.message().find("client_2: masked chunk at element 0, expected 4"), std::string::npos) << st.message();
   st = r.server->finish_upload(2);
   EXPECT_NE(st.message().find("client_2: masked vector of 4 elements, expected 11"), std::string::npos) << st.message();
@@ -700,15 +777,23 @@ class RecordingOpener final : public UpdateOpener {
   std::vector<std::unique_ptr<Update>> updates;
 };
 
+// A masked upload as a transport carries it: each frame with its header.
+using Frames = std::vector<std::pair<ChunkHeader, std::vector<std::byte>>>;
+
 // Copies what a client's transport sends on to `inner` and keeps it.
 class TappedSink final : public ChunkSink {
  public:
   explicit TappedSink(ChunkSink& inner) : inner_(inner) {}
   Status accept(const ChunkHeader& h, Payload payload) override {
-    for (auto piece : payload) seen.insert(seen.end(), piece.begin(), piece.end());
+    frames.emplace_back(h, std::vector<std::byte>());
+    for (auto piece : payload) {
+      seen.insert(seen.end(), piece.begin(), piece.end());
+      frames.back().second.insert(frames.back().second.end(), piece.begin(), piece.end());
+    }
     return inner_.accept(h, payload);
   }
   std::vector<std::byte> seen;
+  Frames frames;
 
  private:
   ChunkSink& inner_;
@@ -724,7 +809,7 @@ TEST(SecAggRoundSeam, AggregatorSeesOnlyTheUnmaskedMean) {
   params.max_weight = 1;
   params.clipping_range = 8;
   params.quantization_range = (uint64_t{1} << 20) + 1;  // integers quantise exactly
-  auto sa = SecAggRound::start(/*round=*/4, selected, params, layout);
+  auto sa = SecAggRound::start(/*round=*/4, selected, params, kRun, layout);
   ASSERT_TRUE(sa.ok()) << sa.status().message();
   SecAggClientStages clients;  // the client core's stages, as the simulator's
   std::vector<int> failed;
@@ -744,7 +829,8 @@ TEST(SecAggRoundSeam, AggregatorSeesOnlyTheUnmaskedMean) {
     auto sent = stream_place(layout, masked, /*chunk=*/12, tap);  // 3 elements a chunk
     ASSERT_TRUE(sent.ok()) << sent.status().message();
     ASSERT_TRUE((*stream)->commit().ok());
-    EXPECT_EQ(tap.seen.size(), layout.total_bytes() + 4);  // + the masked weight
+    // + the masked weight, + a 16-byte tag after each 12-byte frame.
+    EXPECT_EQ(tap.seen.size(), layout.total_bytes() + 4 + (layout.total_bytes() + 11) / 12 * 16);
     wire.push_back(tap.seen);
   }
   RecordingOpener aggregator;
@@ -780,7 +866,7 @@ TEST(SecAggRoundSeam, ChunkCuttingAnElementIsRefusedNamingTheKey) {
   lb.add("w", DType::kF32, {10});
   Layout layout = std::move(lb).build().value();
   SecAggParams params;
-  auto sa = SecAggRound::start(1, {0, 1, 2}, params, layout);
+  auto sa = SecAggRound::start(1, {0, 1, 2}, params, kRun, layout);
   ASSERT_TRUE(sa.ok());
   SecAggClientStages clients;
   std::vector<int> failed;
@@ -798,7 +884,7 @@ TEST(SecAggRoundSeam, ChunkCuttingAnElementIsRefusedNamingTheKey) {
   LayoutBuilder hb;
   hb.add("h", DType::kBF16, {4});
   Layout half = std::move(hb).build().value();
-  auto refused = SecAggRound::start(1, {0, 1, 2}, params, half);
+  auto refused = SecAggRound::start(1, {0, 1, 2}, params, kRun, half);
   ASSERT_FALSE(refused.ok());
   EXPECT_NE(refused.status().message().find("entry 'h' is bf16"), std::string::npos) << refused.status().message();
 }
@@ -834,7 +920,7 @@ TEST(SecAggWire, EveryStageCrossesAsBytesAndTheMeanIsExact) {
   SecAggParams params;
   params.max_weight = 1;
   params.quantization_range = (uint64_t{1} << 20) + 1;  // integers quantise exactly
-  auto sa = SecAggRound::start(/*round=*/7, selected, params, layout);
+  auto sa = SecAggRound::start(/*round=*/7, selected, params, kRun, layout);
   ASSERT_TRUE(sa.ok()) << sa.status().message();
   SecAggClientStages clients;
   LoopbackWire wire(clients, selected);
@@ -892,8 +978,8 @@ TEST(SecAggRoundSeam, SumInTheModelsMemoryGivesTheSameMean) {
   Arena global(layout.total_bytes(), MemoryCategory::kModel);
   auto* g = reinterpret_cast<float*>(global.data());
   for (size_t i = 0; i < elements; ++i) g[i] = 1e30f;  // the old model: must not leak into the sum
-  auto sa =
-      SecAggRound::start(2, selected, params, layout, std::span(reinterpret_cast<uint32_t*>(global.data()), elements));
+  auto sa = SecAggRound::start(2, selected, params, kRun, layout,
+                               std::span(reinterpret_cast<uint32_t*>(global.data()), elements));
   ASSERT_TRUE(sa.ok()) << sa.status().message();
   EXPECT_EQ((*sa)->sum_bytes(), 4u);  // only the weight's word beside the model
   SecAggClientStages clients;
@@ -947,8 +1033,8 @@ TEST(SecAggRoundSeam, SumInFedAvgsOwnSumGivesTheSameModel) {
   SecAggParams params;
   params.max_weight = 4;
   params.quantization_range = (uint64_t{1} << 20) + 1;
-  auto sa =
-      SecAggRound::start(3, selected, params, layout, std::span(reinterpret_cast<uint32_t*>(idle.data()), elements));
+  auto sa = SecAggRound::start(3, selected, params, kRun, layout,
+                               std::span(reinterpret_cast<uint32_t*>(idle.data()), elements));
   ASSERT_TRUE(sa.ok()) << sa.status().message();
   EXPECT_EQ((*sa)->sum_bytes(), 4u);
   SecAggClientStages clients;
@@ -992,7 +1078,7 @@ TEST(SecAggWire, TruncatedForeignOrLyingMessagesAreRefusedNamingThePeer) {
   lb.add("w", DType::kF32, {8});
   Layout layout = std::move(lb).build().value();
   const std::vector<int> selected = {0, 1, 2};
-  auto sa = SecAggRound::start(3, selected, SecAggParams{}, layout);
+  auto sa = SecAggRound::start(3, selected, SecAggParams{}, kRun, layout);
   ASSERT_TRUE(sa.ok());
   SecAggClientStages clients;
   LoopbackWire wire(clients, selected);
@@ -1015,7 +1101,7 @@ TEST(SecAggWire, TruncatedForeignOrLyingMessagesAreRefusedNamingThePeer) {
         EXPECT_EQ(stage, SecAggStage::kRoundOver);
         continue;
       }
-      if (cut < 9) {
+      if (cut < 10) {
         ASSERT_FALSE(r.ok()) << cut;
       } else if (r.ok()) {
         // A prefix that parses must be a complete message: none is.
@@ -1034,12 +1120,12 @@ TEST(SecAggWire, TruncatedForeignOrLyingMessagesAreRefusedNamingThePeer) {
       << foreign.status().message();
   // Replies that lie: another stage, or a count of shares far beyond the
   // bytes that follow (refused before anything is allocated for them).
-  auto sb = SecAggRound::start(4, selected, SecAggParams{}, layout);
+  auto sb = SecAggRound::start(4, selected, SecAggParams{}, kRun, layout);
   ASSERT_TRUE(sb.ok());
   SecAggClientStages others;
   LoopbackWire lying(others, selected);
   lying.tamper = [](SecAggStage st, std::string* reply) {
-    if (st == SecAggStage::kAdvertise) (*reply)[0] = static_cast<char>(SecAggStage::kUnmask);
+    if (st == SecAggStage::kAdvertise) (*reply)[1] = static_cast<char>(SecAggStage::kUnmask);
   };
   std::vector<Status> why;
   RemoteSecAggChannel lying_channel([&](int c, std::string r) { return lying.exchange(c, std::move(r)); }, [](int) {},
@@ -1050,14 +1136,14 @@ TEST(SecAggWire, TruncatedForeignOrLyingMessagesAreRefusedNamingThePeer) {
   ASSERT_EQ(why.size(), 3u);
   EXPECT_NE(why[0].message().find("client_0's reply to 'advertise keys': it answers stage 4"), std::string::npos)
       << why[0].message();
-  auto sc = SecAggRound::start(5, selected, SecAggParams{}, layout);
+  auto sc = SecAggRound::start(5, selected, SecAggParams{}, kRun, layout);
   ASSERT_TRUE(sc.ok());
   SecAggClientStages third;
   LoopbackWire huge(third, selected);
   huge.tamper = [](SecAggStage st, std::string* reply) {
     if (st != SecAggStage::kShareKeys) return;
     const uint32_t n = 0x7fffffff;  // shares claimed; a few hundred bytes follow
-    std::memcpy(reply->data() + 2, &n, 4);
+    std::memcpy(reply->data() + 3, &n, 4);
   };
   why.clear();
   RemoteSecAggChannel huge_channel([&](int c, std::string r) { return huge.exchange(c, std::move(r)); }, [](int) {},
@@ -1070,12 +1156,56 @@ TEST(SecAggWire, TruncatedForeignOrLyingMessagesAreRefusedNamingThePeer) {
       << why[0].message();
 }
 
+// A request or reply of another version (another memfl) is refused on
+// both sides, naming the peer and both versions.
+TEST(SecAggWire, AMessageOfAnotherVersionIsRefusedNamingThePeer) {
+  LayoutBuilder lb;
+  lb.add("w", DType::kF32, {8});
+  Layout layout = std::move(lb).build().value();
+  const std::vector<int> selected = {0, 1, 2};
+  auto sa = SecAggRound::start(3, selected, SecAggParams{}, kRun, layout);
+  ASSERT_TRUE(sa.ok());
+  SecAggClientStages clients;
+  LoopbackWire wire(clients, selected);
+  RemoteSecAggChannel channel([&](int c, std::string r) { return wire.exchange(c, std::move(r)); }, [](int) {},
+                              [](int, const Status&) {});
+  std::vector<int> failed;
+  ASSERT_TRUE((*sa)->exchange_keys(channel, &failed).ok());
+  std::string old = wire.requests[0];
+  old[0] = 1;
+  SecAggStage stage;
+  SecAggClientStages fresh;
+  auto r = serve_secagg_request(fresh, old, "server s", selected, &stage);
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("request from server s: secure aggregation messages of version 1; this client "
+                                      "speaks version 2"),
+            std::string::npos)
+      << r.status().message();
+  auto sb = SecAggRound::start(4, selected, SecAggParams{}, kRun, layout);
+  ASSERT_TRUE(sb.ok());
+  SecAggClientStages others;
+  LoopbackWire older(others, selected);
+  older.tamper = [](SecAggStage, std::string* reply) { (*reply)[0] = 1; };
+  std::vector<Status> why;
+  RemoteSecAggChannel older_channel([&](int c, std::string q) { return older.exchange(c, std::move(q)); }, [](int) {},
+                                    [&](int, const Status& s) { why.push_back(s); });
+  std::vector<int> out;
+  ASSERT_TRUE((*sb)->exchange_keys(older_channel, &out).ok());
+  EXPECT_EQ(out, selected);
+  ASSERT_FALSE(why.empty());
+  EXPECT_NE(why[0].message().find("client_0's reply to 'advertise keys': secure aggregation messages of version 1"),
+            std::string::npos)
+      << why[0].message();
+}
+
 // The clients' stages, honest but for what a test makes one of them do.
 class HostileStages final : public SecAggChannel {
  public:
   StatusOr<KeyAdvert> advertise(int client, int round, const std::vector<int>& selected,
                                 const SecAggSettings& settings) override {
-    return honest.advertise(client, round, selected, settings);
+    SecAggSettings s = settings;
+    if (on_advertise) on_advertise(client, &s);
+    return honest.advertise(client, round, selected, s);
   }
   StatusOr<std::vector<SealedShare>> share_keys(int client, const std::vector<KeyAdvert>& roster) override {
     auto r = honest.share_keys(client, roster);
@@ -1092,6 +1222,7 @@ class HostileStages final : public SecAggChannel {
   }
   void end_round(int round) override { honest.end_round(round); }
   SecAggClientStages honest;
+  std::function<void(int, SecAggSettings*)> on_advertise;
   std::function<void(int, std::vector<SealedShare>*)> on_share_keys;
   std::function<void(int, std::vector<RevealedShare>*)> on_unmask;
 };
@@ -1103,6 +1234,7 @@ struct SeamRound {
   Layout layout;
   std::unique_ptr<SecAggRound> sa;
   std::vector<int> failed;
+  std::map<int, Status> uploads;  // how each client's upload ended
   RecordingOpener aggregator;
 
   static Layout small_layout() {
@@ -1112,16 +1244,17 @@ struct SeamRound {
   }
   static float element(int c, size_t i) { return static_cast<float>((static_cast<int>(i) * (c + 3)) % 11 - 5); }
 
-  // `recorded`: each client's masked bytes, as sent; `replayed`: bytes a
-  // client sends instead of its own masked upload.
+  // `recorded`: each client's masked frames, as sent; `replayed`: frames
+  // a client sends instead of its own masked upload; `run`: the run's id;
+  // `before_upload(c)`: called once c's upload has begun.
   SeamRound(const std::vector<int>& selected, SecAggParams params, HostileStages& stages, int round = 2,
-            std::map<int, std::vector<std::byte>>* recorded = nullptr,
-            const std::map<int, std::vector<std::byte>>* replayed = nullptr)
+            std::map<int, Frames>* recorded = nullptr, const std::map<int, Frames>* replayed = nullptr,
+            const ExperimentId& run = kRun, const std::function<void(int)>& before_upload = {})
       : layout(small_layout()) {
     params.max_weight = 1;
     params.clipping_range = 8;
     params.quantization_range = (uint64_t{1} << 20) + 1;
-    sa = SecAggRound::start(round, selected, params, layout).value();
+    sa = SecAggRound::start(round, selected, params, run, layout).value();
     EXPECT_TRUE(sa->exchange_keys(stages, &failed).ok());
     for (int c : selected) {
       if (std::find(failed.begin(), failed.end(), c) != failed.end()) {
@@ -1134,17 +1267,25 @@ struct SeamRound {
       for (size_t i = 0; i < layout.total_bytes() / 4; ++i) f[i] = element(c, i);
       MaskingPlace masked(std::make_unique<ArenaPlace>(model), layout, *stages.honest.client(c));
       EXPECT_TRUE(masked.begin(1.0).ok());
+      if (before_upload) before_upload(c);
       auto stream = sa->open_update(client_id(c), 1.0);
       EXPECT_TRUE(stream.ok()) << stream.status().message();
+      Status st;
       if (replayed != nullptr && replayed->count(c)) {
-        const std::span<const std::byte> bytes = replayed->at(c);
-        EXPECT_TRUE((*stream)->accept(ChunkHeader{layout.hash(), 0, bytes.size(), chunk_checksum(bytes)}, bytes).ok());
+        for (const auto& [h, bytes] : replayed->at(c)) {
+          st = (*stream)->accept(h, std::span<const std::byte>(bytes));
+          if (!st.ok()) break;
+        }
       } else {
         TappedSink tap(**stream);
-        EXPECT_TRUE(stream_place(layout, masked, /*chunk=*/16, tap).ok());
-        if (recorded != nullptr) (*recorded)[c] = tap.seen;
+        st = stream_place(layout, masked, /*chunk=*/16, tap).status();
+        if (recorded != nullptr) (*recorded)[c] = tap.frames;
       }
-      EXPECT_TRUE((*stream)->commit().ok());
+      if (st.ok()) st = (*stream)->commit();
+      if (replayed == nullptr || !replayed->count(c)) {
+        EXPECT_TRUE(st.ok()) << st.message();
+      }
+      uploads[c] = st;
     }
   }
   // The mean the aggregator was handed against the plain mean of `of`.
@@ -1267,24 +1408,108 @@ TEST(SecAggSettings, RefusesKBelowThreeAndTBelowTwoNamingTheKeyAndTheNumbers) {
       << s.status().message();
 }
 
-TEST(SecAggRoundSeam, AnUploadReplayedFromAnotherRoundIsRefusedNotSummedIntoTheModel) {
-  // Client 1's round-1 masked upload, replayed in round 2: its masks do not
-  // cancel there. Its words pass every chunk check, but the unmasked sum
-  // is out of range and the round is refused (redone), not folded.
+// Client 1's round-1 masked frames, recorded as a transport carried them.
+std::map<int, Frames> round_one_frames() {
   HostileStages first;
-  std::map<int, std::vector<std::byte>> round1;
+  std::map<int, Frames> round1;
   SeamRound r1({0, 1, 2, 3}, SecAggParams{}, first, /*round=*/1, &round1);
-  ASSERT_TRUE(r1.sa->unmask_into(first, r1.aggregator, "secure_aggregate", 24).ok());
+  EXPECT_TRUE(r1.sa->unmask_into(first, r1.aggregator, "secure_aggregate", 24).ok());
   first.end_round(1);
+  return round1;
+}
+
+TEST(SecAggRoundSeam, AnUploadReplayedFromAnotherRoundIsRefusedNamingItsClient) {
+  // Client 1's round-1 upload, replayed word for word in round 2: every
+  // chunk check passes (layout, offsets, lengths, checksums), but the tags
+  // are of round 1's key. The first frame is refused before a word of it is
+  // summed, naming client 1, which is out of the round and the run; the
+  // round finishes with the others, its mean theirs exactly.
+  std::map<int, Frames> replay = {{1, round_one_frames().at(1)}};
   HostileStages second;
-  std::map<int, std::vector<std::byte>> replay = {{1, round1.at(1)}};
   SeamRound r2({0, 1, 2, 3}, SecAggParams{}, second, /*round=*/2, nullptr, &replay);
+  const Status& st = r2.uploads.at(1);
+  EXPECT_EQ(st.code(), StatusCode::kRejected) << st.message();
+  EXPECT_NE(st.message().find("client_1: the masked words at element 0 do not carry their tag for round 2"),
+            std::string::npos)
+      << st.message();
+  EXPECT_EQ(r2.sa->culprits(), (std::vector<int>{1}));
   auto n = r2.sa->unmask_into(second, r2.aggregator, "secure_aggregate", 24);
+  ASSERT_TRUE(n.ok()) << n.status().message();
+  EXPECT_EQ(*n, 3u);
+  r2.expect_mean_of({0, 2, 3});
+}
+
+TEST(SecAggRoundSeam, RandomWordsInPlaceOfAMaskedUploadAreRefusedNamingTheClient) {
+  // Frames of the right shape and checksums, random words and tags: the
+  // first is refused naming client 2, and nothing of it reaches the sum.
+  std::map<int, Frames> random = {{2, round_one_frames().at(2)}};
+  std::mt19937 gen(7);
+  for (auto& [h, bytes] : random.at(2)) {
+    for (std::byte& b : bytes) b = static_cast<std::byte>(gen());
+    h.checksum = chunk_checksum(bytes);
+  }
+  HostileStages stages;
+  SeamRound r({0, 1, 2, 3}, SecAggParams{}, stages, /*round=*/2, nullptr, &random);
+  EXPECT_EQ(r.uploads.at(2).code(), StatusCode::kRejected) << r.uploads.at(2).message();
+  EXPECT_NE(r.uploads.at(2).message().find("client_2: the masked words at element 0 do not carry their tag"),
+            std::string::npos)
+      << r.uploads.at(2).message();
+  EXPECT_EQ(r.sa->culprits(), (std::vector<int>{2}));
+  auto n = r.sa->unmask_into(stages, r.aggregator, "secure_aggregate", 24);
+  ASSERT_TRUE(n.ok()) << n.status().message();
+  EXPECT_EQ(*n, 3u);
+  r.expect_mean_of({0, 1, 3});
+}
+
+TEST(SecAggRoundSeam, AClientKeyedForAnotherRunIsOutAtTheKeyExchange) {
+  // Client 2 makes its round for another run's id (a stale or foreign
+  // client): its shares do not open for anyone and it opens nobody's. It
+  // alone is out — not the honest neighbours whose shares it could not
+  // open — and the round finishes with the others.
+  const ExperimentId other = secagg_experiment_id({{"server_configs.seed", "1"}});
+  ASSERT_NE(other, kRun);
+  HostileStages stages;
+  stages.on_advertise = [&](int client, SecAggSettings* s) {
+    if (client == 2) s->experiment = other;
+  };
+  SeamRound r({0, 1, 2, 3}, SecAggParams{}, stages);
+  EXPECT_EQ(r.failed, (std::vector<int>{2}));
+  EXPECT_EQ(r.sa->culprits(), (std::vector<int>{2}));
+  auto n = r.sa->unmask_into(stages, r.aggregator, "secure_aggregate", 24);
+  ASSERT_TRUE(n.ok()) << n.status().message();
+  EXPECT_EQ(*n, 3u);
+  r.expect_mean_of({0, 1, 3});
+}
+
+TEST(SecAggRoundSeam, WordsAClientTagsButDidNotMaskMakeTheRoundRefusedNotFolded) {
+  // What tags cannot catch: client 1 itself sends its round-1 words again,
+  // tagged with its key of round 2 (a client can tag any words it likes).
+  // Its masks do not cancel; the unmasked sum is out of range and the round
+  // is refused and redone, not folded — without a name, since only the sum
+  // shows it.
+  std::map<int, Frames> retagged = {{1, round_one_frames().at(1)}};
+  HostileStages stages;
+  // Re-tagged once its upload of round 2 has begun (its tag key agreed).
+  SeamRound r({0, 1, 2, 3}, SecAggParams{}, stages, /*round=*/2, nullptr, &retagged, kRun, [&](int client) {
+    if (client != 1) return;
+    const SecAggClient& c = *stages.honest.client(1);
+    for (auto& [h, bytes] : retagged.at(1)) {
+      auto* w = reinterpret_cast<uint32_t*>(bytes.data());
+      const size_t words = bytes.size() / 4 - 4;
+      const UploadTag tag = c.tag(h.offset / 4, std::span<const uint32_t>(w, words)).value();
+      std::memcpy(w + words, tag.data(), tag.size());
+      h.checksum = chunk_checksum(bytes);
+    }
+  });
+  EXPECT_TRUE(r.uploads.at(1).ok()) << r.uploads.at(1).message();
+  auto n = r.sa->unmask_into(stages, r.aggregator, "secure_aggregate", 24);
   ASSERT_FALSE(n.ok());
   EXPECT_EQ(n.status().code(), StatusCode::kAborted);
-  EXPECT_NE(n.status().message().find("was not made with this round's masks"), std::string::npos)
+  EXPECT_NE(n.status().message().find("a client's masked words were not made with its masks of this round"),
+            std::string::npos)
       << n.status().message();
-  for (const auto& u : r2.aggregator.updates) EXPECT_FALSE(u->committed);
+  EXPECT_TRUE(r.sa->culprits().empty());
+  for (const auto& u : r.aggregator.updates) EXPECT_FALSE(u->committed);
 }
 
 }  // namespace

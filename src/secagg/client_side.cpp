@@ -83,16 +83,21 @@ StatusOr<std::span<const std::byte>> MaskingPlace::frame(uint64_t offset, size_t
   // written before use): zeroing a chunk per client cost more than its
   // quantisation. Read straight into the f32s (the model's little-endian
   // f32 bytes; whole elements, checked above).
+  constexpr size_t kTagWords = sizeof(UploadTag) / 4;
   const size_t words = n + (last ? 1 : 0);
-  if (words > capacity_) {
+  if (words + kTagWords > capacity_) {
     values_.reset(new float[words]);
-    words_.reset(new uint32_t[words]);
-    capacity_ = words;
+    words_.reset(new uint32_t[words + kTagWords]);
+    capacity_ = words + kTagWords;
   }
   MEMFL_RETURN_IF_ERROR(source_->read(offset, std::as_writable_bytes(std::span(values_.get(), n))));
   MEMFL_RETURN_IF_ERROR(client_.mask_chunk(offset / 4, std::span(values_.get(), n), std::span(words_.get(), n)));
   if (last) words_[n] = client_.masked_weight();
-  return std::span<const std::byte>(reinterpret_cast<const std::byte*>(words_.get()), words * 4);
+  // The frame's tag after its words: the server checks it before a word
+  // is summed.
+  MEMFL_ASSIGN_OR_RETURN(UploadTag tag, client_.tag(offset / 4, std::span<const uint32_t>(words_.get(), words)));
+  std::memcpy(words_.get() + words, tag.data(), tag.size());
+  return std::span<const std::byte>(reinterpret_cast<const std::byte*>(words_.get()), (words + kTagWords) * 4);
 }
 
 }  // namespace memfl

@@ -3,12 +3,19 @@
 #include <sodium.h>
 #ifdef MEMFL_HAVE_OPENSSL_CHACHA
 #include <openssl/evp.h>
+#include <openssl/opensslv.h>
+#if OPENSSL_VERSION_NUMBER >= 0x30000000L
+#define MEMFL_OPENSSL_POLY1305 1  // EVP_MAC, OpenSSL 3's
+#endif
 #endif
 
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <mutex>
+
+#include "common/parallel.h"
 
 namespace memfl {
 
@@ -101,14 +108,16 @@ StatusOr<std::vector<uint8_t>> open_sealed(const Secret32& key, std::span<const 
   return out;
 }
 
-MaskStream::MaskStream(const Secret32& seed, int round) : seed_(seed) {
+std::array<uint8_t, 24> mask_nonce(std::string_view context) {
   ensure_sodium();
-  // The seed is fresh each round; the round in the nonce is a second guard
-  // against a mask stream ever being reused across rounds.
-  const char tag[] = "memfl-secagg-mask";
-  std::memcpy(nonce_.data(), tag, sizeof tag - 1);
-  const uint32_t r = static_cast<uint32_t>(round);
-  std::memcpy(nonce_.data() + 20, &r, 4);
+  std::array<uint8_t, 24> nonce{};
+  const char tag[] = "memfl-secagg-mask-nonce";
+  crypto_generichash(nonce.data(), nonce.size(), reinterpret_cast<const unsigned char*>(context.data()), context.size(),
+                     reinterpret_cast<const unsigned char*>(tag), sizeof tag - 1);
+  return nonce;
+}
+
+MaskStream::MaskStream(const Secret32& seed, std::string_view context) : seed_(seed), nonce_(mask_nonce(context)) {
   // XChaCha20 is ChaCha20 (64-bit counter, 64-bit nonce) under the
   // HChaCha20 subkey of the key and the nonce's first 16 bytes: worked once
   // here, so each piece of the stream costs only ChaCha20's blocks.
@@ -199,6 +208,82 @@ void MaskStream::apply(uint64_t element_offset, std::span<uint32_t> out, int sig
     done += take;
     skip = 0;
   }
+}
+
+namespace {
+
+#ifdef MEMFL_OPENSSL_POLY1305
+// One MAC context per thread, re-keyed for every piece (the pieces of one
+// frame are tagged on several threads at once). Null where the provider has
+// no Poly1305 (then libsodium's).
+EVP_MAC_CTX* thread_poly1305() {
+  static EVP_MAC* const mac = EVP_MAC_fetch(nullptr, "POLY1305", nullptr);
+  struct Free {
+    void operator()(EVP_MAC_CTX* c) const { EVP_MAC_CTX_free(c); }
+  };
+  thread_local std::unique_ptr<EVP_MAC_CTX, Free> ctx(mac != nullptr ? EVP_MAC_CTX_new(mac) : nullptr);
+  return ctx.get();
+}
+#endif
+
+void poly1305(const uint8_t* key, const uint8_t* message, size_t length, uint8_t* tag) {
+#ifdef MEMFL_OPENSSL_POLY1305
+  if (EVP_MAC_CTX* ctx = thread_poly1305()) {
+    size_t n = 0;
+    if (EVP_MAC_init(ctx, key, 32, nullptr) != 1 || EVP_MAC_update(ctx, message, length) != 1 ||
+        EVP_MAC_final(ctx, tag, &n, 16) != 1 || n != 16) {
+      std::abort();
+    }
+    return;
+  }
+#endif
+  crypto_onetimeauth(tag, message, length, key);
+}
+
+uint64_t load_le64(const uint8_t* p) {
+  uint64_t v = 0;
+  for (int i = 7; i >= 0; --i) v = (v << 8) | p[i];
+  return v;
+}
+
+// A tag as the little-endian 128-bit number Poly1305 makes it.
+struct Tag128 {
+  uint64_t lo = 0, hi = 0;
+  void add(const Tag128& o) {
+    lo += o.lo;
+    hi += o.hi + (lo < o.lo ? 1 : 0);
+  }
+};
+
+}  // namespace
+
+UploadTag upload_tag(const MaskStream& keys, uint64_t element_offset, std::span<const uint32_t> words) {
+  ensure_sodium();
+  const size_t pieces = (words.size() + kTagPieceWords - 1) / kTagPieceWords;
+  std::mutex mu;
+  Tag128 sum;
+  parallel_for(pieces, 1, [&](size_t a, size_t b) {
+    Tag128 part;
+    for (size_t p = a; p < b; ++p) {
+      const size_t lo = p * kTagPieceWords, n = std::min(kTagPieceWords, words.size() - lo);
+      // Block number = the piece's first element (16 words a block).
+      std::array<uint32_t, 8> key{};
+      keys.generate((element_offset + lo) * 16, key);
+      uint8_t t[16];
+      poly1305(reinterpret_cast<const uint8_t*>(key.data()), reinterpret_cast<const uint8_t*>(words.data() + lo), n * 4,
+               t);
+      sodium_memzero(key.data(), sizeof key);
+      part.add(Tag128{load_le64(t), load_le64(t + 8)});
+    }
+    std::lock_guard lock(mu);
+    sum.add(part);
+  });
+  UploadTag out{};
+  for (int i = 0; i < 8; ++i) {
+    out[static_cast<size_t>(i)] = static_cast<uint8_t>(sum.lo >> (8 * i));
+    out[static_cast<size_t>(i) + 8] = static_cast<uint8_t>(sum.hi >> (8 * i));
+  }
+  return out;
 }
 
 }  // namespace memfl

@@ -3,8 +3,9 @@
 // at a time — what ClientDriver hands a transport when
 // server_configs.secure_aggregation.enable is on. The model's f32 elements
 // are read chunk by chunk, weighted, clipped, quantised and masked; the
-// last frame carries the masked weight as one more word. Nothing
-// model-sized is allocated.
+// last frame carries the masked weight as one more word, and every frame
+// ends with its tag (16 bytes, SecAggClient::tag). Nothing model-sized is
+// allocated.
 //
 //   MaskingPlace masked(std::make_unique<ArenaPlace>(model), layout, *stages.client(c));
 //   MEMFL_RETURN_IF_ERROR(masked.begin(sample_count));
@@ -34,7 +35,7 @@ class MaskingPlace final : public ModelPlace {
   bool framed() const override { return true; }
   // The masked words of model bytes [offset, offset + length): whole f32
   // elements (chunks are cut at multiples of 4 bytes), plus the masked
-  // weight after the model's last chunk.
+  // weight after the model's last chunk, then the frame's tag.
   StatusOr<std::span<const std::byte>> frame(uint64_t offset, size_t length) override;
 
  private:
@@ -43,7 +44,7 @@ class MaskingPlace final : public ModelPlace {
   SecAggClient& client_;
   std::unique_ptr<float[]> values_;
   std::unique_ptr<uint32_t[]> words_;
-  size_t capacity_ = 0;  // elements of each
+  size_t capacity_ = 0;  // words of words_ (values_ has at most as many)
 };
 
 }  // namespace memfl

@@ -22,18 +22,35 @@ Status rejected(fmt::format_string<Args...> f, Args&&... args) {
   return {StatusCode::kRejected, fmt::format(f, std::forward<Args>(args)...)};
 }
 
-std::string share_context(int round, int from, int to) {
-  return "memfl-secagg-share round=" + std::to_string(round) + " from=" + std::to_string(from) +
-         " to=" + std::to_string(to);
+// "run=<the experiment id in hex> round=<r>": the part of every context
+// that ties what it names to one round of one run.
+std::string run_context(const SecAggSettings& s, int round) {
+  static constexpr char kHex[] = "0123456789abcdef";
+  std::string out = "run=";
+  for (uint8_t b : s.experiment) {
+    out += kHex[b >> 4];
+    out += kHex[b & 15];
+  }
+  return out + " round=" + std::to_string(round);
 }
 
-Secret32 commit(const Secret32& b) {
+Secret32 commit(const Secret32& b, const SecAggSettings& s, int round, int client) {
+  const std::string ctx = "memfl-secagg-b-commitment " + run_context(s, round) + " client=" + std::to_string(client);
+  crypto_generichash_state st;
+  crypto_generichash_init(&st, nullptr, 0, 32);
+  crypto_generichash_update(&st, reinterpret_cast<const unsigned char*>(ctx.data()), ctx.size());
+  crypto_generichash_update(&st, b.data(), b.size());
   Secret32 h{};
-  const char tag[] = "memfl-secagg-b-commitment";
-  crypto_generichash(h.data(), h.size(), b.data(), b.size(), reinterpret_cast<const unsigned char*>(tag),
-                     sizeof tag - 1);
+  crypto_generichash_final(&st, h.data(), h.size());
   return h;
 }
+
+// What the key of client u's upload tags is agreed for (with the server's
+// key of the round).
+std::string tag_purpose(const SecAggSettings& s, int round, int u) {
+  return "memfl-secagg-upload-tag " + run_context(s, round) + " client=" + std::to_string(u);
+}
+constexpr std::string_view kTagKeyStream = "memfl-secagg-upload-tag-keys";
 
 // The plaintext of a sealed share: the subject, the share's x, then the
 // five pieces of its shares of b and of the s secret key.
@@ -52,11 +69,12 @@ std::vector<uint8_t> encode_share(int subject, const ShamirShare& b, const Shami
 }
 
 // The public check of one share: BLAKE2b of its x and pieces, keyed by
-// what it is a share of (round, sender, recipient, which secret). Shares
+// what it is a share of (run, round, sender, recipient, which secret). Shares
 // are uniform field elements (t ≥ 2), so the check tells nothing about the
 // secret; it only pins the share down.
-Secret32 share_check(int round, int from, int to, SecretKind kind, const ShamirShare& share) {
-  const std::string ctx = share_context(round, from, to) + (kind == SecretKind::kSelfMaskSeed ? " b" : " sk");
+Secret32 share_check(const SecAggSettings& s, int round, int from, int to, SecretKind kind, const ShamirShare& share) {
+  const std::string ctx =
+      secagg_internal::share_context(s, round, from, to) + (kind == SecretKind::kSelfMaskSeed ? " b" : " sk");
   crypto_generichash_state st;
   crypto_generichash_init(&st, nullptr, 0, 32);
   crypto_generichash_update(&st, reinterpret_cast<const unsigned char*>(ctx.data()), ctx.size());
@@ -151,6 +169,45 @@ bool contains(const std::vector<int>& sorted, int client) {
 
 }  // namespace
 
+namespace secagg_internal {
+
+MaskStream self_mask(const Secret32& b, const SecAggSettings& s, int round, int u) {
+  return MaskStream(b, "memfl-secagg-self-mask " + run_context(s, round) + " client=" + std::to_string(u));
+}
+
+MaskStream pairwise_mask(const Secret32& seed, const SecAggSettings& s, int round, int u, int v) {
+  return MaskStream(seed, "memfl-secagg-pairwise-mask " + run_context(s, round) +
+                              " pair=" + std::to_string(std::min(u, v)) + "," + std::to_string(std::max(u, v)));
+}
+
+std::string share_context(const SecAggSettings& s, int round, int from, int to) {
+  return "memfl-secagg-share " + run_context(s, round) + " from=" + std::to_string(from) + " to=" + std::to_string(to);
+}
+
+}  // namespace secagg_internal
+
+ExperimentId secagg_experiment_id(const std::map<std::string, std::string>& identity) {
+  const Secret32 nonce = random_secret();
+  crypto_generichash_state st;
+  crypto_generichash_init(&st, nullptr, 0, 32);
+  const char tag[] = "memfl-secagg-experiment";
+  crypto_generichash_update(&st, reinterpret_cast<const unsigned char*>(tag), sizeof tag - 1);
+  crypto_generichash_update(&st, nonce.data(), nonce.size());
+  // Length-prefixed, so no two identities hash the same bytes.
+  const auto put = [&](const std::string& text) {
+    const uint64_t n = text.size();
+    crypto_generichash_update(&st, reinterpret_cast<const unsigned char*>(&n), sizeof n);
+    crypto_generichash_update(&st, reinterpret_cast<const unsigned char*>(text.data()), text.size());
+  };
+  for (const auto& [key, value] : identity) {
+    put(key);
+    put(value);
+  }
+  ExperimentId id{};
+  crypto_generichash_final(&st, id.data(), id.size());
+  return id;
+}
+
 StatusOr<SecAggSettings> SecAggSettings::resolve(const SecAggParams& p, size_t clients) {
   if (clients == 0) return invalid_argument("secure aggregation with no clients selected");
   if (clients > 65535) return invalid_argument("secure aggregation supports at most 65535 clients a round");
@@ -244,7 +301,7 @@ SecAggClient::~SecAggClient() {
 }
 
 KeyAdvert SecAggClient::advertise() const {
-  return KeyAdvert{round_, client_, c_keys_.public_key, s_keys_.public_key, commit(b_)};
+  return KeyAdvert{round_, client_, c_keys_.public_key, s_keys_.public_key, commit(b_, s_, round_, client_)};
 }
 
 StatusOr<std::vector<SealedShare>> SecAggClient::share_keys(const std::vector<KeyAdvert>& roster) {
@@ -311,16 +368,17 @@ StatusOr<std::vector<SealedShare>> SecAggClient::share_keys(const std::vector<Ke
       share_keys_[v] = k;
       MEMFL_ASSIGN_OR_RETURN(Secret32 seed,
                              agree(s_keys_.secret_key, s_keys_.public_key, a.s_public, "memfl-secagg-pairwise-mask"));
-      pairwise_.emplace_back(v, MaskStream(seed, round_));
+      pairwise_.emplace_back(v, secagg_internal::pairwise_mask(seed, s_, round_, client_, v));
       sodium_memzero(seed.data(), seed.size());
     }
     std::vector<uint8_t> plain = encode_share(client_, b_shares[i], sk_shares[i]);
-    out.push_back(SealedShare{round_, client_, v, seal(share_keys_[v], plain, share_context(round_, client_, v)),
-                              share_check(round_, client_, v, SecretKind::kSelfMaskSeed, b_shares[i]),
-                              share_check(round_, client_, v, SecretKind::kMaskingKey, sk_shares[i])});
+    out.push_back(SealedShare{round_, client_, v,
+                              seal(share_keys_[v], plain, secagg_internal::share_context(s_, round_, client_, v)),
+                              share_check(s_, round_, client_, v, SecretKind::kSelfMaskSeed, b_shares[i]),
+                              share_check(s_, round_, client_, v, SecretKind::kMaskingKey, sk_shares[i])});
     sodium_memzero(plain.data(), plain.size());
   }
-  self_mask_.emplace(b_, round_);
+  self_mask_.emplace(secagg_internal::self_mask(b_, s_, round_, client_));
   return out;
 }
 
@@ -352,7 +410,7 @@ StatusOr<std::vector<int>> SecAggClient::receive_shares(std::vector<SealedShare>
     if (key == share_keys_.end()) {
       return failed_precondition("client_{}: a share from client_{} before this client shared its keys", client_, from);
     }
-    auto opened = open_sealed(key->second, s.sealed, share_context(round_, from, client_));
+    auto opened = open_sealed(key->second, s.sealed, secagg_internal::share_context(s_, round_, from, client_));
     bool good = opened.ok();
     if (good) {
       std::vector<uint8_t> plain = std::move(opened).value();
@@ -361,8 +419,8 @@ StatusOr<std::vector<int>> SecAggClient::receive_shares(std::vector<SealedShare>
       ShamirShare b, sk;
       decode_share(plain, &b, &sk);
       good = static_cast<int>(subject) == from && b.x == x_ &&
-             share_check(round_, from, client_, SecretKind::kSelfMaskSeed, b) == s.b_check &&
-             share_check(round_, from, client_, SecretKind::kMaskingKey, sk) == s.sk_check;
+             share_check(s_, round_, from, client_, SecretKind::kSelfMaskSeed, b) == s.b_check &&
+             share_check(s_, round_, from, client_, SecretKind::kMaskingKey, sk) == s.sk_check;
       sodium_memzero(plain.data(), plain.size());
       sodium_memzero(b.y.data(), sizeof b.y);
       sodium_memzero(sk.y.data(), sizeof sk.y);
@@ -385,9 +443,23 @@ Status SecAggClient::begin_update(uint64_t model_elements, double sample_count) 
   // advertised keys but never shared is not among the clients the server
   // can unmask for (Bell et al.'s U2), so no mask of it may enter the sum.
   std::erase_if(pairwise_, [&](const auto& pm) { return inbox_.count(pm.first) == 0; });
+  // The tags' key: agreed with the server's key of this round, for this
+  // run, round and client, so nobody else (another client, whoever replays
+  // an upload of another round) can tag words in this client's name.
+  auto key = agree(c_keys_.secret_key, c_keys_.public_key, s_.server_public, tag_purpose(s_, round_, client_));
+  if (!key.ok()) {
+    return key.status().with_context(fmt::format("client_{}: the server's key of round {}", client_, round_));
+  }
+  tag_keys_.emplace(*key, kTagKeyStream);
+  sodium_memzero(key->data(), key->size());
   model_elements_ = model_elements;
   ratio_ = std::min(sample_count, s_.max_weight) / s_.max_weight;
   return Status::Ok();
+}
+
+StatusOr<UploadTag> SecAggClient::tag(uint64_t element_offset, std::span<const uint32_t> words) const {
+  if (!tag_keys_) return failed_precondition("client_{}: a tag asked for before its upload began", client_);
+  return upload_tag(*tag_keys_, element_offset, words);
 }
 
 uint32_t SecAggClient::quantise(double v) {
@@ -483,7 +555,8 @@ StatusOr<std::vector<RevealedShare>> SecAggClient::unmask(const UnmaskRequest& r
   for (const auto& [from, sealed] : inbox_) {
     const bool surv = survivors.count(from) > 0, drop = dropped.count(from) > 0;
     if (!surv && !drop) continue;
-    auto opened = open_sealed(share_keys_.at(from), sealed.sealed, share_context(round_, from, client_));
+    auto opened =
+        open_sealed(share_keys_.at(from), sealed.sealed, secagg_internal::share_context(s_, round_, from, client_));
     if (!opened.ok()) {
       return opened.status().with_context(fmt::format("client_{}: the share from client_{}", client_, from));
     }
@@ -513,12 +586,20 @@ SecAggServer::SecAggServer(int round, std::vector<int> selected, SecAggSettings 
 
 SecAggServer::SecAggServer(int round, std::vector<int> selected, SecAggSettings settings, std::span<uint32_t> body,
                            uint32_t* tail)
-    : round_(round), selected_(std::move(selected)), s_(settings), body_(body), tail_(tail) {
+    : round_(round),
+      selected_(std::move(selected)),
+      s_(settings),
+      keys_(X25519KeyPair::generate()),
+      body_(body),
+      tail_(tail) {
+  s_.server_public = keys_.public_key;
   std::sort(selected_.begin(), selected_.end());
   for (size_t i = 0; i < selected_.size(); ++i) peers_[selected_[i]].x = static_cast<uint32_t>(i + 1);
   std::fill(body_.begin(), body_.end(), 0u);
   *tail_ = 0;
 }
+
+SecAggServer::~SecAggServer() { sodium_memzero(keys_.secret_key.data(), keys_.secret_key.size()); }
 
 StatusOr<SecAggServer::Peer*> SecAggServer::peer(int client, const char* stage) {
   auto it = peers_.find(client);
@@ -544,6 +625,10 @@ Status SecAggServer::add_advert(const KeyAdvert& a) {
       return invalid_argument("client_{}: advertised client_{}'s public key", a.client, c);
     }
   }
+  auto key = agree(keys_.secret_key, keys_.public_key, a.c_public, tag_purpose(s_, round_, a.client));
+  if (!key.ok()) return key.status().with_context(fmt::format("client_{}: its keys", a.client));
+  p->tag_keys.emplace(*key, kTagKeyStream);
+  sodium_memzero(key->data(), key->size());
   p->advert = a;
   return Status::Ok();
 }
@@ -606,7 +691,8 @@ StatusOr<std::vector<int>> SecAggServer::shares_refused(int recipient, const std
   return out;
 }
 
-Status SecAggServer::add_masked_chunk(int client, uint64_t element_offset, std::span<const uint32_t> chunk) {
+Status SecAggServer::add_masked_chunk(int client, uint64_t element_offset, std::span<const uint32_t> chunk,
+                                      const UploadTag& tag) {
   MEMFL_ASSIGN_OR_RETURN(Peer * p, peer(client, "a masked chunk"));
   if (!p->shared) return failed_precondition("client_{}: a masked chunk before it shared its keys", client);
   if (request_made_) return failed_precondition("client_{}: a masked chunk after unmasking began", client);
@@ -619,6 +705,15 @@ Status SecAggServer::add_masked_chunk(int client, uint64_t element_offset, std::
   if (chunk.size() > total - element_offset) {
     return invalid_argument("client_{}: masked vector longer than {} elements (chunk at {} of {})", client, total,
                             element_offset, chunk.size());
+  }
+  // Before a word is summed: once in, no word can be taken out again
+  // without revealing the rest of the upload.
+  if (const UploadTag want = upload_tag(*p->tag_keys, element_offset, chunk);
+      sodium_memcmp(want.data(), tag.data(), want.size()) != 0) {
+    return rejected(
+        "client_{}: the masked words at element {} do not carry their tag for round {} of this run: made for another "
+        "round, another run or another client (a replay), or not made by client_{}",
+        client, element_offset, round_, client);
   }
   // Unsigned addition wraps mod 2^32, and 2^32 is a multiple of every
   // allowed modulus: the sum is reduced once, when it is unmasked.
@@ -702,7 +797,7 @@ Status SecAggServer::add_revealed(int client, const std::vector<RevealedShare>& 
       return rejected("client_{}: revealed a share of client_{} that it was never sent", client, r.subject);
     }
     const Secret32& check = r.kind == SecretKind::kSelfMaskSeed ? sealed->b_check : sealed->sk_check;
-    if (share_check(round_, r.subject, client, r.kind, r.share) != check) {
+    if (share_check(s_, round_, r.subject, client, r.kind, r.share) != check) {
       return rejected("client_{}: its share of client_{}'s {} is not the one client_{} sealed for it", client,
                       r.subject, r.kind == SecretKind::kSelfMaskSeed ? "self-mask seed" : "masking key", r.subject);
     }
@@ -747,8 +842,8 @@ Status SecAggServer::reconstruct() {
     const Secret32 commitment = peers_.at(u).advert->b_commitment;
     Secret32 b{};
     MEMFL_RETURN_IF_ERROR(recover(
-        u, SecretKind::kSelfMaskSeed, [&](const Secret32& s) { return commit(s) == commitment; }, &b));
-    self_masks_.emplace_back(b, round_);
+        u, SecretKind::kSelfMaskSeed, [&](const Secret32& s) { return commit(s, s_, round_, u) == commitment; }, &b));
+    self_masks_.emplace_back(secagg_internal::self_mask(b, s_, round_, u));
     sodium_memzero(b.data(), b.size());
   }
   for (int d : dropped_) {
@@ -772,7 +867,7 @@ Status SecAggServer::reconstruct() {
       MEMFL_ASSIGN_OR_RETURN(Secret32 seed,
                              agree(sk, pub, peers_.at(u).advert->s_public, "memfl-secagg-pairwise-mask"));
       // Survivor u added sign(u, d)·PRG(s_ud); that is what comes off.
-      dropped_pairwise_.emplace_back(u < d ? +1 : -1, MaskStream(seed, round_));
+      dropped_pairwise_.emplace_back(u < d ? +1 : -1, secagg_internal::pairwise_mask(seed, s_, round_, u, d));
       sodium_memzero(seed.data(), seed.size());
     }
     sodium_memzero(sk.data(), sk.size());

@@ -22,8 +22,10 @@
 //      weight) is weighted, clipped, stochastically quantised to
 //      [0, quantization_range), and masked:
 //        y + PRG(b) + Σ_{v neighbour} sign(u, v)·PRG(s_uv)  (mod 2^32)
-//      with sign +1 when u < v, −1 otherwise; the server adds every chunk
-//      into its sum as it comes.
+//      with sign +1 when u < v, −1 otherwise. Each frame carries a Poly1305
+//      tag under a key only the client and the server agree (the client's
+//      c key with the server's key of the round); the server checks it,
+//      then adds the frame's words into its sum.
 //   4. unmask: survivors (whole uploads) reveal their shares of each
 //      surviving neighbour's b and each dropped neighbour's s key; the
 //      server reconstructs them (checked against the adverts), subtracts
@@ -33,13 +35,22 @@
 // be taken out without revealing that part of its update: the round fails
 // (kAborted) and is redone. Bad peer input (wrong round, unknown or
 // repeated sender, wrong length or offset, a share that does not open or
-// does not reconstruct its committed secret) is refused naming the client.
+// does not reconstruct its committed secret, masked words whose tag does
+// not check) is refused naming the client.
+//
+// Everything a round makes is bound to the run (SecAggSettings::experiment),
+// the round and the clients it is for: the masks' keystream nonces, the
+// sealed shares' associated data, the shares' checks, the commitments and
+// the upload tags' keys. So a sealed share or masked upload of another run
+// or round, or made for another client, does not open or does not check.
 //
 //   SecAggServer server(round, selected, settings, sum_words);
+//   clients are made with server.settings() (it carries the server's key)
 //   for each client: server.add_advert(client.advertise());
 //   for each client: server.add_shares(c, client.share_keys(server.roster_for(c)));
 //   for each client: client.receive_shares(server.inbox_for(c)); then its masked
-//                    chunks: server.add_masked_chunk(c, offset, chunk) …; server.finish_upload(c);
+//                    chunks: server.add_masked_chunk(c, offset, chunk, client.tag(offset, chunk)) …;
+//                    server.finish_upload(c);
 //   MEMFL_ASSIGN_OR_RETURN(UnmaskRequest req, server.unmask_request());
 //   for each survivor: server.add_revealed(c, client.unmask(req));
 //   MEMFL_RETURN_IF_ERROR(server.reconstruct());
@@ -72,6 +83,15 @@ struct SecAggParams {
   uint64_t modulus_range = uint64_t{1} << 32;
 };
 
+// Which run a round belongs to: BLAKE2b of the experiment's identity and a
+// random nonce drawn when the run starts (secagg_experiment_id). Not secret:
+// the server announces it with the round's settings.
+using ExperimentId = std::array<uint8_t, 32>;
+
+// The identity's keys and values (config.h's experiment_identity) hashed
+// with 32 random bytes: two runs of one config get different ids.
+ExperimentId secagg_experiment_id(const std::map<std::string, std::string>& identity);
+
 // The round's settings with the counts resolved.
 struct SecAggSettings {
   size_t clients = 0;     // selected this round
@@ -79,6 +99,11 @@ struct SecAggSettings {
   size_t threshold = 0;   // t: shares that reconstruct a secret
   double max_weight = 1000, clipping_range = 8.0;
   uint64_t quantization_range = 1 << 22, modulus_range = uint64_t{1} << 32;
+  // The run (see the file's comment) and the server's X25519 key of the
+  // round, with which each client agrees the key of its upload's tags: both
+  // announced with the settings (SecAggServer::settings fills the key).
+  ExperimentId experiment{};
+  PublicKey32 server_public{};
   // Refuses settings that cannot work: t > k, t < 1, a sum that can wrap
   // the modulus, a modulus that is not a power of two ≤ 2^32.
   static StatusOr<SecAggSettings> resolve(const SecAggParams& p, size_t clients);
@@ -147,6 +172,9 @@ class SecAggClient {
   Status mask_chunk(uint64_t element_offset, std::span<const float> values, std::span<uint32_t> out);
   // The masked weight: the update's last element.
   uint32_t masked_weight();
+  // The tag of one frame: masked words [element_offset, + words.size()),
+  // under the key this client agreed with the server for this upload.
+  StatusOr<UploadTag> tag(uint64_t element_offset, std::span<const uint32_t> words) const;
   // Stage 4: the shares the server asked for, checked against the round.
   StatusOr<std::vector<RevealedShare>> unmask(const UnmaskRequest& request);
 
@@ -172,6 +200,7 @@ class SecAggClient {
   std::map<int, Secret32> share_keys_;                // c-agreement key with each neighbour
   std::vector<std::pair<int, MaskStream>> pairwise_;  // (neighbour, its pairwise mask)
   std::optional<MaskStream> self_mask_;
+  std::optional<MaskStream> tag_keys_;  // the upload tags' one-time keys
   std::map<int, SealedShare> inbox_;
   uint64_t model_elements_ = 0;
   double ratio_ = 0;
@@ -186,6 +215,13 @@ class SecAggServer {
   // The same with the sum in two places: the model's words in `body` (the
   // global model's own memory, say) and the weight's word in `*tail`.
   SecAggServer(int round, std::vector<int> selected, SecAggSettings settings, std::span<uint32_t> body, uint32_t* tail);
+  ~SecAggServer();
+  SecAggServer(const SecAggServer&) = delete;
+  SecAggServer& operator=(const SecAggServer&) = delete;
+
+  // The settings clients are asked to advertise with: the given ones and
+  // the server's public key of this round.
+  const SecAggSettings& settings() const { return s_; }
 
   Status add_advert(const KeyAdvert& advert);
   // Stage 2: adverts of `client`'s neighbours that advertised (itself included).
@@ -197,8 +233,10 @@ class SecAggServer {
   // that shared; the caller drops them from the round.
   StatusOr<std::vector<int>> shares_refused(int recipient, const std::vector<int>& senders);
   // Stage 3: words [element_offset, + chunk.size()) of `client`'s masked
-  // vector, in order; checked before a word is summed.
-  Status add_masked_chunk(int client, uint64_t element_offset, std::span<const uint32_t> chunk);
+  // vector, in order, with the frame's tag; checked before a word is
+  // summed. A tag that does not check is kRejected naming the client:
+  // words not made for this run, round and client (replayed, or not its).
+  Status add_masked_chunk(int client, uint64_t element_offset, std::span<const uint32_t> chunk, const UploadTag& tag);
   Status finish_upload(int client);
   // Stage 4. Fails (kAborted) when an upload broke part-way, or when fewer
   // than t neighbours of someone survived.
@@ -225,6 +263,7 @@ class SecAggServer {
   struct Peer {
     uint32_t x = 0;
     std::optional<KeyAdvert> advert;
+    std::optional<MaskStream> tag_keys;  // its upload tags' one-time keys
     bool shared = false;
     uint64_t uploaded = 0;  // words summed so far
     bool complete = false;
@@ -236,6 +275,7 @@ class SecAggServer {
   int round_;
   std::vector<int> selected_;
   SecAggSettings s_;
+  X25519KeyPair keys_;        // the round's: agrees each client's tag key
   std::span<uint32_t> body_;  // the sum's words but the last
   uint32_t* tail_;            // the last: the weights'
   std::map<int, Peer> peers_;
@@ -250,5 +290,18 @@ class SecAggServer {
   bool reconstructed_ = false;
   std::vector<int> wrong_revealers_;
 };
+
+// The masks and checks of a round, as the client and the server both make
+// them; here for tests.
+namespace secagg_internal {
+
+// Client u's self mask from its seed b.
+MaskStream self_mask(const Secret32& b, const SecAggSettings& s, int round, int u);
+// The pairwise mask of u and v (either order gives the same stream).
+MaskStream pairwise_mask(const Secret32& seed, const SecAggSettings& s, int round, int u, int v);
+// The associated data sealed shares from `from` to `to` carry.
+std::string share_context(const SecAggSettings& s, int round, int from, int to);
+
+}  // namespace secagg_internal
 
 }  // namespace memfl

@@ -1,6 +1,8 @@
 #include "secagg/secagg_round.h"
 
+#include <algorithm>
 #include <cstring>
+#include <map>
 
 #include <spdlog/spdlog.h>
 
@@ -8,8 +10,10 @@
 
 namespace memfl {
 
-// One client's masked upload: each chunk's header and checksum checked,
-// then its words added into the sum under the round's lock.
+// One client's masked upload: each frame's header and checksum checked,
+// then its tag, then its words added into the sum under the round's lock.
+// A frame is the chunk's masked words, the masked weight after the model's
+// last chunk, then the frame's 16-byte tag (SecAggClient::tag).
 class SecAggRound::Stream final : public UpdateStream {
  public:
   Stream(SecAggRound& round, int client) : round_(round), client_(client) {}
@@ -23,11 +27,14 @@ class SecAggRound::Stream final : public UpdateStream {
     }
     size_t bytes = 0;
     for (auto piece : payload) bytes += piece.size();
-    // The model's bytes in words, plus the weight word after the last chunk.
-    const bool last = bytes >= 4 && h.offset + bytes - 4 == total;
-    if (bytes != h.length || bytes % 4 != 0 || h.offset + bytes - (last ? 4 : 0) > total) {
-      return data_loss("client_{}: masked chunk at byte {} of {} bytes does not fit a model of {} bytes", client_,
-                       h.offset, bytes, total);
+    constexpr size_t kTag = sizeof(UploadTag);
+    const bool last = bytes >= 4 + kTag && h.offset + bytes - 4 - kTag == total;
+    const uint64_t model_bytes = bytes >= kTag + 4 ? bytes - kTag - (last ? 4 : 0) : 0;
+    if (bytes != h.length || bytes % 4 != 0 || model_bytes == 0 || h.offset + model_bytes > total) {
+      return data_loss(
+          "client_{}: masked chunk at byte {} of {} bytes does not fit a model of {} bytes (masked words, the weight "
+          "after the last, then a {}-byte tag)",
+          client_, h.offset, bytes, total, kTag);
     }
     // One aligned piece (a transport's whole message) is summed where it
     // lies; otherwise the pieces are copied together, checksummed on the way.
@@ -45,9 +52,19 @@ class SecAggRound::Stream final : public UpdateStream {
       }
       words = words_;
     }
+    UploadTag tag;
+    std::memcpy(tag.data(), words.data() + words.size() - kTag / 4, kTag);
     std::lock_guard lock(round_.mu_);
-    MEMFL_RETURN_IF_ERROR(round_.server_->add_masked_chunk(client_, h.offset / 4, words));
-    next_ = h.offset + bytes - (last ? 4 : 0);
+    Status st = round_.server_->add_masked_chunk(client_, h.offset / 4, words.first(words.size() - kTag / 4), tag);
+    if (st.code() == StatusCode::kRejected) {
+      // Words not made for this round, run and client: it is out for the
+      // rest of the run, as a client whose shares do not open.
+      if (std::find(round_.culprits_.begin(), round_.culprits_.end(), client_) == round_.culprits_.end()) {
+        round_.culprits_.push_back(client_);
+      }
+    }
+    MEMFL_RETURN_IF_ERROR(st);
+    next_ = h.offset + model_bytes;
     return Status::Ok();
   }
   Status commit() override {
@@ -64,7 +81,7 @@ class SecAggRound::Stream final : public UpdateStream {
 
 SecAggRound::SecAggRound(int round, std::vector<int> selected, SecAggSettings settings, const Layout& layout,
                          std::span<uint32_t> sum_words)
-    : round_(round), selected_(std::move(selected)), settings_(settings), layout_(layout) {
+    : round_(round), selected_(std::move(selected)), layout_(layout) {
   uint32_t* weight = &weight_word_;
   if (sum_words.empty()) {
     own_.resize(layout_.total_bytes() / 4 + 1);
@@ -73,12 +90,13 @@ SecAggRound::SecAggRound(int round, std::vector<int> selected, SecAggSettings se
   } else {
     body_ = sum_words;
   }
-  server_ = std::make_unique<SecAggServer>(round_, selected_, settings_, body_, weight);
+  server_ = std::make_unique<SecAggServer>(round_, selected_, settings, body_, weight);
+  settings_ = server_->settings();  // with the server's key of the round
 }
 
 StatusOr<std::unique_ptr<SecAggRound>> SecAggRound::start(int round, std::vector<int> selected,
-                                                          const SecAggParams& params, const Layout& layout,
-                                                          std::span<uint32_t> sum_words) {
+                                                          const SecAggParams& params, const ExperimentId& experiment,
+                                                          const Layout& layout, std::span<uint32_t> sum_words) {
   MEMFL_RETURN_IF_ERROR(check_secagg_layout(layout));
   if (!sum_words.empty() && sum_words.size() != layout.total_bytes() / 4) {
     return internal_error("secure aggregation: a sum of {} words for a model of {} bytes", sum_words.size(),
@@ -86,6 +104,7 @@ StatusOr<std::unique_ptr<SecAggRound>> SecAggRound::start(int round, std::vector
   }
   std::sort(selected.begin(), selected.end());
   MEMFL_ASSIGN_OR_RETURN(SecAggSettings s, SecAggSettings::resolve(params, selected.size()));
+  s.experiment = experiment;
   return std::unique_ptr<SecAggRound>(new SecAggRound(round, std::move(selected), s, layout, sum_words));
 }
 
@@ -126,16 +145,44 @@ Status SecAggRound::exchange_keys(SecAggChannel& channel, std::vector<int>* fail
     }
     for (int from : *senders) refused.emplace_back(from, c);
   }
-  // A share that does not open names its sender (only sender and recipient
-  // hold the key, so the server cannot tell which of the two lies; the
-  // sender is the one that can spoil everyone's unmasking): the sender is
-  // out, and the round goes on with the others, its pairwise masks taken
-  // out as a dropped client's.
-  for (const auto& [from, to] : refused) {
-    if (std::find(out_.begin(), out_.end(), from) != out_.end()) continue;
-    culprits_.push_back(from);
-    out(from, Status{StatusCode::kRejected,
-                     fmt::format("its share for {} does not open or does not match its checks", client_id(to))});
+  // A share that does not open names both its ends, and only they hold its
+  // key, so the server cannot tell which of the two lies. The client in
+  // the most such pairs is out first — one keyed for another run or round
+  // fails with every neighbour, as does one that claims every neighbour's
+  // share failed — and the pairs it is in are settled; between two clients
+  // equally involved, the sender goes (the one that can spoil everyone's
+  // unmasking). The round goes on with the others, the pairwise masks of
+  // those out taken out as a dropped client's.
+  const auto is_out = [&](int c) { return std::find(out_.begin(), out_.end(), c) != out_.end(); };
+  while (true) {
+    std::erase_if(refused, [&](const auto& p) { return is_out(p.first) || is_out(p.second); });
+    if (refused.empty()) break;
+    std::map<int, std::pair<size_t, size_t>> involved;  // client → (pairs, pairs as the sender)
+    for (const auto& [from, to] : refused) {
+      ++involved[from].first;
+      ++involved[from].second;
+      ++involved[to].first;
+    }
+    int pick = -1;
+    std::pair<size_t, size_t> most{0, 0};
+    for (const auto& [c, n] : involved) {
+      if (n > most) {
+        most = n;
+        pick = c;
+      }
+    }
+    std::string for_whom, whose;
+    for (const auto& [from, to] : refused) {
+      if (from == pick) for_whom += (for_whom.empty() ? "" : ", ") + client_id(to);
+      if (to == pick) whose += (whose.empty() ? "" : ", ") + client_id(from);
+    }
+    std::string why;
+    if (!for_whom.empty()) why = fmt::format("its shares for {} do not open or do not match their checks", for_whom);
+    if (!whose.empty()) {
+      why += fmt::format("{}it reports the shares of {} as not opening", why.empty() ? "" : "; ", whose);
+    }
+    culprits_.push_back(pick);
+    out(pick, Status{StatusCode::kRejected, why});
   }
   return Status::Ok();
 }
@@ -175,15 +222,17 @@ StatusOr<size_t> SecAggRound::unmask_into(SecAggChannel& channel, UpdateOpener& 
   uint32_t& weight_word = own_.empty() ? weight_word_ : own_.back();
   MEMFL_RETURN_IF_ERROR(server_->unmask_chunk(elements, std::span(&weight_word, 1)));
   // Every unmasked word is a sum of n quantised values, so at most
-  // n·(q − 1). A word above it means a masked upload was not made with this
-  // round's masks (another round's upload replayed, random words): its
-  // masks did not cancel and the mean would be noise. Which client sent it
-  // the sum cannot tell; the round is redone.
+  // n·(q − 1). A word above it means a client's masked words were not made
+  // with its masks of this round although their tags checked: the client
+  // itself tagged words it did not mask so (a replay or random words under
+  // its own tag key), the masks did not cancel and the mean would be noise.
+  // Which client did it the sum cannot tell; the round is redone.
   const uint64_t top = static_cast<uint64_t>(req.survivors.size()) * (settings_.quantization_range - 1);
   const auto out_of_range = [&](uint64_t at, uint32_t word) {
     return aborted(
         "round {}: secure aggregation: unmasked word {} is {}, above {} survivors × (quantization_range − 1) = {}: "
-        "a masked upload was not made with this round's masks (replayed from another round, or not masks at all)",
+        "a client's masked words were not made with its masks of this round, though it tagged them (which client, "
+        "the sum cannot tell)",
         round_, at, word, req.survivors.size(), top);
   };
   if (weight_word > top) return out_of_range(elements, weight_word);

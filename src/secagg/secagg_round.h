@@ -9,7 +9,7 @@
 // optimizers) and DP-FedAvg's noise act on the mean as without it, and no
 // individual update reaches them.
 //
-//   SecAggRound sa(round, selected, params, layout);
+//   auto sa = SecAggRound::start(round, selected, params, experiment, layout);
 //   MEMFL_RETURN_IF_ERROR(sa.exchange_keys(channel, &failed));
 //   transport.collect(round, selected, global, sa, &up);
 //   MEMFL_ASSIGN_OR_RETURN(size_t n, sa.unmask_into(channel, checked, "secure_aggregate"));
@@ -34,9 +34,11 @@ class SecAggRound final : public UpdateOpener {
   // nothing reads until the aggregator writes the round's mean over it: the
   // global model's own (once broadcast) or the aggregator's idle sum
   // (Aggregator::idle_state_bytes), so the server holds no second model;
-  // empty: a buffer of its own.
+  // empty: a buffer of its own. `experiment`: the run's id
+  // (secagg_experiment_id), which everything of the round is bound to.
   static StatusOr<std::unique_ptr<SecAggRound>> start(int round, std::vector<int> selected, const SecAggParams& params,
-                                                      const Layout& layout, std::span<uint32_t> sum_words = {});
+                                                      const ExperimentId& experiment, const Layout& layout,
+                                                      std::span<uint32_t> sum_words = {});
   // Stages 1–2 with every selected client; a client that fails a stage is
   // out of the round (listed in `failed`; a bad message names it in the log).
   Status exchange_keys(SecAggChannel& channel, std::vector<int>* failed);
@@ -50,10 +52,12 @@ class SecAggRound final : public UpdateOpener {
   // What the round holds beside the global model: the masked sum (model +
   // 4 bytes) or, summing in the model's memory, 4 bytes.
   size_t sum_bytes() const { return (own_.empty() ? 1 : own_.size()) * sizeof(uint32_t); }
-  // Clients whose shares were refused (a sealed share that does not open,
-  // a revealed share that does not check): out of this round where it can
-  // still go on, and to be left out of the next ones.
+  // Clients whose messages were refused (a sealed share that does not
+  // open, a revealed share or masked words whose tag do not check): out of
+  // this round where it can still go on, and to be left out of the next
+  // ones.
   const std::vector<int>& culprits() const { return culprits_; }
+  // The resolved settings, the run's id and the server's key of the round.
   const SecAggSettings& settings() const { return settings_; }
 
  private:

@@ -141,9 +141,10 @@ Status get_shares(Reader& r, std::vector<SealedShare>* v) {
   return Status::Ok();
 }
 
-// Every request: stage, client, round; every reply: stage, ok, then the
-// payload or the error's text.
+// Every request: version, stage, client, round; every reply: version,
+// stage, ok, then the payload or the error's text.
 void request_head(SecAggStage stage, int client, int round, Writer* w) {
+  w->put<uint8_t>(kSecAggWireVersion);
   w->put<uint8_t>(static_cast<uint8_t>(stage));
   w->put<int32_t>(client);
   w->put<int32_t>(round);
@@ -172,7 +173,12 @@ StatusOr<std::string> RemoteSecAggChannel::call(int client, SecAggStage stage, c
   const std::string what = fmt::format("client_{}'s reply to '{}'", client, secagg_stage_name(stage));
   if (reply.size() > kMaxSecAggMessage) return data_loss("{}: {} bytes", what, reply.size());
   Reader r(reply, what);
-  uint8_t got = 0, ok = 0;
+  uint8_t version = 0, got = 0, ok = 0;
+  MEMFL_RETURN_IF_ERROR(r.get(&version));
+  if (version != kSecAggWireVersion) {
+    return data_loss("{}: secure aggregation messages of version {}; this server speaks version {} (another memfl?)",
+                     what, version, kSecAggWireVersion);
+  }
   MEMFL_RETURN_IF_ERROR(r.get(&got));
   MEMFL_RETURN_IF_ERROR(r.get(&ok));
   if (got != static_cast<uint8_t>(stage)) {
@@ -183,7 +189,7 @@ StatusOr<std::string> RemoteSecAggChannel::call(int client, SecAggStage stage, c
     MEMFL_RETURN_IF_ERROR(r.bytes(&text, 4096));
     return failed_precondition("{}: {}", what, std::string(text.begin(), text.end()));
   }
-  return reply.substr(2);
+  return reply.substr(3);
 }
 
 StatusOr<KeyAdvert> RemoteSecAggChannel::advertise(int client, int round, const std::vector<int>& selected,
@@ -199,6 +205,8 @@ StatusOr<KeyAdvert> RemoteSecAggChannel::advertise(int client, int round, const 
   w.put<double>(s.clipping_range);
   w.put<uint64_t>(s.quantization_range);
   w.put<uint64_t>(s.modulus_range);
+  for (uint8_t b : s.experiment) w.put(b);
+  for (uint8_t b : s.server_public) w.put(b);
   MEMFL_ASSIGN_OR_RETURN(std::string body, call(client, SecAggStage::kAdvertise, w.take()));
   Reader r(body, fmt::format("client_{}'s key advert", client));
   KeyAdvert a;
@@ -271,8 +279,13 @@ StatusOr<std::string> serve_secagg_request(SecAggChannel& stages, std::string_vi
   if (request.empty()) return std::string();
   if (request.size() > kMaxSecAggMessage) return data_loss("{}: {} bytes", what, request.size());
   Reader r(request, what);
-  uint8_t st = 0;
+  uint8_t version = 0, st = 0;
   int32_t client = 0, round = 0;
+  MEMFL_RETURN_IF_ERROR(r.get(&version));
+  if (version != kSecAggWireVersion) {
+    return data_loss("{}: secure aggregation messages of version {}; this client speaks version {} (another memfl?)",
+                     what, version, kSecAggWireVersion);
+  }
   MEMFL_RETURN_IF_ERROR(r.get(&st));
   MEMFL_RETURN_IF_ERROR(r.get(&client));
   MEMFL_RETURN_IF_ERROR(r.get(&round));
@@ -284,6 +297,7 @@ StatusOr<std::string> serve_secagg_request(SecAggChannel& stages, std::string_vi
   }
 
   Writer w;
+  w.put<uint8_t>(kSecAggWireVersion);
   w.put<uint8_t>(st);
   auto answer = [&](const Status& s, const std::function<void(Writer&)>& body) -> std::string {
     w.put<uint8_t>(s.ok() ? 1 : 0);
@@ -308,6 +322,8 @@ StatusOr<std::string> serve_secagg_request(SecAggChannel& stages, std::string_vi
       MEMFL_RETURN_IF_ERROR(r.get(&s.clipping_range));
       MEMFL_RETURN_IF_ERROR(r.get(&s.quantization_range));
       MEMFL_RETURN_IF_ERROR(r.get(&s.modulus_range));
+      MEMFL_RETURN_IF_ERROR(r.get(&s.experiment));
+      MEMFL_RETURN_IF_ERROR(r.get(&s.server_public));
       MEMFL_RETURN_IF_ERROR(r.done());
       if (clients != selected.size() || neighbours < 1 || neighbours > clients || threshold < 1 ||
           threshold > neighbours || !std::is_sorted(selected.begin(), selected.end())) {

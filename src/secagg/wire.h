@@ -25,6 +25,11 @@
 
 namespace memfl {
 
+// The first byte of every request and reply: a peer of another version
+// (other fields in a stage, or masked frames laid out otherwise) is refused
+// at its first message, naming both versions, rather than misread.
+inline constexpr uint8_t kSecAggWireVersion = 2;
+
 enum class SecAggStage : uint8_t {
   kRoundOver = 0,  // an empty request: nothing more this round
   kAdvertise = 1,

@@ -70,6 +70,7 @@ RoundDriver::RoundDriver(const ExperimentConfig& cfg, GlobalModel& global, Serve
       compression_(compression_settings(cfg)) {
   if (compression_.enabled)
     spdlog::info("{}: client updates arrive compressed: {}", opts_.role, describe_compression(compression_));
+  if (cfg_.secagg.enable) secagg_experiment_ = secagg_experiment_id(experiment_identity(cfg_));
 }
 
 Status RoundDriver::resume() {
@@ -180,7 +181,8 @@ Status RoundDriver::play_round(int round, RoundMetrics* m, bool* redo) {
     } else if (std::span<std::byte> idle = global_.aggregator().idle_state_bytes(); idle.size() >= words * 4) {
       in_model = std::span(reinterpret_cast<uint32_t*>(idle.data()), words);
     }
-    MEMFL_ASSIGN_OR_RETURN(secure, SecAggRound::start(round, selected, params, global_.layout(), in_model));
+    MEMFL_ASSIGN_OR_RETURN(secure,
+                           SecAggRound::start(round, selected, params, secagg_experiment_, global_.layout(), in_model));
     spdlog::info("round {}: secure aggregation over {} clients: k = {} shares each, t = {} reconstruct", round,
                  selected.size(), secure->settings().neighbours, secure->settings().threshold);
     sampler_.mark(round, "secagg_keys");
@@ -192,7 +194,7 @@ Status RoundDriver::play_round(int round, RoundMetrics* m, bool* redo) {
     if (!secure) return;
     for (int c : secure->culprits()) {
       if (std::find(dropped_.begin(), dropped_.end(), c) != dropped_.end()) continue;
-      spdlog::warn("round {}: {} is out of the run: its secure-aggregation shares were refused", round, client_id(c));
+      spdlog::warn("round {}: {} is out of the run: its secure-aggregation messages were refused", round, client_id(c));
       live::client_dropped(c, round);
       dropped_.push_back(c);
     }

@@ -14,6 +14,8 @@
 //   MEMFL_RETURN_IF_ERROR(driver.run());
 #pragma once
 
+#include <array>
+#include <cstdint>
 #include <functional>
 #include <memory>
 #include <string>
@@ -103,6 +105,9 @@ class RoundDriver {
   int pending_evaluation_ = 0;  // a round whose evaluation runs (begin_evaluation); 0: none
   std::vector<int> dropped_;    // clients out for the rest of the run
   double dp_fedavg_epsilon_ = 0;
+  // Secure aggregation: this run's id (secagg_experiment_id), which every
+  // round's masks, shares and upload tags are bound to.
+  std::array<uint8_t, 32> secagg_experiment_{};
 };
 
 // The server's stated bound — the global model (anonymous unless

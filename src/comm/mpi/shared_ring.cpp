@@ -26,8 +26,9 @@ SharedRing open_shared_ring(const ExperimentConfig& cfg, int rank) {
     return ring;
   }
   ring.slots = chunks_in_flight(chunk);
-  // Room for a compressed frame, which may exceed its chunk by a header.
-  ring.slot_bytes = chunk + (cfg.compressor.enable_compression ? kMaxFrameOverhead : 0);
+  // Room for a frame, which may exceed its chunk: a compressed frame by its
+  // header, a masked one by its tag and the masked weight.
+  ring.slot_bytes = chunk + (cfg.compressor.enable_compression || cfg.secagg.enable ? kMaxFrameOverhead : 0);
   void* mine = nullptr;
   const MPI_Aint bytes = rank == 0 ? static_cast<MPI_Aint>(ring.slots * ring.slot_bytes) : 0;
   MPI_Win_allocate_shared(bytes, 1, MPI_INFO_NULL, node, &mine, &ring.win);
