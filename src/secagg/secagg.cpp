@@ -691,8 +691,36 @@ StatusOr<std::vector<int>> SecAggServer::shares_refused(int recipient, const std
   return out;
 }
 
+StatusOr<SecAggServer::CheckedFrame> SecAggServer::check_tag(int client, uint64_t element_offset,
+                                                             std::span<const uint32_t> chunk,
+                                                             const UploadTag& tag) const {
+  const Peer* p = find(client);
+  if (p == nullptr) {
+    return invalid_argument("client_{}: a masked chunk from a client not selected for round {}", client, round_);
+  }
+  if (!p->tag_keys) return failed_precondition("client_{}: a masked chunk before it advertised its keys", client);
+  // Before a word is summed: once in, no word can be taken out again
+  // without revealing the rest of the upload.
+  if (const UploadTag want = upload_tag(*p->tag_keys, element_offset, chunk);
+      sodium_memcmp(want.data(), tag.data(), want.size()) != 0) {
+    return rejected(
+        "client_{}: the masked words at element {} do not carry their tag for round {} of this run: made for another "
+        "round, another run or another client (a replay), or not made by client_{}",
+        client, element_offset, round_, client);
+  }
+  return CheckedFrame(client, element_offset, chunk);
+}
+
 Status SecAggServer::add_masked_chunk(int client, uint64_t element_offset, std::span<const uint32_t> chunk,
                                       const UploadTag& tag) {
+  MEMFL_ASSIGN_OR_RETURN(CheckedFrame frame, check_tag(client, element_offset, chunk, tag));
+  return add_masked_chunk(frame);
+}
+
+Status SecAggServer::add_masked_chunk(const CheckedFrame& frame) {
+  const int client = frame.client_;
+  const uint64_t element_offset = frame.element_offset_;
+  const std::span<const uint32_t> chunk = frame.words_;
   MEMFL_ASSIGN_OR_RETURN(Peer * p, peer(client, "a masked chunk"));
   if (!p->shared) return failed_precondition("client_{}: a masked chunk before it shared its keys", client);
   if (request_made_) return failed_precondition("client_{}: a masked chunk after unmasking began", client);
@@ -705,15 +733,6 @@ Status SecAggServer::add_masked_chunk(int client, uint64_t element_offset, std::
   if (chunk.size() > total - element_offset) {
     return invalid_argument("client_{}: masked vector longer than {} elements (chunk at {} of {})", client, total,
                             element_offset, chunk.size());
-  }
-  // Before a word is summed: once in, no word can be taken out again
-  // without revealing the rest of the upload.
-  if (const UploadTag want = upload_tag(*p->tag_keys, element_offset, chunk);
-      sodium_memcmp(want.data(), tag.data(), want.size()) != 0) {
-    return rejected(
-        "client_{}: the masked words at element {} do not carry their tag for round {} of this run: made for another "
-        "round, another run or another client (a replay), or not made by client_{}",
-        client, element_offset, round_, client);
   }
   // Unsigned addition wraps mod 2^32, and 2^32 is a multiple of every
   // allowed modulus: the sum is reduced once, when it is unmasked.

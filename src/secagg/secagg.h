@@ -232,10 +232,28 @@ class SecAggServer {
   // pairs no mask with them. Returns the senders, checked to be neighbours
   // that shared; the caller drops them from the round.
   StatusOr<std::vector<int>> shares_refused(int recipient, const std::vector<int>& senders);
-  // Stage 3: words [element_offset, + chunk.size()) of `client`'s masked
-  // vector, in order, with the frame's tag; checked before a word is
-  // summed. A tag that does not check is kRejected naming the client:
-  // words not made for this run, round and client (replayed, or not its).
+  // A frame whose tag check_tag found good: what add_masked_chunk sums.
+  class CheckedFrame {
+   private:
+    friend class SecAggServer;
+    CheckedFrame(int client, uint64_t element_offset, std::span<const uint32_t> words)
+        : client_(client), element_offset_(element_offset), words_(words) {}
+    int client_;
+    uint64_t element_offset_;
+    std::span<const uint32_t> words_;
+  };
+  // Stage 3, a frame's tag: whether words [element_offset, + chunk.size())
+  // of `client`'s masked vector carry `tag` under its key. kRejected naming
+  // the client if not: words not made for this run, round and client
+  // (replayed, or not its). Safe on several threads at once and beside
+  // add_masked_chunk (it reads only the key add_advert set), so the
+  // frames' tags are checked outside the lock that guards the sum.
+  StatusOr<CheckedFrame> check_tag(int client, uint64_t element_offset, std::span<const uint32_t> chunk,
+                                   const UploadTag& tag) const;
+  // Stage 3: a checked frame's words, in order; checked (order, length)
+  // before a word is summed.
+  Status add_masked_chunk(const CheckedFrame& frame);
+  // Both, on one thread.
   Status add_masked_chunk(int client, uint64_t element_offset, std::span<const uint32_t> chunk, const UploadTag& tag);
   Status finish_upload(int client);
   // Stage 4. Fails (kAborted) when an upload broke part-way, or when fewer

@@ -54,16 +54,19 @@ class SecAggRound::Stream final : public UpdateStream {
     }
     UploadTag tag;
     std::memcpy(tag.data(), words.data() + words.size() - kTag / 4, kTag);
+    // The tag outside the lock: clients' frames are checked side by side.
+    auto checked = round_.server_->check_tag(client_, h.offset / 4, words.first(words.size() - kTag / 4), tag);
     std::lock_guard lock(round_.mu_);
-    Status st = round_.server_->add_masked_chunk(client_, h.offset / 4, words.first(words.size() - kTag / 4), tag);
-    if (st.code() == StatusCode::kRejected) {
+    if (!checked.ok()) {
       // Words not made for this round, run and client: it is out for the
       // rest of the run, as a client whose shares do not open.
-      if (std::find(round_.culprits_.begin(), round_.culprits_.end(), client_) == round_.culprits_.end()) {
+      if (checked.status().code() == StatusCode::kRejected &&
+          std::find(round_.culprits_.begin(), round_.culprits_.end(), client_) == round_.culprits_.end()) {
         round_.culprits_.push_back(client_);
       }
+      return checked.status();
     }
-    MEMFL_RETURN_IF_ERROR(st);
+    MEMFL_RETURN_IF_ERROR(round_.server_->add_masked_chunk(*checked));
     next_ = h.offset + model_bytes;
     return Status::Ok();
   }
