@@ -634,6 +634,16 @@ TEST(CheckpointPolicy, TooLittleFreeDiskIsRefusedNamingTheDirectoryAndTheBytes) 
   EXPECT_NE(s.message().find("x 1 checkpoint files: 0 kept"), std::string::npos) << s.message();
   EXPECT_FALSE(check_checkpoint_disk(dir, {5, 1, false}, 1000, 0, 1999, /*last_round=*/2).ok());
   EXPECT_TRUE(check_checkpoint_disk(dir, {5, 1, false}, 1000, 0, 2000, /*last_round=*/2).ok());
+  // A server optimizer's state (here 2 × 1000 bytes of moments) beside each
+  // commit kept and the one written: keep 2, every round → 3000 + 3 × 2000.
+  s = check_checkpoint_disk(dir, {2, 1, false}, 1000, 0, 8999, 0, 2000);
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.message().find("9000 bytes more"), std::string::npos) << s.message();
+  EXPECT_NE(s.message().find("2000 bytes of server optimizer state x 3 commits"), std::string::npos) << s.message();
+  EXPECT_TRUE(check_checkpoint_disk(dir, {2, 1, false}, 1000, 0, 9000, 0, 2000).ok());
+  // With the peak on disk already, the next commit still needs its model and state.
+  EXPECT_FALSE(check_checkpoint_disk(dir, {2, 1, false}, 1000, 9000, 2999, 0, 2000).ok());
+  EXPECT_TRUE(check_checkpoint_disk(dir, {2, 1, false}, 1000, 9000, 3000, 0, 2000).ok());
   // Every 3rd of 10 rounds, keep 2: commits 3, 6, 9 come before the last →
   // 2 kept + 1 written + 1 undo = 4000; over 3 rounds only round 3 commits
   // (none before it) → 1 written + 1 undo.

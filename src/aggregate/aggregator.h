@@ -42,6 +42,10 @@ class Aggregator : public UpdateOpener {
   virtual int num_committed() const = 0;
   // Bytes the aggregator holds between rounds (for the memory bound).
   virtual size_t state_bytes() const = 0;
+  // Bytes save_state writes for each commit (a server optimizer's moments;
+  // 0 for an aggregator with no state between rounds): the disk check
+  // counts them.
+  virtual uint64_t saved_state_bytes() const { return 0; }
   // Anonymous bytes it may hold during a round on top of state_bytes(), in
   // a model of `model_bytes` (its stated bound; disk it spools to is not memory).
   virtual size_t working_bytes() const = 0;

@@ -60,6 +60,7 @@ class ServerOptAggregator final : public Aggregator {
   Status finalize(Arena& global) override;
   int num_committed() const override { return inner_->num_committed(); }
   size_t state_bytes() const override;
+  uint64_t saved_state_bytes() const override { return m_.size() + v_.size(); }
   size_t working_bytes() const override { return inner_->working_bytes(); }
   bool sums_in_place() const override { return inner_->sums_in_place(); }
   Status retarget(Arena& in_place) override { return inner_->retarget(in_place); }

@@ -101,7 +101,8 @@ Status RoundDriver::check_disk() const {
   const auto& sc = cfg_.server;
   MEMFL_ASSIGN_OR_RETURN(const uint64_t free_bytes, free_disk_bytes(opts_.run_dir));
   return check_checkpoint_disk(opts_.run_dir, CheckpointPolicy::from(sc), global_.layout().total_bytes(),
-                               checkpoint_bytes_on_disk(opts_.run_dir), free_bytes, sc.num_global_epochs);
+                               checkpoint_bytes_on_disk(opts_.run_dir), free_bytes, sc.num_global_epochs,
+                               global_.aggregator().saved_state_bytes());
 }
 
 Status RoundDriver::commit(int round) {

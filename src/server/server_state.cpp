@@ -139,7 +139,9 @@ uint64_t checkpoint_bytes_on_disk(const std::string& run_dir) {
                                  fs::path(run_dir) / "global_model.safetensors.next"};
   std::error_code ec;
   for (const auto& entry : fs::directory_iterator(fs::path(run_dir) / "state", ec)) {
-    if (entry.path().extension() == ".safetensors") files.push_back(entry.path());
+    if (entry.path().extension() == ".safetensors" ||
+        entry.path().filename().string().rfind("aggregator-round-", 0) == 0)
+      files.push_back(entry.path());
   }
   std::vector<std::pair<dev_t, ino_t>> seen;
   uint64_t bytes = 0;
@@ -155,21 +157,23 @@ uint64_t checkpoint_bytes_on_disk(const std::string& run_dir) {
 }
 
 Status check_checkpoint_disk(const std::string& run_dir, const CheckpointPolicy& policy, uint64_t model_bytes,
-                             uint64_t already_on_disk, uint64_t free_bytes, int last_round) {
+                             uint64_t already_on_disk, uint64_t free_bytes, int last_round, uint64_t state_bytes) {
   const uint64_t files = policy.peak_model_files(last_round);
   const uint64_t kept = std::min<uint64_t>(static_cast<uint64_t>(policy.keep), files - 1);
-  const uint64_t peak = model_bytes * files;
+  // The undo checkpoint is a model alone; every commit has its state beside it.
+  const uint64_t peak = model_bytes * files + state_bytes * (kept + 1);
   // The next checkpoint is a new file whatever is on disk: on resume the
   // global model is written again beside the commits it came from (it is
   // not one of their links any more), so the files there can already reach
   // the policy's peak and the next write still needs a whole model free.
-  const uint64_t need = std::max(peak > already_on_disk ? peak - already_on_disk : 0, model_bytes);
+  const uint64_t need = std::max(peak > already_on_disk ? peak - already_on_disk : 0, model_bytes + state_bytes);
   if (need <= free_bytes) return Status::Ok();
   return resource_exhausted(
       "{}: the checkpoint policy needs {} bytes more disk ({} bytes of model x {} checkpoint files: {} kept "
-      "(server_configs.checkpoint_keep = {}) + 1 being written{}, less {} already there) but {} bytes are free; "
+      "(server_configs.checkpoint_keep = {}) + 1 being written{}{}, less {} already there) but {} bytes are free; "
       "free space there, lower checkpoint_keep, or start the run elsewhere (--out)",
       run_dir, need, model_bytes, files, kept, policy.keep, files > kept + 1 ? " + 1 undo of an uncommitted round" : "",
+      state_bytes > 0 ? fmt::format("; {} bytes of server optimizer state x {} commits", state_bytes, kept + 1) : "",
       already_on_disk, free_bytes);
 }
 

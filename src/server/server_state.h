@@ -77,17 +77,21 @@ struct CheckpointPolicy {
 Status commit_state(const std::string& run_dir, const std::string& checkpoint, const Layout& layout, const Arena& model,
                     CommittedState state, int keep = 2);
 
-// Bytes of model checkpoints already in `run_dir` (global_model.safetensors
-// and its .next, state/*.safetensors; a file hard-linked twice counts once):
+// Bytes of checkpoints already in `run_dir` (global_model.safetensors and its
+// .next, state/*.safetensors, a server optimizer's state/aggregator-round-*;
+// a file hard-linked twice counts once):
 // the policy's peak is reached partly with them.
 uint64_t checkpoint_bytes_on_disk(const std::string& run_dir);
 
 // Refuses, naming `run_dir` and the bytes needed and free, when the policy's
-// peak (model_bytes × peak_model_files(), less `already_on_disk`) exceeds
-// `free_bytes`. A function of the free bytes, not of the disk, so that it
-// can be tested with any number.
+// peak (model_bytes × peak_model_files(), plus `state_bytes` — a server
+// optimizer's saved moments — for each commit kept and the one being written,
+// less `already_on_disk`) exceeds `free_bytes`; the next commit needs a whole
+// model and its state free in any case. A function of the free bytes, not of
+// the disk, so that it can be tested with any number.
 Status check_checkpoint_disk(const std::string& run_dir, const CheckpointPolicy& policy, uint64_t model_bytes,
-                             uint64_t already_on_disk, uint64_t free_bytes, int last_round = 0);
+                             uint64_t already_on_disk, uint64_t free_bytes, int last_round = 0,
+                             uint64_t state_bytes = 0);
 
 // Bytes an unprivileged writer may still use on `dir`'s file system (statvfs).
 StatusOr<uint64_t> free_disk_bytes(const std::string& dir);
