@@ -15,22 +15,35 @@ namespace memfl::grpc_detail {
 
 Status read_update_frames(grpc::ServerContext* ctx, grpc::ServerReaderWriter<Frame, Frame>* stream,
                           const std::string& peer, uint64_t total, std::atomic<int>* read_ahead_budget,
-                          uint64_t* received, DataSocket* data, size_t chunk, bool framed,
+                          uint64_t* received, DataSocket* data, ChunkPool* buffers, size_t chunk, bool framed,
                           const std::function<Status(const DecodedFrame&)>& on_chunk) {
   wire::ClientMessage msg;
   bool broke = false;
   if (data != nullptr) {
-    std::vector<std::byte> buffer(chunk + (framed ? kMaxFrameOverhead : 0));
+    // Each chunk is read into a buffer of the shared pool, taken once its
+    // header has been checked and given back once the chunk is folded (or
+    // parked): a session between chunks, or whose client is slow, holds none.
+    const size_t limit = chunk + (framed ? kMaxFrameOverhead : 0);
     DecodedFrame d;
     d.is_chunk = true;
-    Status st = read_data_chunks(
-        *data, total, buffer, received,
-        [&](const ChunkHeader& h, auto bytes) {
-          d.header = h;
-          d.pieces.assign(1, bytes);
-          return on_chunk(d);
-        },
-        framed ? chunk : 0);
+    auto read_chunks = [&]() -> Status {
+      uint64_t covered = 0;  // model bytes the chunks so far stand for
+      while (covered < total) {
+        ChunkHeader h;
+        MEMFL_RETURN_IF_ERROR(data->read_header(&h, std::min(limit, buffers->buffer_bytes())));
+        auto lease = buffers->acquire([ctx] { return ctx->IsCancelled(); });
+        if (!lease) return Status(StatusCode::kUnavailable, "cancelled while it waited for a chunk buffer");
+        const auto payload = lease->bytes().first(static_cast<size_t>(h.length));
+        MEMFL_RETURN_IF_ERROR(data->read_exact(payload));
+        d.header = h;
+        d.pieces.assign(1, std::span<const std::byte>(payload));
+        MEMFL_RETURN_IF_ERROR(on_chunk(d));
+        *received += h.length;
+        covered += framed ? std::min<uint64_t>(chunk, total - covered) : h.length;
+      }
+      return Status::Ok();
+    };
+    Status st = read_chunks();
     if (st.code() == StatusCode::kUnavailable) {
       return Status(StatusCode::kUnavailable, fmt::format("{} disconnected after {} of {} bytes of its update ({})",
                                                           peer, *received, total, st.message()));

@@ -27,6 +27,7 @@
 #include <grpcpp/support/sync_stream.h>
 
 #include "comm/chunk.h"
+#include "comm/chunk_pool.h"
 #include "comm/client_tokens.h"
 #include "comm/grpc/data_channel.h"
 #include "comm/grpc/wire.h"
@@ -52,7 +53,7 @@ enum class Phase { kWaiting, kBroadcast, kUpload, kFinished };
 // `*received` counts the bytes on the wire either way.
 Status read_update_frames(grpc::ServerContext* ctx, grpc::ServerReaderWriter<Frame, Frame>* stream,
                           const std::string& peer, uint64_t total, std::atomic<int>* read_ahead_budget,
-                          uint64_t* received, DataSocket* data, size_t chunk, bool framed,
+                          uint64_t* received, DataSocket* data, ChunkPool* buffers, size_t chunk, bool framed,
                           const std::function<Status(const DecodedFrame&)>& on_chunk);
 
 struct ClientSlot {
@@ -117,6 +118,7 @@ class ServerAgent final : public ServerTransport {
         layout_(layout),
         chunk_(grpc_chunk_bytes(cfg.server.use_model_chunking, cfg.server.model_chunk_size, layout.total_bytes())),
         naive_(naive),
+        upload_buffers_(kUploadBuffers, chunk_ + kMaxFrameOverhead),
         slots_(static_cast<size_t>(cfg.server.num_clients)) {
     // Asynchronous from the first message: a client may ask for the model
     // before serve_async starts, and must then wait for it, not for a round.
@@ -244,6 +246,13 @@ class ServerAgent final : public ServerTransport {
   const Arena* global_ = nullptr;  // the round's global model, during the broadcast
   size_t chunk_ = 0;
   bool naive_ = false;
+  // What every upload on the data channel reads its chunks into, all
+  // sessions together: the server's chunk buffers do not grow with its
+  // clients (a session that finds them taken waits, its client's socket
+  // full). Eight: a chunk is held only while it is read and folded, so a
+  // few keep the 2–4 cores that fold busy.
+  static constexpr size_t kUploadBuffers = 8;
+  ChunkPool upload_buffers_;
 
   std::mutex mu_;
   std::condition_variable cv_;

@@ -67,8 +67,8 @@ grpc::Status ServerAgent::receive_update(grpc::ServerContext* ctx, grpc::ServerR
     update = naive_open_update(peer);
   }
   uint64_t received = 0;
-  Status bad = read_update_frames(ctx, stream, peer, layout.total_bytes(), &read_ahead_budget_, &received, data, chunk_,
-                                  cfg_.compressor.enable_compression || cfg_.secagg.enable,
+  Status bad = read_update_frames(ctx, stream, peer, layout.total_bytes(), &read_ahead_budget_, &received, data,
+                                  &upload_buffers_, chunk_, cfg_.compressor.enable_compression || cfg_.secagg.enable,
                                   [&](const DecodedFrame& d) { return update->accept(d.header, d.payload()); });
   if (bad.ok()) bad = update->commit();
   wire::ServerMessage ack;
