@@ -765,6 +765,31 @@ INSTANTIATE_TEST_SUITE_P(
                       MpiStallCase{"stop_mid_upload", true, 4}, MpiStallCase{"stop_mid_upload", false, 1}),
     [](const auto& p) { return std::string(p.param.fault) + (p.param.shared_ring ? "_ring" : "_p2p"); });
 
+// Over MPI a rank whose update's metadata lies (a NaN train_loss, the next
+// round's number) ends the job before its bytes count, naming the rank and
+// what it said; nothing of that round reaches metrics.csv.
+class MpiLyingMetadata : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(MpiLyingMetadata, EndsTheJobNamingTheRankBeforeTheRoundCounts) {
+  testing::TempDir tmp;
+  const std::string cfg = write_config(tmp, "c", "", 1000);
+  setenv("MEMFL_FAULT", GetParam().c_str(), 1);
+  setenv("MEMFL_FAULT_RANK", "3", 1);  // client 2
+  Result r = mpirun(kClients + 1, cfg + " -q --out " + tmp.file("run"));
+  unsetenv("MEMFL_FAULT");
+  unsetenv("MEMFL_FAULT_RANK");
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  const std::string why = GetParam() == "nan_train_loss" ? "rank 3: round 1: the update of client_2 is refused: its "
+                                                           "metric train_loss is nan"
+                                                         : "rank 3 sent an update of client 2 round 2, which round 1 "
+                                                           "did not ask of it";
+  EXPECT_NE(r.output.find(why), std::string::npos) << r.output;
+  const auto rows = read_csv(tmp.file("run/rank_0/metrics.csv"));
+  EXPECT_LE(rows.size(), 1u) << "round 1 was not written";
+}
+
+INSTANTIATE_TEST_SUITE_P(Faults, MpiLyingMetadata, ::testing::Values("nan_train_loss", "wrong_round"));
+
 TEST(MpiAgreement, RanksThatRunAnotherExperimentAreRefusedAtStartNamingTheKey) {
   testing::TempDir tmp;
   const std::string cfg = write_config(tmp, "c", "", 1000);

@@ -51,13 +51,15 @@ Status MpiClientTransport::receive(ModelPlace& into) {
 }
 
 Status MpiClientTransport::send(const UpdateMeta& meta, ModelPlace& from) {
+  UpdateMeta told = meta;
+  faults_->before_update_meta(&told);  // the fault tests' lying rank
   auto metric = [&](const char* key) {
-    auto it = meta.metrics.find(key);
-    return it != meta.metrics.end() ? it->second : 0.0;
+    auto it = told.metrics.find(key);
+    return it != told.metrics.end() ? it->second : 0.0;
   };
-  WireUpdateMeta md{meta.round,
-                    meta.client,
-                    meta.sample_count,
+  WireUpdateMeta md{told.round,
+                    told.client,
+                    told.sample_count,
                     metric("train_loss"),
                     metric("val_accuracy"),
                     metric("local_steps"),
