@@ -104,7 +104,6 @@ Status InProcessTransport::collect(int round, const std::vector<int>& selected, 
       out->committed.push_back(info);
     }
   };
-  active_ = 0;
   std::vector<std::thread> threads;
   for (size_t k = 1; k < workers_.size(); ++k) threads.emplace_back([&, k] { work(static_cast<int>(k)); });
   work(0);

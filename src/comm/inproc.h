@@ -49,8 +49,6 @@ class InProcessTransport final : public ServerTransport {
   Status collect(int round, const std::vector<int>& selected, const Arena& global, UpdateOpener& aggregator,
                  CollectResult* out) override;
   void finish(int) override {}
-  // Workers still in use (the governor may shed some).
-  size_t active_workers() const { return active_; }
 
  private:
   const Layout& layout_;
@@ -59,7 +57,6 @@ class InProcessTransport final : public ServerTransport {
   LocalUpdate local_update_;
   KeepWorker keep_worker_;
   Upload upload_;
-  size_t active_ = 0;
 };
 
 }  // namespace memfl

@@ -94,10 +94,6 @@ StatusOr<Layout> llama_layout(const LlamaSpec& s, DType dtype) {
   return std::move(b).build();
 }
 
-bool describable_without_network(const ModelConfig& model) {
-  return model.model_name == "synthetic" || is_llama_model(model.model_name) || !model.initial_model.empty();
-}
-
 StatusOr<Layout> layout_without_network(const ModelConfig& model) {
   auto dtype = dtype_from_name(model.dtype);
   if (!model.initial_model.empty()) {

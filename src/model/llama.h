@@ -56,10 +56,8 @@ Status validate_llama_spec(const LlamaSpec& spec);
 int64_t llama_num_params(const LlamaSpec& spec);
 StatusOr<Layout> llama_layout(const LlamaSpec& spec, DType dtype);
 
-// Whether a model's layout follows from its config alone (synthetic, every
-// llama spec); registry networks (CNN, ...) get theirs from the module.
-bool describable_without_network(const ModelConfig& model);
-// That layout; an error for a model that needs its network.
+// A model's layout from its config alone (synthetic, every llama spec, an
+// initial_model file); an error for a model that needs its network.
 StatusOr<Layout> layout_without_network(const ModelConfig& model);
 
 }  // namespace memfl

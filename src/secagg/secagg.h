@@ -180,7 +180,6 @@ class SecAggClient {
 
   int client() const { return client_; }
   uint32_t x() const { return x_; }
-  double weight_ratio() const { return ratio_; }
 
  private:
   // Every mask this client adds (its self mask, ± each pairwise one) onto

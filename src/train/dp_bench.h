@@ -12,11 +12,6 @@
 
 namespace memfl::torch_internal {
 
-// The presets `--model` accepts: llama-dp-tiny (CPU/CI), llama-dp-0.5b
-// (hidden 2048, 8 layers, vocabulary 32000: ≈ 477M parameters, fp32), and for
-// the sharded sweep llama-3.2-1b-dp, llama-dp-6b, llama-dp-11b.
-std::vector<std::string> dp_bench_models();
-
 // Runs the sweep: for each seq_length, each mode in options.modes, a fresh
 // seeded model, warm-up then timed iterations. Returns one JSON object (text)
 // per run. A run that runs out of memory gives a record with

@@ -69,7 +69,6 @@ void install_exclusion_notice() {
   g_listen_for_notice = true;
 }
 
-bool excluded_by_server() { return g_excluded != 0; }
 
 void send_exclusion_notices(const std::vector<int>& ranks) {
   std::vector<MPI_Request> sends(ranks.size());

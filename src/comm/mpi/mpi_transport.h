@@ -95,7 +95,6 @@ struct WireUpdateMeta {
 struct RankExcluded {};
 // On a client rank, before its first wait: take the notice either way.
 void install_exclusion_notice();
-bool excluded_by_server();
 // On rank 0, once every round is written: the message to each rank of
 // `ranks`, waited for until it is handed to MPI (its delivery needs the
 // rank's link, as the job's end does).
