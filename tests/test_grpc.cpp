@@ -11,6 +11,7 @@
 
 #include "cli_util.h"
 #include "dummy_oracle.h"
+#include "compress/frame.h"
 #include "model/llama.h"
 #include "model/synthetic.h"
 #include "tensor/safetensors.h"
@@ -344,6 +345,26 @@ TEST(GrpcSecurity, ASharedTokenIsWarnedAbout) {
   EXPECT_EQ(r.exit_code, 0) << r.output;
   const std::string log = testing::read_file(tmp.file("run/server.log"));
   EXPECT_NE(log.find("whoever holds it can register as any client id"), std::string::npos) << log;
+}
+
+// A gRPC server's bound includes its pool of chunk buffers for uploads
+// (8 × (chunk + frame overhead)); memory_budget is checked against it, and
+// the refusal says so, where the in-process server of the same config has
+// no such term.
+TEST(GrpcServerBound, TheUploadPoolCountsAgainstTheMemoryBudget) {
+  testing::TempDir tmp;
+  const int64_t chunk = 1 << 20;
+  const std::string cfg = synthetic_config(tmp, 2, 1 << 20, chunk);
+  const std::string budget = " --set server_configs.memory_budget=1MiB";
+  Result grpc = memfl_cli("server " + cfg + " -q" + budget + " --out " + tmp.file("s"));
+  EXPECT_NE(grpc.exit_code, 0) << grpc.output;
+  const std::string pool = format_bytes(static_cast<double>(8 * (chunk + kMaxFrameOverhead)));
+  EXPECT_NE(grpc.output.find("with the transport's chunk buffers (" + pool + ")"), std::string::npos) << grpc.output;
+  EXPECT_FALSE(fs::exists(tmp.file("s/port"))) << "refused before it listened";
+  Result inproc = memfl_cli("run " + cfg + " -q" + budget + " --out " + tmp.file("r"));
+  EXPECT_NE(inproc.exit_code, 0) << inproc.output;
+  EXPECT_NE(inproc.output.find("server_configs.memory_budget"), std::string::npos) << inproc.output;
+  EXPECT_EQ(inproc.output.find("chunk buffers"), std::string::npos) << inproc.output;
 }
 
 TEST(GrpcSecurity, TlsWithASelfSignedPair) {

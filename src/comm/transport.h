@@ -90,6 +90,10 @@ class ServerTransport {
  public:
   virtual ~ServerTransport() = default;
   virtual std::string_view name() const = 0;
+  // The most the transport holds for chunks in flight, every client
+  // together (a shared pool of chunk buffers): its term of the server's
+  // stated bound, which server_configs.memory_budget is checked against.
+  virtual uint64_t transfer_buffer_bytes() const { return 0; }
   // Whether broadcast() has finished reading the global arena when it
   // returns, so the arena may become the running sum during collect().
   virtual bool broadcast_done_before_collect() const = 0;

@@ -81,7 +81,8 @@ Status run_grpc_server(const ExperimentConfig& cfg, const RoleOptions& opts) {
   // No data set and no network here: a network's initial weights and the
   // server-side evaluation come from a model worker process.
   MEMFL_ASSIGN_OR_RETURN(auto global, GlobalModel::create(cfg, InputSpec{}, opts.run_dir, naive));
-  MEMFL_RETURN_IF_ERROR(check_server_memory_bound(cfg, *global));  // before any client waits
+  // Before any client waits.
+  MEMFL_RETURN_IF_ERROR(check_server_memory_bound(cfg, *global, grpc_transfer_buffer_bytes(cfg, global->layout())));
   const Layout& layout = global->layout();
   MEMFL_ASSIGN_OR_RETURN(auto transport, GrpcServerTransport::listen(cfg, layout, naive, opts.run_dir));
   spdlog::info("server: model {} ({} parameters, {}), layout {:016x}, {} aggregation, chunk {}", cfg.model.model_name,

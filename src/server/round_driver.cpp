@@ -342,7 +342,7 @@ Status RoundDriver::play_round(int round, RoundMetrics* m, bool* redo) {
   return Status::Ok();
 }
 
-Status check_server_memory_bound(const ExperimentConfig& cfg_, GlobalModel& global_) {
+Status check_server_memory_bound(const ExperimentConfig& cfg_, GlobalModel& global_, uint64_t transport_bytes) {
   // The server's stated bound: the global model (anonymous unless
   // file-backed) + what the aggregator keeps between rounds + what it may
   // hold during one. Refused before any round, naming the key.
@@ -350,14 +350,17 @@ Status check_server_memory_bound(const ExperimentConfig& cfg_, GlobalModel& glob
                          parse_memory_budget(cfg_.server.memory_budget, total_ram_bytes(/*log_source=*/true)));
   const Aggregator& agg = global_.aggregator();
   const size_t model = global_.arena().file_backed() ? 0 : global_.layout().total_bytes();
-  const size_t need = model + agg.state_bytes() + agg.working_bytes();
+  const size_t need = model + agg.state_bytes() + agg.working_bytes() + transport_bytes;
   live::set_memory_bound(static_cast<int64_t>(need), budget);
   if (static_cast<int64_t>(need) > budget) {
     return resource_exhausted(
         "server_configs.memory_budget ({}): the global model ({}) and {}'s state ({} between rounds, {} more during "
-        "one) need {}; raise the budget, or set memory_configs.arena_backing: file",
+        "one){} need {}; raise the budget, or set memory_configs.arena_backing: file",
         format_bytes(static_cast<double>(budget)), format_bytes(static_cast<double>(model)), cfg_.server.aggregator,
         format_bytes(static_cast<double>(agg.state_bytes())), format_bytes(static_cast<double>(agg.working_bytes())),
+        transport_bytes > 0 ? fmt::format(" with the transport's chunk buffers ({})",
+                                          format_bytes(static_cast<double>(transport_bytes)))
+                            : std::string(),
         format_bytes(static_cast<double>(need)));
   }
   return Status::Ok();
@@ -390,7 +393,7 @@ Status RoundDriver::run() {
         "exchange",
         transport_.name());
   }
-  MEMFL_RETURN_IF_ERROR(check_server_memory_bound(cfg_, global_));
+  MEMFL_RETURN_IF_ERROR(check_server_memory_bound(cfg_, global_, transport_.transfer_buffer_bytes()));
   // The checkpoint policy's disk, before any client waits on a round.
   MEMFL_RETURN_IF_ERROR(check_disk());
   if (opts_.resume) MEMFL_RETURN_IF_ERROR(resume());

@@ -112,9 +112,10 @@ class RoundDriver {
 
 // The server's stated bound — the global model (anonymous unless
 // file-backed) + the aggregator's state between rounds + what it may hold
-// during one — against server_configs.memory_budget; an error names the key.
-// RoundDriver::run checks it; a role may check it sooner (before clients wait).
-Status check_server_memory_bound(const ExperimentConfig& cfg, GlobalModel& global);
+// during one + the transport's buffers for chunks in flight — against
+// server_configs.memory_budget; an error names the key. RoundDriver::run
+// checks it; a role may check it sooner (before clients wait).
+Status check_server_memory_bound(const ExperimentConfig& cfg, GlobalModel& global, uint64_t transport_bytes = 0);
 
 // summary.json's "secure_aggregation": the configured num_shares and
 // reconstruction_threshold and the k and t they resolve to for a full

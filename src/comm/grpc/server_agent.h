@@ -145,6 +145,8 @@ class ServerAgent final : public ServerTransport {
     std::lock_guard lock(mu_);
     return std::exchange(rejoined_, {});
   }
+  uint64_t transfer_buffer_bytes() const override { return upload_buffers_.bound_bytes(); }
+  static uint64_t transfer_buffer_bytes_for(size_t chunk) { return kUploadBuffers * (chunk + kMaxFrameOverhead); }
   int connected_clients() override {
     std::lock_guard lock(mu_);
     return static_cast<int>(

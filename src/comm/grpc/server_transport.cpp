@@ -390,6 +390,13 @@ Status GrpcServerTransport::collect(int round, const std::vector<int>& selected,
 }
 std::vector<int> GrpcServerTransport::take_rejoined() { return impl_->agent.take_rejoined(); }
 int GrpcServerTransport::connected_clients() { return impl_->agent.connected_clients(); }
+uint64_t GrpcServerTransport::transfer_buffer_bytes() const { return impl_->agent.transfer_buffer_bytes(); }
+
+uint64_t grpc_transfer_buffer_bytes(const ExperimentConfig& cfg, const Layout& layout) {
+  const auto& sc = cfg.server;
+  return ServerAgent::transfer_buffer_bytes_for(
+      grpc_chunk_bytes(sc.use_model_chunking, sc.model_chunk_size, layout.total_bytes()));
+}
 void GrpcServerTransport::set_broadcast_frames(const BroadcastFrames* frames) {
   impl_->agent.set_broadcast_frames(frames);
 }

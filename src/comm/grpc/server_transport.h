@@ -18,6 +18,10 @@
 
 namespace memfl {
 
+// What a gRPC server of `cfg` and `layout` will hold for uploads in flight
+// (GrpcServerTransport::transfer_buffer_bytes), known before it listens.
+uint64_t grpc_transfer_buffer_bytes(const ExperimentConfig& cfg, const Layout& layout);
+
 class GrpcServerTransport final : public ServerTransport {
  public:
   // Listens on server_configs.comm_configs.grpc_configs.server_uri and writes
@@ -39,6 +43,7 @@ class GrpcServerTransport final : public ServerTransport {
   void finish(int last_round) override;
   std::vector<int> take_rejoined() override;
   int connected_clients() override;
+  uint64_t transfer_buffer_bytes() const override;
   void set_broadcast_frames(const BroadcastFrames* frames) override;
   // Asynchronous FL over the same sessions: each client gets the model as
   // it is when it asks (and, from FedCompass, its local steps), its update
