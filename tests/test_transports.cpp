@@ -766,26 +766,38 @@ INSTANTIATE_TEST_SUITE_P(
     [](const auto& p) { return std::string(p.param.fault) + (p.param.shared_ring ? "_ring" : "_p2p"); });
 
 // Over MPI a rank whose update's metadata lies (a NaN train_loss, the next
-// round's number) ends the job before its bytes count, naming the rank and
-// what it said; nothing of that round reaches metrics.csv.
+// round's number) is refused before its bytes count, naming the client and
+// what it said, and the rank is out of the run; the rounds go on with the
+// other three, metrics.csv holds numbers only, and the model is their FedAvg.
 class MpiLyingMetadata : public ::testing::TestWithParam<std::string> {};
 
-TEST_P(MpiLyingMetadata, EndsTheJobNamingTheRankBeforeTheRoundCounts) {
-  testing::TempDir tmp;
-  const std::string cfg = write_config(tmp, "c", "", 1000);
-  setenv("MEMFL_FAULT", GetParam().c_str(), 1);
-  setenv("MEMFL_FAULT_RANK", "3", 1);  // client 2
-  Result r = mpirun(kClients + 1, cfg + " -q --out " + tmp.file("run"));
-  unsetenv("MEMFL_FAULT");
-  unsetenv("MEMFL_FAULT_RANK");
-  EXPECT_NE(r.exit_code, 0) << r.output;
-  const std::string why = GetParam() == "nan_train_loss" ? "rank 3: round 1: the update of client_2 is refused: its "
-                                                           "metric train_loss is nan"
-                                                         : "rank 3 sent an update of client 2 round 2, which round 1 "
-                                                           "did not ask of it";
-  EXPECT_NE(r.output.find(why), std::string::npos) << r.output;
-  const auto rows = read_csv(tmp.file("run/rank_0/metrics.csv"));
-  EXPECT_LE(rows.size(), 1u) << "round 1 was not written";
+TEST_P(MpiLyingMetadata, IsRefusedTheRankIsOutAndTheRoundsGoOn) {
+  for (const char* ring : {"true", "false"}) {
+    SCOPED_TRACE(std::string("mpi_shared_memory: ") + ring);
+    testing::TempDir tmp;
+    const std::string cfg = write_config(tmp, "c", "", 1000);
+    setenv("MEMFL_FAULT", GetParam().c_str(), 1);
+    setenv("MEMFL_FAULT_RANK", "3", 1);  // client 2
+    Result r =
+        mpirun(kClients + 1, cfg + " -q --set server_configs.mpi_shared_memory=" + ring + " --out " + tmp.file("run"));
+    unsetenv("MEMFL_FAULT");
+    unsetenv("MEMFL_FAULT_RANK");
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    const std::string why =
+        GetParam() == "nan_train_loss" ? "its metric train_loss is nan" : "it says it is for round 2";
+    EXPECT_NE(r.output.find("round 1: the update of client_2 is refused: " + why), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("round 1: rank 3 sent metadata that was refused"), std::string::npos) << r.output;
+    const auto rows = read_csv(tmp.file("run/rank_0/metrics.csv"));
+    ASSERT_EQ(rows.size(), static_cast<size_t>(kRounds + 1)) << r.output;
+    for (size_t i = 1; i < rows.size(); ++i) {
+      EXPECT_EQ(rows[i][1], "3") << "round " << i;
+      for (const auto& cell : rows[i]) EXPECT_EQ(cell.find("nan"), std::string::npos) << "round " << i;
+    }
+    EXPECT_TRUE(equals_expected(tmp.file("run/rank_0/global_model.safetensors"),
+                                expected_model(std::vector<std::vector<int>>(kRounds, std::vector<int>{0, 1, 3}))));
+    const std::string summary = testing::read_file(tmp.file("run/rank_0/summary.json"));
+    EXPECT_NE(summary.find("\"excluded_ranks\": [\n    3\n  ]"), std::string::npos) << summary;
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Faults, MpiLyingMetadata, ::testing::Values("nan_train_loss", "wrong_round"));

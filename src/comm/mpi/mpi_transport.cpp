@@ -29,6 +29,16 @@ namespace memfl {
 namespace {
 volatile std::sig_atomic_t g_excluded = 0;
 
+// The stream of an update refused for its metadata: the rank sends its
+// chunks all the same (MPI has no way to stop it mid-update), and they are
+// read and dropped, so that nothing of it is stored or folded and the
+// other ranks' streams stay in step.
+class DiscardedUpdate final : public UpdateStream {
+ public:
+  Status accept(const ChunkHeader&, Payload) override { return Status::Ok(); }
+  Status commit() override { return Status::Ok(); }
+};
+
 // Counts the bytes an update's chunks carried (its frames, when compressed)
 // on their way to `inner`; the fold worker may call it.
 class CountingStream final : public UpdateStream {
@@ -68,7 +78,6 @@ void install_exclusion_notice() {
   std::signal(SIGUSR1, [](int) { g_excluded = 1; });
   g_listen_for_notice = true;
 }
-
 
 void send_exclusion_notices(const std::vector<int>& ranks) {
   std::vector<MPI_Request> sends(ranks.size());
@@ -304,11 +313,15 @@ Status MpiServerTransport::collect(int round, const std::vector<int>& selected, 
     std::vector<ServerStreams::Incoming> batch;
     std::vector<WireUpdateMeta> metas;
     std::vector<std::shared_ptr<std::atomic<uint64_t>>> wire_bytes;
+    std::vector<Status> refused;  // per batch entry: why its metadata was refused
     for (int w : together) {
       WireUpdateMeta md{};
       quiet_recv(&md, sizeof md, w, kTagUpdateMeta);
       if (!t_up) t_up = Clock::now();
-      const bool expected = md.round == round && md.client >= 0 && md.client < cfg_.server.num_clients &&
+      // A rank that sends an update for a client it does not play has lost
+      // the protocol: nothing it sends next can be placed. One that says
+      // another round is refused below, as a lying metric is.
+      const bool expected = md.client >= 0 && md.client < cfg_.server.num_clients &&
                             rank_of_client(md.client, k) == w &&
                             std::find(selected.begin(), selected.end(), md.client) != selected.end() &&
                             !done[static_cast<size_t>(md.client)];
@@ -321,11 +334,14 @@ Status MpiServerTransport::collect(int round, const std::vector<int>& selected, 
                                                         {"train_accuracy", md.train_accuracy},
                                                         {"val_accuracy", md.val_accuracy},
                                                         {"local_steps", md.local_steps}};
-      if (Status bad = check_update_metrics(metrics, client_id(md.client), round); !bad.ok()) {
-        abort_job(fmt::format("rank {}: {}", w, bad.message()));
-      }
-      auto opened = agg.open_update(client_id(md.client), md.sample_count);
+      // Refused before a byte counts; the rank is out once its chunks are read.
+      Status bad = check_update_round(md.round, round, client_id(md.client));
+      if (bad.ok()) bad = check_update_metrics(metrics, client_id(md.client), round);
+      StatusOr<std::unique_ptr<UpdateStream>> opened =
+          bad.ok() ? agg.open_update(client_id(md.client), md.sample_count)
+                   : StatusOr<std::unique_ptr<UpdateStream>>(std::make_unique<DiscardedUpdate>());
       if (!opened.ok()) abort_job(opened.status().message());
+      refused.push_back(bad);
       // The bytes on the wire (compressed frames are fewer than the model's).
       auto counted = std::make_shared<std::atomic<uint64_t>>(0);
       batch.push_back({w, fmt::format("client_{} (rank {})", md.client, w),
@@ -339,6 +355,11 @@ Status MpiServerTransport::collect(int round, const std::vector<int>& selected, 
       if (!received[j].ok()) {
         exclude(batch[j].rank, round, received[j].message());
         continue;  // its update was closed uncommitted: the aggregator withdrew it
+      }
+      if (!refused[j].ok()) {
+        spdlog::warn("{}", refused[j].message());
+        exclude(batch[j].rank, round, "sent metadata that was refused");
+        continue;  // its chunks were read and dropped: nothing of it was folded
       }
       const WireUpdateMeta& md = metas[j];
       counted_up.push_back(wire_bytes[j]);
