@@ -35,6 +35,18 @@ std::string synthetic_config(const testing::TempDir& tmp, int clients, int64_t p
   return path;
 }
 
+// The port a server started in the background writes to DIR/port once it
+// listens ("" if it has not within 10 s).
+std::string port_of_server(const std::string& server_dir) {
+  std::string port;
+  for (int i = 0; i < 200 && port.empty(); ++i) {
+    std::ifstream in(server_dir + "/port");
+    if (in) std::getline(in, port);
+    if (port.empty()) usleep(50000);
+  }
+  return port;
+}
+
 int rows(const std::string& csv) { return static_cast<int>(read_csv(csv).size()) - 1; }
 
 TEST(Grpc, CnnRunEqualsTheInProcessRunBitForBit) {
@@ -301,12 +313,7 @@ TEST(GrpcSecurity, PerClientTokensKeepEachIdToItsOwner) {
                          tmp.file("server.log") + " 2>&1 & echo $! > " + tmp.file("server.pid"))
                             .c_str()),
             0);
-  std::string port;
-  for (int i = 0; i < 200 && port.empty(); ++i) {
-    std::ifstream in(server_dir + "/port");
-    if (in) std::getline(in, port);
-    if (port.empty()) usleep(50000);
-  }
+  const std::string port = port_of_server(server_dir);
   ASSERT_FALSE(port.empty());
   const std::string uri = " --set server_configs.comm_configs.grpc_configs.server_uri=127.0.0.1:" + port;
   Result thief = memfl_cli("client " + cfg + " --client-id 0 -q" + key + stolen + uri + " --out " + tmp.file("thief"));
@@ -408,12 +415,7 @@ TEST(GrpcSecurity, TlsWithASelfSignedPair) {
                          server_dir + " > " + tmp.file("server.log") + " 2>&1 &")
                             .c_str()),
             0);
-  std::string port;
-  for (int i = 0; i < 200 && port.empty(); ++i) {
-    std::ifstream in(server_dir + "/port");
-    if (in) std::getline(in, port);
-    if (port.empty()) usleep(50000);
-  }
+  const std::string port = port_of_server(server_dir);
   ASSERT_FALSE(port.empty());
   Result bad = memfl_cli("client " + cfg + " --client-id 0 -q" + tls +
                          " --set server_configs.comm_configs.grpc_configs.root_cert=" + other +

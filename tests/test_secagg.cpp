@@ -1288,6 +1288,14 @@ struct SeamRound {
       uploads[c] = st;
     }
   }
+  // Unmasks the round over `channel` and expects it to finish with exactly
+  // the clients `of`, their plain mean handed to the aggregator.
+  void expect_unmasked_mean_of(SecAggChannel& channel, const std::vector<int>& of) {
+    auto n = sa->unmask_into(channel, aggregator, "secure_aggregate", 24);
+    ASSERT_TRUE(n.ok()) << n.status().message();
+    EXPECT_EQ(*n, of.size());
+    expect_mean_of(of);
+  }
   // The mean the aggregator was handed against the plain mean of `of`.
   void expect_mean_of(const std::vector<int>& of) const {
     ASSERT_EQ(aggregator.updates.size(), 1u);
@@ -1322,10 +1330,7 @@ TEST(SecAggRoundSeam, SharesThatDoNotOpenDropTheirSenderAndTheRoundFinishesWithT
   SeamRound r({0, 1, 2, 3}, SecAggParams{}, stages);
   EXPECT_EQ(r.failed, (std::vector<int>{2}));
   EXPECT_EQ(r.sa->culprits(), (std::vector<int>{2}));
-  auto n = r.sa->unmask_into(stages, r.aggregator, "secure_aggregate", 24);
-  ASSERT_TRUE(n.ok()) << n.status().message();
-  EXPECT_EQ(*n, 3u);
-  r.expect_mean_of({0, 1, 3});
+  r.expect_unmasked_mean_of(stages, {0, 1, 3});
 }
 
 TEST(SecAggRoundSeam, AShareSpoiledForOneNeighbourIsTakenOutAsADroppedClients) {
@@ -1339,10 +1344,7 @@ TEST(SecAggRoundSeam, AShareSpoiledForOneNeighbourIsTakenOutAsADroppedClients) {
   p.reconstruction_threshold = 3;
   SeamRound r({0, 1, 2, 3, 4}, p, stages);
   EXPECT_EQ(r.failed, (std::vector<int>{2}));
-  auto n = r.sa->unmask_into(stages, r.aggregator, "secure_aggregate", 24);
-  ASSERT_TRUE(n.ok()) << n.status().message();
-  EXPECT_EQ(*n, 4u);
-  r.expect_mean_of({0, 1, 3, 4});
+  r.expect_unmasked_mean_of(stages, {0, 1, 3, 4});
 }
 
 TEST(SecAggRoundSeam, AWrongRevealedShareWithExactlyTSharesNamesItsRevealer) {
@@ -1433,10 +1435,7 @@ TEST(SecAggRoundSeam, AnUploadReplayedFromAnotherRoundIsRefusedNamingItsClient) 
             std::string::npos)
       << st.message();
   EXPECT_EQ(r2.sa->culprits(), (std::vector<int>{1}));
-  auto n = r2.sa->unmask_into(second, r2.aggregator, "secure_aggregate", 24);
-  ASSERT_TRUE(n.ok()) << n.status().message();
-  EXPECT_EQ(*n, 3u);
-  r2.expect_mean_of({0, 2, 3});
+  r2.expect_unmasked_mean_of(second, {0, 2, 3});
 }
 
 TEST(SecAggRoundSeam, RandomWordsInPlaceOfAMaskedUploadAreRefusedNamingTheClient) {
@@ -1455,10 +1454,7 @@ TEST(SecAggRoundSeam, RandomWordsInPlaceOfAMaskedUploadAreRefusedNamingTheClient
             std::string::npos)
       << r.uploads.at(2).message();
   EXPECT_EQ(r.sa->culprits(), (std::vector<int>{2}));
-  auto n = r.sa->unmask_into(stages, r.aggregator, "secure_aggregate", 24);
-  ASSERT_TRUE(n.ok()) << n.status().message();
-  EXPECT_EQ(*n, 3u);
-  r.expect_mean_of({0, 1, 3});
+  r.expect_unmasked_mean_of(stages, {0, 1, 3});
 }
 
 TEST(SecAggRoundSeam, AClientKeyedForAnotherRunIsOutAtTheKeyExchange) {
@@ -1475,10 +1471,7 @@ TEST(SecAggRoundSeam, AClientKeyedForAnotherRunIsOutAtTheKeyExchange) {
   SeamRound r({0, 1, 2, 3}, SecAggParams{}, stages);
   EXPECT_EQ(r.failed, (std::vector<int>{2}));
   EXPECT_EQ(r.sa->culprits(), (std::vector<int>{2}));
-  auto n = r.sa->unmask_into(stages, r.aggregator, "secure_aggregate", 24);
-  ASSERT_TRUE(n.ok()) << n.status().message();
-  EXPECT_EQ(*n, 3u);
-  r.expect_mean_of({0, 1, 3});
+  r.expect_unmasked_mean_of(stages, {0, 1, 3});
 }
 
 TEST(SecAggRoundSeam, WordsAClientTagsButDidNotMaskMakeTheRoundRefusedNotFolded) {
