@@ -11,6 +11,7 @@
 #include <fstream>
 #include <map>
 #include <random>
+#include <set>
 #include <vector>
 
 #include "aggregate/async_aggregator.h"
@@ -498,6 +499,44 @@ TEST_P(AsyncSimulation, TheModelIsTheReplayOfTheAsyncLog) {
   }
   EXPECT_GT(max_change, 1e-3);  // the updates did move the model
 }
+
+// An asynchronous run over MPI whose rank 3 (client_2) says a NaN train_loss,
+// or another version than it was sent, in its first update's metadata: the
+// update is refused before a byte counts, naming the client, the rank is out
+// and let go at the end, and the run takes all its updates from the other
+// three (none of client_2's is in the log, and the log holds numbers only).
+class AsyncMpiLyingMetadata : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(AsyncMpiLyingMetadata, IsRefusedTheRankIsOutAndTheRunGoesOn) {
+  TempDir tmp;
+  const int n = 4, updates = 12;
+  // 50 ms of real time per trip: every rank is in before the run's updates are.
+  std::string cfg = async_config("FedAsyncAggregator", n, updates, 0.01);
+  cfg.replace(cfg.find("    mode: step"), 0, "    dummy_delay_s: \"0.05\"\n");
+  std::ofstream(tmp.file("run.yaml")) << cfg;
+  setenv("MEMFL_FAULT", GetParam().c_str(), 1);
+  setenv("MEMFL_FAULT_RANK", "3", 1);
+  Result r = mpirun(n + 1, tmp.file("run.yaml") + " -q --out " + tmp.file("out"));
+  unsetenv("MEMFL_FAULT");
+  unsetenv("MEMFL_FAULT_RANK");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const std::string why = GetParam() == "nan_train_loss" ? "its metric train_loss is nan" : "it says it is for round 1";
+  EXPECT_NE(r.output.find("the update of client_2 is refused: " + why), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("rank 3 sent metadata that was refused"), std::string::npos) << r.output;
+  const auto log = read_csv(tmp.file("out/rank_0/async_log.csv"));
+  ASSERT_EQ(log.size(), static_cast<size_t>(updates + 1)) << r.output;
+  std::set<std::string> clients;
+  for (size_t i = 1; i < log.size(); ++i) {
+    clients.insert(log[i][1]);
+    EXPECT_NE(log[i][1], "2") << "update " << log[i][0];
+    for (const auto& cell : log[i]) EXPECT_EQ(cell.find("nan"), std::string::npos) << "update " << log[i][0];
+  }
+  EXPECT_EQ(clients, (std::set<std::string>{"0", "1", "3"}));  // the others all took part
+  const std::string summary = testing::read_file(tmp.file("out/rank_0/summary.json"));
+  EXPECT_NE(summary.find("\"excluded_ranks\": [\n    3\n  ]"), std::string::npos) << summary;
+}
+
+INSTANTIATE_TEST_SUITE_P(Faults, AsyncMpiLyingMetadata, ::testing::Values("nan_train_loss", "wrong_round"));
 
 // An asynchronous simulation whose virtual time ends before its first
 // evaluation has no rounds: the run ends normally and says so (the summary

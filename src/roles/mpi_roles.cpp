@@ -158,7 +158,7 @@ Status run_mpi(int* argc, char*** argv, const ExperimentConfig& cfg_in, const Mp
     s = rank == 0 ? run_mpi_server(cfg, world, dir, opts.progress, opts.resume, shm)
                   : run_client_rank(cfg, rank, dir, shm);
   } catch (const RankExcluded&) {
-    spdlog::warn("rank {}: the server excluded this rank for a stall; leaving the job", rank);
+    spdlog::warn("rank {}: the server excluded this rank (a stall, or an update it refused); leaving the job", rank);
   }
   if (!s.ok()) abort_job(fmt::format("rank {}: {}", rank, s.message()));
   close_shared_ring(shm);

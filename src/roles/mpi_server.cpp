@@ -69,6 +69,25 @@ Status run_mpi_server(const ExperimentConfig& cfg, int world, const std::string&
                             cfg.server.clients_per_rank));
     }
   }
+  // Once every round is committed and every rank still in has written its
+  // outputs (Bye): a rank that was excluded (a stall, metadata that was
+  // refused) would hang MPI_Finalize, so it is told it is out and let go,
+  // and leaves through MPI_Finalize too. A rank on another host reads the
+  // message once its link is back; one on this host may be stopped, and is
+  // woken.
+  auto let_go = [&](const std::vector<int>& excluded) {
+    if (excluded.empty()) return;
+    spdlog::warn("mpi server: the run finished without rank(s) {}, which were excluded; letting them go",
+                 fmt::join(excluded, ", "));
+    const WireRegister me = this_rank_registration(0, 0);
+    for (int r : excluded) {
+      const WireRegister& reg = registered[static_cast<size_t>(r)];
+      if (reg.host != me.host || reg.pid <= 0) continue;
+      ::kill(reg.pid, SIGUSR1);  // first: the notice is pending when it runs again
+      ::kill(reg.pid, SIGCONT);
+    }
+    send_exclusion_notices(excluded);
+  };
   // Compressed frames and secure aggregation's masked words (one more
   // word, the masked weight, after the last chunk) arrive framed.
   ServerStreams streams(layout, chunk, shm, cfg.compressor.enable_compression || cfg.secagg.enable);
@@ -87,6 +106,7 @@ Status run_mpi_server(const ExperimentConfig& cfg, int world, const std::string&
         });
     if (!result.ok()) abort_job(result.message());
     transport.finish(0);
+    let_go(transport.excluded_ranks());
     return Status::Ok();
   }
   RoundDriverOptions dopts;
@@ -136,23 +156,7 @@ Status run_mpi_server(const ExperimentConfig& cfg, int world, const std::string&
   if (cfg.secagg.enable) summary["secure_aggregation"] = secure_aggregation_summary(cfg);
   summary["updates_received_together"] = transport.most_received_together();
   MEMFL_RETURN_IF_ERROR(write_text_file(dir + "/summary.json", summary.dump(2) + "\n"));
-  if (!excluded.empty()) {
-    // Every round is committed and every rank still in has written its
-    // outputs (Bye). A stalled rank would hang MPI_Finalize: it is told it is
-    // out and let go, and leaves through MPI_Finalize too. A rank on another
-    // host reads the message once its link is back; one on this host may be
-    // stopped, and is woken.
-    spdlog::warn("mpi server: the run finished without rank(s) {}, which missed a deadline; letting them go",
-                 fmt::join(excluded, ", "));
-    const WireRegister me = this_rank_registration(0, 0);
-    for (int r : excluded) {
-      const WireRegister& reg = registered[static_cast<size_t>(r)];
-      if (reg.host != me.host || reg.pid <= 0) continue;
-      ::kill(reg.pid, SIGUSR1);  // first: the notice is pending when it runs again
-      ::kill(reg.pid, SIGCONT);
-    }
-    send_exclusion_notices(excluded);
-  }
+  let_go(excluded);
   return Status::Ok();
 }
 

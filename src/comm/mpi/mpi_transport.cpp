@@ -489,6 +489,26 @@ Status MpiServerTransport::serve_async(AsyncUpdateHandler& core, Arena& global, 
     if (md.client != c)
       abort_job(fmt::format("rank {} sent an update of client {}; it hosts client {}", r, md.client, c));
     const std::string peer = fmt::format("client_{} (rank {})", c, r);
+    // The metadata before any byte counts, as in a synchronous round: the
+    // update says it is the change from the version this rank was sent, and
+    // its metrics are numbers. A refused one's chunks are read and dropped
+    // (the rank sends them all the same) and the rank is out of the run.
+    const int sent_version = static_cast<int>(base[static_cast<size_t>(c)]);
+    const std::pair<const char*, double> metrics[] = {{"train_loss", md.train_loss},
+                                                      {"train_accuracy", md.train_accuracy},
+                                                      {"val_accuracy", md.val_accuracy},
+                                                      {"local_steps", md.local_steps}};
+    Status refused = check_update_round(md.round, sent_version, client_id(c));
+    if (refused.ok()) refused = check_update_metrics(metrics, client_id(c), sent_version);
+    if (!refused.ok()) {
+      std::shared_ptr<UpdateStream> dropped = std::make_shared<DiscardedUpdate>();
+      (void)streams_.receive_update(r, peer, dropped, stall);
+      streams_.drain();
+      training[static_cast<size_t>(c)] = false;
+      spdlog::warn("{}", refused.message());
+      exclude(r, static_cast<int>(core.version()), "sent metadata that was refused");
+      continue;
+    }
     const size_t slot = slots.take();
     std::unique_ptr<UpdateStream> into = std::make_unique<SpoolSlotWriter>(slots.spool(), slot, layout_, peer);
     if (options.wrap_update) into = options.wrap_update(std::move(into), peer);

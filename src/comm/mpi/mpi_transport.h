@@ -59,7 +59,7 @@ enum MpiTag : int {
   kTagSlotDone,       // a client has copied slot s out (download)
   kTagSlotGrant,      // the server lends slot s to a client (upload)
   kTagBye,            // a client rank has written its outputs after the last round
-  kTagExcluded,       // the run ended without this client rank, which missed a deadline
+  kTagExcluded,       // the run ended without this client rank (a stall, a refused update)
   kTagSecAggRequest,  // secure aggregation: a stage's request (length, then bytes; length 0: stages over)
   kTagSecAggReply,    // a client rank's reply to it (length, then bytes)
 };
