@@ -355,19 +355,29 @@ TEST(GrpcSecurity, ASharedTokenIsWarnedAbout) {
 }
 
 // A gRPC server's bound includes its pool of chunk buffers for uploads
-// (8 × (chunk + frame overhead)); memory_budget is checked against it, and
-// the refusal says so, where the in-process server of the same config has
-// no such term.
-TEST(GrpcServerBound, TheUploadPoolCountsAgainstTheMemoryBudget) {
+// (8 × (chunk + frame overhead)), 64 KiB per client session, and on the
+// stream (data_channel: grpc) one chunk + 1 KiB per session more (the
+// HTTP/2 window an upload may hold); memory_budget is checked against it,
+// and the refusal says so, where the in-process server of the same config
+// has no such term.
+TEST(GrpcServerBound, TheUploadPoolAndTheSessionsCountAgainstTheMemoryBudget) {
   testing::TempDir tmp;
   const int64_t chunk = 1 << 20;
-  const std::string cfg = synthetic_config(tmp, 2, 1 << 20, chunk);
+  const int clients = 3;
+  const std::string cfg = synthetic_config(tmp, clients, 1 << 20, chunk);
   const std::string budget = " --set server_configs.memory_budget=1MiB";
   Result grpc = memfl_cli("server " + cfg + " -q" + budget + " --out " + tmp.file("s"));
   EXPECT_NE(grpc.exit_code, 0) << grpc.output;
-  const std::string pool = format_bytes(static_cast<double>(8 * (chunk + kMaxFrameOverhead)));
-  EXPECT_NE(grpc.output.find("with the transport's chunk buffers (" + pool + ")"), std::string::npos) << grpc.output;
+  const int64_t pool = 8 * (chunk + static_cast<int64_t>(kMaxFrameOverhead));
+  const std::string held = format_bytes(static_cast<double>(pool + clients * (64 << 10)));
+  EXPECT_NE(grpc.output.find("with the transport's chunk buffers and sessions (" + held + ")"), std::string::npos)
+      << grpc.output;
   EXPECT_FALSE(fs::exists(tmp.file("s/port"))) << "refused before it listened";
+  Result stream = memfl_cli("server " + cfg + " -q" + budget +
+                            " --set server_configs.comm_configs.grpc_configs.data_channel=grpc --out " + tmp.file("g"));
+  EXPECT_NE(stream.exit_code, 0) << stream.output;
+  const std::string on_stream = format_bytes(static_cast<double>(pool + clients * ((64 << 10) + chunk + 1024)));
+  EXPECT_NE(stream.output.find("chunk buffers and sessions (" + on_stream + ")"), std::string::npos) << stream.output;
   Result inproc = memfl_cli("run " + cfg + " -q" + budget + " --out " + tmp.file("r"));
   EXPECT_NE(inproc.exit_code, 0) << inproc.output;
   EXPECT_NE(inproc.output.find("server_configs.memory_budget"), std::string::npos) << inproc.output;

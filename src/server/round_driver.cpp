@@ -358,7 +358,7 @@ Status check_server_memory_bound(const ExperimentConfig& cfg_, GlobalModel& glob
         "one){} need {}; raise the budget, or set memory_configs.arena_backing: file",
         format_bytes(static_cast<double>(budget)), format_bytes(static_cast<double>(model)), cfg_.server.aggregator,
         format_bytes(static_cast<double>(agg.state_bytes())), format_bytes(static_cast<double>(agg.working_bytes())),
-        transport_bytes > 0 ? fmt::format(" with the transport's chunk buffers ({})",
+        transport_bytes > 0 ? fmt::format(" with the transport's chunk buffers and sessions ({})",
                                           format_bytes(static_cast<double>(transport_bytes)))
                             : std::string(),
         format_bytes(static_cast<double>(need)));

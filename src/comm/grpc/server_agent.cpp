@@ -15,8 +15,8 @@ namespace memfl::grpc_detail {
 
 Status read_update_frames(grpc::ServerContext* ctx, grpc::ServerReaderWriter<Frame, Frame>* stream,
                           const std::string& peer, uint64_t total, std::atomic<int>* read_ahead_budget,
-                          uint64_t* received, DataSocket* data, ChunkPool* buffers, size_t chunk, bool framed,
-                          const std::function<Status(const DecodedFrame&)>& on_chunk) {
+                          uint64_t* received, DataSocket* data, ChunkPool* buffers, uint64_t order, size_t chunk,
+                          bool framed, const std::function<Status(const DecodedFrame&)>& on_chunk) {
   wire::ClientMessage msg;
   bool broke = false;
   if (data != nullptr) {
@@ -31,7 +31,8 @@ Status read_update_frames(grpc::ServerContext* ctx, grpc::ServerReaderWriter<Fra
       while (covered < total) {
         ChunkHeader h;
         MEMFL_RETURN_IF_ERROR(data->read_header(&h, std::min(limit, buffers->buffer_bytes())));
-        auto lease = buffers->acquire([ctx] { return ctx->IsCancelled(); });
+        // Served in fold order: the update whose turn it is reads first.
+        auto lease = buffers->acquire([ctx] { return ctx->IsCancelled(); }, order);
         if (!lease) return Status(StatusCode::kUnavailable, "cancelled while it waited for a chunk buffer");
         const auto payload = lease->bytes().first(static_cast<size_t>(h.length));
         MEMFL_RETURN_IF_ERROR(data->read_exact(payload));

@@ -47,14 +47,15 @@ enum class Phase { kWaiting, kBroadcast, kUpload, kFinished };
 // (read_chunk_run); returns the first failure: the stream broke, a frame
 // was malformed, or a chunk was refused. With a data channel (`data`), the
 // chunks come from it, each read into one chunk-sized buffer (the socket's
-// kernel buffer is the read-ahead), and the stream says UpdateEnd.
+// kernel buffer is the read-ahead), and the stream says UpdateEnd; `order`
+// is the update's place in the fold order, by which the pool serves it.
 // `framed`: the chunks are compressed frames (compress/frame.h), one per
 // chunk of the grid, each at most chunk + kMaxFrameOverhead bytes;
 // `*received` counts the bytes on the wire either way.
 Status read_update_frames(grpc::ServerContext* ctx, grpc::ServerReaderWriter<Frame, Frame>* stream,
                           const std::string& peer, uint64_t total, std::atomic<int>* read_ahead_budget,
-                          uint64_t* received, DataSocket* data, ChunkPool* buffers, size_t chunk, bool framed,
-                          const std::function<Status(const DecodedFrame&)>& on_chunk);
+                          uint64_t* received, DataSocket* data, ChunkPool* buffers, uint64_t order, size_t chunk,
+                          bool framed, const std::function<Status(const DecodedFrame&)>& on_chunk);
 
 struct ClientSlot {
   bool connected = false;
@@ -145,8 +146,21 @@ class ServerAgent final : public ServerTransport {
     std::lock_guard lock(mu_);
     return std::exchange(rejoined_, {});
   }
-  uint64_t transfer_buffer_bytes() const override { return upload_buffers_.bound_bytes(); }
-  static uint64_t transfer_buffer_bytes_for(size_t chunk) { return kUploadBuffers * (chunk + kMaxFrameOverhead); }
+  uint64_t transfer_buffer_bytes() const override {
+    return transfer_buffer_bytes_for(chunk_, cfg_.server.num_clients, cfg_.server.data_channel == "grpc");
+  }
+  // What the transport holds beside the model, whatever its clients do: the
+  // upload pool (8 · (c + frame overhead)), and per session its thread and
+  // gRPC's per-connection state (kSessionBytes; ≈ 43 KB measured by
+  // bench/server_sessions.sh from 10 to 1,000 sessions), plus, on the
+  // stream (`data_channel: grpc`), the one-chunk HTTP/2 window an upload in
+  // flight may hold (c + 1 KiB).
+  static uint64_t transfer_buffer_bytes_for(size_t chunk, int sessions, bool chunks_on_stream) {
+    const uint64_t per_session = kSessionBytes + (chunks_on_stream ? chunk + kStreamWindowOverhead : 0);
+    return kUploadBuffers * (chunk + kMaxFrameOverhead) + static_cast<uint64_t>(std::max(sessions, 0)) * per_session;
+  }
+  static constexpr uint64_t kSessionBytes = 64 << 10;
+  static constexpr uint64_t kStreamWindowOverhead = 1 << 10;
   int connected_clients() override {
     std::lock_guard lock(mu_);
     return static_cast<int>(

@@ -395,7 +395,8 @@ uint64_t GrpcServerTransport::transfer_buffer_bytes() const { return impl_->agen
 uint64_t grpc_transfer_buffer_bytes(const ExperimentConfig& cfg, const Layout& layout) {
   const auto& sc = cfg.server;
   return ServerAgent::transfer_buffer_bytes_for(
-      grpc_chunk_bytes(sc.use_model_chunking, sc.model_chunk_size, layout.total_bytes()));
+      grpc_chunk_bytes(sc.use_model_chunking, sc.model_chunk_size, layout.total_bytes()), sc.num_clients,
+      sc.data_channel == "grpc");
 }
 void GrpcServerTransport::set_broadcast_frames(const BroadcastFrames* frames) {
   impl_->agent.set_broadcast_frames(frames);

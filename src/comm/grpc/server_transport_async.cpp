@@ -118,7 +118,7 @@ grpc::Status ServerAgent::async_receive_update(grpc::ServerContext* ctx, grpc::S
   if (a.options.wrap_update) into = a.options.wrap_update(std::move(into), peer);
   uint64_t received = 0;
   Status bad = read_update_frames(ctx, stream, peer, layout.total_bytes(), &read_ahead_budget_, &received, data,
-                                  &upload_buffers_, chunk_, cfg_.compressor.enable_compression,
+                                  &upload_buffers_, 0, chunk_, cfg_.compressor.enable_compression,
                                   [&](const DecodedFrame& d) { return into->accept(d.header, d.payload()); });
   if (bad.ok()) bad = into->commit();
   if (!bad.ok()) {

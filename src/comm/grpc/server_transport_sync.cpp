@@ -68,7 +68,8 @@ grpc::Status ServerAgent::receive_update(grpc::ServerContext* ctx, grpc::ServerR
   }
   uint64_t received = 0;
   Status bad = read_update_frames(ctx, stream, peer, layout.total_bytes(), &read_ahead_budget_, &received, data,
-                                  &upload_buffers_, chunk_, cfg_.compressor.enable_compression || cfg_.secagg.enable,
+                                  &upload_buffers_, static_cast<uint64_t>(id), chunk_,
+                                  cfg_.compressor.enable_compression || cfg_.secagg.enable,
                                   [&](const DecodedFrame& d) { return update->accept(d.header, d.payload()); });
   if (bad.ok()) bad = update->commit();
   wire::ServerMessage ack;
