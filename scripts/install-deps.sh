@@ -20,6 +20,7 @@ PACKAGES=(
   libcpp-httplib-dev      # --http: /metrics, /healthz and the live page (a small compiled library, no event loop to host)
   zlib1g-dev              # reading the gzipped Fashion-MNIST IDX files; gzip/zlib update compression
   libzfp-dev libzstd-dev liblzma-dev libblosc-dev  # compressed updates: ZFP, zstd, lzma, blosc
+  libsentencepiece-dev sentencepiece  # SentencePiece tokenizers; spm_train/spm_encode for the tests
   libsodium-dev           # secure aggregation: key agreement, share encryption, mask streams
   libssl-dev              # secure aggregation: the mask streams' ChaCha20 blocks, 3x faster (also under gRPC)
   libgtest-dev libgmock-dev libbenchmark-dev   # tests and micro-benchmarks

@@ -1,5 +1,7 @@
 #include "config/config.h"
 
+#include "data/experiment_data.h"
+#include "data/tokenizer.h"
 #include "io/input_file.h"
 #include "memory/budget.h"
 #include "model/llama.h"
@@ -401,10 +403,10 @@ const std::vector<KeySpec>& schema() {
       {"client_configs.data_configs.dataset_name",
        Type::kString,
        "FashionMNIST",
-       {"FashionMNIST", "SyntheticCIFAR10", "SyntheticTokens", "TextFile"},
+       {"FashionMNIST", "SyntheticCIFAR10", "SyntheticTokens", "TextFile", "JsonLines"},
        -kInf,
        kInf,
-       "data set",
+       "data set (SyntheticTokens, TextFile, JsonLines: token sequences for llama models)",
        S(data.dataset_name)},
       {"client_configs.data_configs.dataset_path",
        Type::kString,
@@ -412,15 +414,111 @@ const std::vector<KeySpec>& schema() {
        {},
        -kInf,
        kInf,
-       "directory of the IDX files (empty = /usr/share/datasets/fashion-mnist)",
+       "directory of the IDX files (empty = /usr/share/datasets/fashion-mnist); TextFile: a text file, or with a "
+       "tokenizer a folder of .txt files (each a group); JsonLines: a .jsonl file",
        S(data.dataset_path)},
+      {"client_configs.data_configs.tokenizer_path",
+       Type::kString,
+       "\"\"",
+       {},
+       -kInf,
+       kInf,
+       "a SentencePiece tokenizer.model for TextFile and JsonLines (its vocabulary must equal the model's "
+       "vocab_size); empty: TextFile's bytes are the tokens",
+       S(data.text.tokenizer_path)},
+      {"client_configs.data_configs.dataset_kwargs.sample_by",
+       Type::kString,
+       "line",
+       {"line", "paragraph", "document"},
+       -kInf,
+       kInf,
+       "TextFile with a tokenizer: a document is a line, a paragraph (up to a blank line) or a whole file",
+       S(data.text.sample_by)},
+      {"client_configs.data_configs.dataset_kwargs.packing",
+       Type::kBool,
+       "true",
+       {},
+       -kInf,
+       kInf,
+       "tokenized text: true = documents (BOS ... EOS) concatenated and cut into samples of seq_length + 1 "
+       "tokens; false = one document per sample, truncated or padded (the padding out of the loss)",
+       B(data.text.packing)},
+      {"client_configs.data_configs.dataset_kwargs.text_field",
+       Type::kString,
+       "\"\"",
+       {},
+       -kInf,
+       kInf,
+       "JsonLines: the field of a plain-text record; empty: instruction records (instruction_field, input_field, "
+       "output_field)",
+       S(data.text.text_field)},
+      {"client_configs.data_configs.dataset_kwargs.instruction_field",
+       Type::kString,
+       "instruction",
+       {},
+       -kInf,
+       kInf,
+       "JsonLines instruction records: the instruction's field",
+       S(data.text.instruction_field)},
+      {"client_configs.data_configs.dataset_kwargs.input_field",
+       Type::kString,
+       "input",
+       {},
+       -kInf,
+       kInf,
+       "JsonLines instruction records: the input's field (absent or empty: prompt_template_no_input)",
+       S(data.text.input_field)},
+      {"client_configs.data_configs.dataset_kwargs.output_field",
+       Type::kString,
+       "output",
+       {},
+       -kInf,
+       kInf,
+       "JsonLines instruction records: the response's field",
+       S(data.text.output_field)},
+      {"client_configs.data_configs.dataset_kwargs.prompt_template",
+       Type::kString,
+       "\"\"",
+       {},
+       -kInf,
+       kInf,
+       "JsonLines instruction records with an input: the prompt, {instruction} and {input} replaced ({{ }} are "
+       "braces); empty: Stanford Alpaca's",
+       S(data.text.prompt_template)},
+      {"client_configs.data_configs.dataset_kwargs.prompt_template_no_input",
+       Type::kString,
+       "\"\"",
+       {},
+       -kInf,
+       kInf,
+       "JsonLines instruction records without an input: the prompt, {instruction} replaced; empty: Stanford "
+       "Alpaca's",
+       S(data.text.prompt_template_no_input)},
+      {"client_configs.data_configs.dataset_kwargs.train_on_response_only",
+       Type::kBool,
+       "false",
+       {},
+       -kInf,
+       kInf,
+       "JsonLines instruction records: the prompt's tokens out of the loss (only the response and EOS count)",
+       B(data.text.train_on_response_only)},
+      {"client_configs.data_configs.dataset_kwargs.group_field",
+       Type::kString,
+       "\"\"",
+       {},
+       -kInf,
+       kInf,
+       "JsonLines: a record's value of this field (a string or a number) is its group, for partition_strategy "
+       "by_group or dirichlet; empty: one group",
+       S(data.text.group_field)},
       {"client_configs.data_configs.dataset_kwargs.partition_strategy",
        Type::kString,
        "iid",
-       {"iid", "dirichlet", "class_shards", "lognormal", "power_law"},
+       {"iid", "dirichlet", "class_shards", "lognormal", "power_law", "by_group"},
        -kInf,
        kInf,
-       "how samples are split among clients",
+       "how samples are split among clients (by_group: each group — a class, a token set's source file or "
+       "group_field value — to one client, groups dealt round-robin in sorted order)",
        S(data.partition_strategy)},
       {"client_configs.data_configs.dataset_kwargs.alpha",
        Type::kFloat,
@@ -1279,6 +1377,88 @@ Status check_compressor(const ExperimentConfig& c, const std::string& source) {
   return Status::Ok();
 }
 
+// Tokenizers, text and instruction data: the keys that go together, then
+// (where this machine has the files) what loading would refuse — the
+// tokenizer and its vocabulary, every JSON line — and by_group's group count.
+Status check_text_data(const ExperimentConfig& c, const std::string& source, bool llama) {
+  const DataConfig& d = c.data;
+  const TextDataConfig& t = d.text;
+  const std::string kw = "client_configs.data_configs.dataset_kwargs.";
+  const bool tokenized = d.dataset_name == "JsonLines" || (d.dataset_name == "TextFile" && !t.tokenizer_path.empty());
+  if (!t.tokenizer_path.empty() && d.dataset_name != "TextFile" && d.dataset_name != "JsonLines") {
+    return invalid_argument("{}: '{}' tokenizes TextFile and JsonLines data, not dataset '{}'", source,
+                            kTokenizerPathKey, d.dataset_name);
+  }
+  if (d.dataset_name == "JsonLines" && t.tokenizer_path.empty()) {
+    return invalid_argument("{}: dataset JsonLines needs '{}' (a SentencePiece tokenizer.model)", source,
+                            kTokenizerPathKey);
+  }
+  if (tokenized && !have_sentencepiece()) {
+    return failed_precondition(
+        "{}: '{}' needs SentencePiece, which this memfl was built without (install libsentencepiece-dev — "
+        "scripts/install-deps.sh does — and rebuild)",
+        source, kTokenizerPathKey);
+  }
+  if (!t.packing && !tokenized) {
+    return invalid_argument("{}: '{}packing: false' (a document per sample) needs tokenized text: set '{}'", source, kw,
+                            kTokenizerPathKey);
+  }
+  if (t.train_on_response_only && !(d.dataset_name == "JsonLines" && t.text_field.empty())) {
+    return invalid_argument(
+        "{}: '{}train_on_response_only: true' needs instruction records: dataset JsonLines without a text_field",
+        source, kw);
+  }
+  if (!t.group_field.empty() && d.dataset_name != "JsonLines") {
+    return invalid_argument(
+        "{}: '{}group_field' names a JSON field, for dataset JsonLines (a TextFile folder's groups are its files)",
+        source, kw);
+  }
+  if (d.dataset_name == "JsonLines" && t.text_field.empty()) {
+    // A template that would fail on the first record fails here, and one
+    // that would silently drop the record's input too.
+    const std::string with = t.prompt_template.empty() ? std::string(alpaca_prompt_template(true)) : t.prompt_template;
+    const std::string without =
+        t.prompt_template_no_input.empty() ? std::string(alpaca_prompt_template(false)) : t.prompt_template_no_input;
+    MEMFL_ASSIGN_OR_RETURN(std::string a, render_prompt(with, "\x01", "\x02", kw + "prompt_template"));
+    MEMFL_ASSIGN_OR_RETURN(std::string b, render_prompt(without, "\x01", "\x02", kw + "prompt_template_no_input"));
+    if (a.find('\x01') == std::string::npos || a.find('\x02') == std::string::npos) {
+      return invalid_argument("{}: '{}prompt_template' must hold {{instruction}} and {{input}}", source, kw);
+    }
+    if (b.find('\x01') == std::string::npos || b.find('\x02') != std::string::npos) {
+      return invalid_argument(
+          "{}: '{}prompt_template_no_input' must hold {{instruction}} and not {{input}} (it is for records "
+          "without one)",
+          source, kw);
+    }
+  }
+  const bool bytes = d.dataset_name == "SyntheticTokens" || (d.dataset_name == "TextFile" && !tokenized);
+  if (llama && bytes && c.train.trainer != "DummyTrainer") {
+    if (auto spec = llama_spec_from_config(c.model); spec.ok() && spec->vocab_size < 256) {
+      return invalid_argument(
+          "{}: dataset {} holds byte tokens (0 … 255) but the model's vocab_size is {}; set "
+          "'client_configs.model_configs.model_kwargs.vocab_size' to 256 or more, or give a tokenizer ('{}')",
+          source, d.dataset_name, spec->vocab_size, kTokenizerPathKey);
+    }
+  }
+  int groups = 0;
+  if (tokenized) {
+    auto g = check_tokenized_text(text_data_source(c));
+    if (!g.ok()) return g.status().with_context(source);
+    groups = *g;
+  } else if (d.dataset_name == "FashionMNIST" || d.dataset_name == "SyntheticCIFAR10") {
+    groups = 10;
+  } else if (bytes) {
+    groups = 1;
+  }
+  if (d.partition_strategy == "by_group" && groups > 0 && groups < c.server.num_clients) {
+    return invalid_argument(
+        "{}: '{}partition_strategy: by_group' gives each client a group of its own, but the data has {} group(s) "
+        "for {} clients (server_configs.num_clients)",
+        source, kw, groups, c.server.num_clients);
+  }
+  return Status::Ok();
+}
+
 Status cross_checks(const ExperimentConfig& c, const std::string& source) {
   // The budget's syntax is checked here, before any work, not when the
   // simulator first needs it.
@@ -1290,24 +1470,27 @@ Status cross_checks(const ExperimentConfig& c, const std::string& source) {
                             source);
   }
   const bool llama = c.model.model_name == "llama" || c.model.model_name.starts_with("llama-");
-  const bool tokens = c.data.dataset_name == "SyntheticTokens" || c.data.dataset_name == "TextFile";
+  const bool tokens = c.data.dataset_name == "SyntheticTokens" || c.data.dataset_name == "TextFile" ||
+                      c.data.dataset_name == "JsonLines";
   if (llama) {
     // A spec that cannot be built is named here, with the file, before any work.
     if (auto spec = llama_spec_from_config(c.model); !spec.ok()) return spec.status().with_context(source);
   }
   if (llama && c.train.trainer != "DummyTrainer" && !tokens) {
     return invalid_argument(
-        "{}: model_name '{}' trains on tokens; set 'client_configs.data_configs.dataset_name' to SyntheticTokens or "
-        "TextFile (or the trainer to DummyTrainer)",
+        "{}: model_name '{}' trains on tokens; set 'client_configs.data_configs.dataset_name' to SyntheticTokens, "
+        "TextFile or JsonLines (or the trainer to DummyTrainer)",
         source, c.model.model_name);
   }
   if (tokens && !llama) {
     return invalid_argument("{}: dataset '{}' holds tokens, for a llama model, not '{}'", source, c.data.dataset_name,
                             c.model.model_name);
   }
-  if (c.data.dataset_name == "TextFile" && c.data.dataset_path.empty()) {
-    return invalid_argument("{}: dataset TextFile needs 'client_configs.data_configs.dataset_path'", source);
+  if ((c.data.dataset_name == "TextFile" || c.data.dataset_name == "JsonLines") && c.data.dataset_path.empty()) {
+    return invalid_argument("{}: dataset {} needs 'client_configs.data_configs.dataset_path'", source,
+                            c.data.dataset_name);
   }
+  MEMFL_RETURN_IF_ERROR(check_text_data(c, source, llama));
   if (!c.train.dummy_delay_s.empty() && !parse_delays(c.train.dummy_delay_s).ok()) {
     return parse_delays(c.train.dummy_delay_s).status().with_context(source);
   }

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "common/status.h"
+#include "data/text_config.h"
 #include "model/model_config.h"
 
 namespace memfl {
@@ -77,9 +78,11 @@ struct TrainConfig {
 };
 
 struct DataConfig {
-  std::string dataset_name = "FashionMNIST";  // FashionMNIST | SyntheticCIFAR10
-  std::string dataset_path;                   // empty = the Debian package's directory
-  std::string partition_strategy = "iid";     // iid | dirichlet | class_shards
+  // FashionMNIST | SyntheticCIFAR10 | SyntheticTokens | TextFile | JsonLines
+  std::string dataset_name = "FashionMNIST";
+  std::string dataset_path;  // empty = the Debian package's directory
+  // iid | dirichlet | class_shards | lognormal | power_law | by_group
+  std::string partition_strategy = "iid";
   double alpha = 0.5;
   int shards_per_client = 2;
   double sigma = 1.0;
@@ -89,6 +92,7 @@ struct DataConfig {
   int64_t max_test_samples = 0;
   int64_t num_train_samples = 5000;  // synthetic data
   int64_t num_test_samples = 1000;
+  TextDataConfig text;  // tokenizer_path and the text keys of dataset_kwargs
 };
 
 struct ServerConfig {

@@ -194,7 +194,7 @@ ImageDataset token_split(std::string name, size_t n, int seq_length) {
   d.channels = 1;
   d.height = 1;
   d.width = seq_length + 1;
-  d.num_classes = 256;
+  d.num_classes = 1;  // labels are groups, and byte tokens have one
   d.pixels.resize(n * static_cast<size_t>(seq_length + 1));
   d.labels.assign(n, 0);
   return d;

@@ -1,12 +1,29 @@
 #include "data/experiment_data.h"
 
+#include "model/llama.h"
+
 namespace memfl {
+
+TextDataSource text_data_source(const ExperimentConfig& cfg) {
+  TextDataSource src;
+  src.dataset_name = cfg.data.dataset_name;
+  src.path = cfg.data.dataset_path;
+  src.seq_length = cfg.model.seq_length;
+  if (auto spec = llama_spec_from_config(cfg.model); spec.ok()) src.vocab_size = spec->vocab_size;
+  src.text = cfg.data.text;
+  src.max_train = static_cast<size_t>(cfg.data.max_train_samples);
+  src.max_test = static_cast<size_t>(cfg.data.max_test_samples);
+  return src;
+}
 
 StatusOr<DatasetSplits> load_data(const ExperimentConfig& cfg) {
   const auto& d = cfg.data;
   if (d.dataset_name == "SyntheticTokens") {
     return make_synthetic_tokens(static_cast<size_t>(d.num_train_samples), static_cast<size_t>(d.num_test_samples),
                                  cfg.model.seq_length, cfg.server.seed);
+  }
+  if (d.dataset_name == "JsonLines" || (d.dataset_name == "TextFile" && !d.text.tokenizer_path.empty())) {
+    return load_tokenized_text(text_data_source(cfg));
   }
   if (d.dataset_name == "TextFile") return load_text_tokens(d.dataset_path, cfg.model.seq_length);
   if (d.dataset_name == "SyntheticCIFAR10") {
@@ -42,6 +59,7 @@ StatusOr<std::vector<ClientPartition>> make_partitions(const ExperimentConfig& c
   if (cfg.data.partition_strategy == "class_shards") strategy = PartitionStrategy::kClassShards;
   if (cfg.data.partition_strategy == "lognormal") strategy = PartitionStrategy::kLognormal;
   if (cfg.data.partition_strategy == "power_law") strategy = PartitionStrategy::kPowerLaw;
+  if (cfg.data.partition_strategy == "by_group") strategy = PartitionStrategy::kByGroup;
   PartitionSpec ps{strategy,        cfg.server.num_clients, cfg.data.alpha,      cfg.data.shards_per_client,
                    cfg.server.seed, cfg.data.sigma,         cfg.data.power_law_a};
   MEMFL_ASSIGN_OR_RETURN(auto parts, partition_indices(train.labels, train.num_classes, ps));

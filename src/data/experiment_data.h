@@ -1,5 +1,5 @@
 // What an experiment's config asks of its data: the data set (Fashion-MNIST,
-// synthetic CIFAR-10 or tokens, a text file), the input shape a model is
+// synthetic CIFAR-10 or tokens, a text file, tokenized text or JSON lines), the input shape a model is
 // built for, and each client's partition. Every role that trains, evaluates
 // or partitions goes through here — clients and servers of every transport,
 // and a sharded model's ranks — so the same seed gives the same data
@@ -13,6 +13,7 @@
 #include "config/config.h"
 #include "data/dataset.h"
 #include "data/partition.h"
+#include "data/text_data.h"
 
 namespace memfl {
 
@@ -23,6 +24,9 @@ struct InputSpec {
 };
 
 StatusOr<DatasetSplits> load_data(const ExperimentConfig& cfg);
+// A tokenized text set's source as the config gives it (the model's
+// vocabulary from its llama spec, 0 when it has none).
+TextDataSource text_data_source(const ExperimentConfig& cfg);
 // model_kwargs that contradict the data set are config errors, named as such.
 StatusOr<InputSpec> input_spec(const ExperimentConfig& cfg, const ImageDataset& train);
 StatusOr<std::vector<ClientPartition>> make_partitions(const ExperimentConfig& cfg, const ImageDataset& train);

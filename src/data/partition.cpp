@@ -19,6 +19,8 @@ std::string_view partition_strategy_name(PartitionStrategy s) {
       return "lognormal";
     case PartitionStrategy::kPowerLaw:
       return "power_law";
+    case PartitionStrategy::kByGroup:
+      return "by_group";
   }
   return "?";
 }
@@ -107,6 +109,21 @@ StatusOr<std::vector<std::vector<uint32_t>>> partition_indices(const std::vector
       for (size_t c = 0; c < k; ++c) {
         parts[c].assign(idx.begin() + static_cast<ptrdiff_t>(at), idx.begin() + static_cast<ptrdiff_t>(at + sizes[c]));
         at += sizes[c];
+      }
+      break;
+    }
+    case PartitionStrategy::kByGroup: {
+      if (num_classes < spec.num_clients) {
+        return invalid_argument(
+            "partition_strategy by_group: the data has {} group(s) for {} clients; each client "
+            "needs a group of its own",
+            num_classes, spec.num_clients);
+      }
+      for (size_t i = 0; i < n; ++i) parts[labels[i] % k].push_back(static_cast<uint32_t>(i));
+      for (size_t c = 0; c < k; ++c) {
+        if (parts[c].empty()) {
+          return invalid_argument("partition_strategy by_group: client {} got no sample (its groups are empty)", c);
+        }
       }
       break;
     }

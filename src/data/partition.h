@@ -1,6 +1,7 @@
 // Partitions of a training set among virtual clients: IID, Dirichlet(alpha)
 // label skew (Hsu et al. 2019), class shards (McMahan et al. 2017), and
-// quantity skew with lognormal or power-law client sizes (IID labels). Every
+// quantity skew with lognormal or power-law client sizes (IID labels), and
+// by group (each label — a token set's source or topic — to one client). Every
 // sample goes to exactly one client; each client then splits its indices into
 // train and validation.
 #pragma once
@@ -13,7 +14,7 @@
 
 namespace memfl {
 
-enum class PartitionStrategy { kIid, kDirichlet, kClassShards, kLognormal, kPowerLaw };
+enum class PartitionStrategy { kIid, kDirichlet, kClassShards, kLognormal, kPowerLaw, kByGroup };
 
 struct PartitionSpec {
   PartitionStrategy strategy = PartitionStrategy::kIid;
@@ -31,7 +32,9 @@ struct ClientPartition {
 };
 
 // Assigns indices 0..labels.size()-1 to clients. Fails when a client would get
-// no sample (too many clients for the data).
+// no sample (too many clients for the data). kByGroup: every sample of label
+// (group) g goes to client g mod num_clients, so groups are dealt round-robin
+// in their order; fewer groups than clients is refused naming both counts.
 StatusOr<std::vector<std::vector<uint32_t>>> partition_indices(const std::vector<uint8_t>& labels, int num_classes,
                                                                const PartitionSpec& spec);
 
