@@ -312,6 +312,48 @@ TEST(TextData, AFolderGivesAGroupPerFileInNameOrderAndByGroupGivesEachToOneClien
   EXPECT_HAS(p4.status().message(), "4 clients");
 }
 
+TEST(TextData, ParagraphsEndAtBlankLinesAndADocumentIsAWholeFile) {
+  TempDir tmp;
+  std::filesystem::create_directory(tmp.file("corpus"));
+  const auto w = make_lines(6, 51);
+  // a.txt: three paragraphs (a blank line, a line of spaces, CRLF endings);
+  // b.txt: two.
+  write_text(tmp.file("corpus/a.txt"), w[0] + "\n" + w[1] + "\n\n   \n" + w[2] + "\r\n\r\n" + w[3] + "\n");
+  write_text(tmp.file("corpus/b.txt"), w[4] + "\n\n" + w[5]);
+  auto cfg = load_config_text(
+      experiment_yaml("TextFile", tmp.file("corpus"), spm().vocab, 1, ", packing: false, sample_by: paragraph"),
+      "exp.yaml", {"client_configs.model_configs.model_kwargs.seq_length=120"});
+  ASSERT_TRUE(cfg.ok()) << cfg.status().to_string();
+  auto data = load_data(*cfg);
+  ASSERT_TRUE(data.ok()) << data.status().to_string();
+  // 5 paragraphs; every group under 10 samples, so one (the largest
+  // group's last) is held out.
+  ASSERT_EQ(data->train.size(), 4u);
+  ASSERT_EQ(data->test.size(), 1u);
+  EXPECT_EQ(data->test.labels[0], 0);
+  const size_t len = 121;
+  auto sample = [&](const ImageDataset& d, size_t k) {
+    std::vector<int32_t> v(d.sample_tokens(k), d.sample_tokens(k) + len);
+    v.resize(static_cast<size_t>(std::find(v.begin(), v.end(), kEos) - v.begin()) + 1);
+    return v;
+  };
+  EXPECT_EQ(sample(data->test, 0), framed_stream({spm_encode_one(w[3])}));
+  EXPECT_EQ(sample(data->train, 1), framed_stream({spm_encode_one(w[2])}));  // the CRLF paragraph
+  EXPECT_EQ(sample(data->train, 3), framed_stream({spm_encode_one(w[5])}));
+  // The first paragraph has two lines: one document, one BOS and one EOS.
+  const auto first = sample(data->train, 0);
+  EXPECT_EQ(std::count(first.begin(), first.end(), kBos), 1);
+  EXPECT_GT(first.size(), spm_encode_one(w[0]).size() + spm_encode_one(w[1]).size());
+  // sample_by: document — a file is one sample.
+  auto whole = load_config_text(
+      experiment_yaml("TextFile", tmp.file("corpus"), spm().vocab, 1, ", packing: false, sample_by: document"),
+      "exp.yaml", {"client_configs.model_configs.model_kwargs.seq_length=120"});
+  ASSERT_TRUE(whole.ok()) << whole.status().to_string();
+  auto d2 = load_data(*whole);
+  ASSERT_TRUE(d2.ok()) << d2.status().to_string();
+  EXPECT_EQ(d2->train.size() + d2->test.size(), 2u);
+}
+
 // Instruction records written by the test, with and without an input.
 struct Record {
   std::string instruction, input, output, topic;
@@ -408,6 +450,28 @@ TEST(JsonLines, TrainingOnTheResponseOnlyMasksExactlyThePromptsTokens) {
     const size_t real = static_cast<size_t>(std::find(t + 1, t + len, kEos) - t) + 1;
     for (size_t j = 1; j < len; ++j) EXPECT_EQ(d2->train.loss_mask[k * len + j], j < real ? 1 : 0);
   }
+}
+
+TEST(JsonLines, PackedInstructionSamplesEachKeepATargetThatCounts) {
+  TempDir tmp;
+  auto recs = make_records(40, 23);
+  for (size_t i = 0; i < recs.size(); i += 4)
+    recs[i].instruction += " " + make_lines(1, 900 + i)[0] + " " + make_lines(1, 950 + i)[0];
+  write_text(tmp.file("sft.jsonl"), records_jsonl(recs));
+  auto cfg = experiment("JsonLines", tmp.file("sft.jsonl"), 1, ", train_on_response_only: true");
+  ASSERT_TRUE(cfg.ok()) << cfg.status().to_string();
+  auto data = load_data(*cfg);
+  ASSERT_TRUE(data.ok()) << data.status().to_string();
+  ASSERT_EQ(data->train.loss_mask.size(), data->train.tokens.size());
+  size_t masked = 0;
+  for (size_t k = 0; k < data->train.size(); ++k) {
+    const uint8_t* m = data->train.loss_mask.data() + k * kLen;
+    EXPECT_EQ(m[0], 0);
+    EXPECT_TRUE(std::any_of(m + 1, m + kLen, [](uint8_t v) { return v == 1; })) << "sample " << k;
+    masked += static_cast<size_t>(std::count(m + 1, m + kLen, 0));
+  }
+  // Alpaca's prompt is most of each record: much of every sample is masked.
+  EXPECT_GT(masked, data->train.size() * kSeq / 2);
 }
 
 TEST(JsonLines, AGroupFieldGroupsRecordsByItsValueAndPlainTextRecordsAreTokenizedAsSpmEncodeDoes) {

@@ -37,7 +37,8 @@ namespace memfl {
 //  - labels[i] is the sample's group (0 … num_classes − 1), never a target:
 //    the source file or the JSON field's value that partitions (by_group,
 //    dirichlet) split by. num_classes is the number of groups, 1 when there
-//    is none; group_names[g] names group g when there are several.
+//    is none; group_names[g] names group g (a file's name, a field's value),
+//    empty when the set has one unnamed group.
 struct ImageDataset {
   std::string name;
   int64_t channels = 0, height = 0, width = 0;
@@ -47,7 +48,7 @@ struct ImageDataset {
   std::vector<uint8_t> labels;
   std::vector<int32_t> tokens;           // token sets with a tokenizer: size() * width ids (see above)
   std::vector<uint8_t> loss_mask;        // empty, or one per element of `tokens` (see above)
-  std::vector<std::string> group_names;  // token sets with several groups: name of group g
+  std::vector<std::string> group_names;  // tokenized sets: the name of group g (see above)
   size_t size() const { return labels.size(); }
   size_t sample_bytes() const { return static_cast<size_t>(channels * height * width); }
   const uint8_t* sample(size_t i) const { return pixels.data() + i * sample_bytes(); }

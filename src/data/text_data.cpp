@@ -299,7 +299,7 @@ StatusOr<DatasetSplits> load_tokenized_text(const TextDataSource& src) {
   // Documents, then each group's samples: one stream per group when packing
   // (so a sample never mixes two groups), else a sample per document.
   std::map<std::string, GroupSamples> groups;
-  size_t dropped = 0, docs_seen = 0;
+  size_t dropped = 0, dropped_samples = 0, docs_seen = 0;
   auto take = [&](const Documents& docs) -> Status {
     for (const Document& d : docs) {
       ++docs_seen;
@@ -339,11 +339,32 @@ StatusOr<DatasetSplits> load_tokenized_text(const TextDataSource& src) {
   }
   if (t.packing) {
     for (auto& [name, g] : groups) {
-      g.samples = g.tokens.size() / len;
-      g.tokens.resize(g.samples * len);
-      g.mask.resize(g.samples * len);
-      for (size_t i = 0; i < g.samples; ++i) g.mask[i * len] = 0;
+      // Whole samples; a sample with no target that counts (all prompt,
+      // under train_on_response_only) is dropped, as the contract promises.
+      const size_t whole = g.tokens.size() / len;
+      size_t kept = 0;
+      for (size_t i = 0; i < whole; ++i) {
+        g.mask[i * len] = 0;
+        if (!has_target(g.mask.data() + i * len, len)) {
+          ++dropped_samples;
+          continue;
+        }
+        if (kept != i) {
+          std::copy_n(g.tokens.begin() + static_cast<ptrdiff_t>(i * len), len,
+                      g.tokens.begin() + static_cast<ptrdiff_t>(kept * len));
+          std::copy_n(g.mask.begin() + static_cast<ptrdiff_t>(i * len), len,
+                      g.mask.begin() + static_cast<ptrdiff_t>(kept * len));
+        }
+        ++kept;
+      }
+      g.samples = kept;
+      g.tokens.resize(kept * len);
+      g.mask.resize(kept * len);
     }
+  }
+  if (dropped_samples > 0) {
+    spdlog::warn("{}: {} packed samples left out: all their tokens are prompt (train_on_response_only)", src.path,
+                 dropped_samples);
   }
   if (dropped > 0) {
     spdlog::warn("{}: {} of {} documents left out: none of their tokens that count fit in seq_length + 1 = {}",
@@ -368,11 +389,12 @@ StatusOr<DatasetSplits> load_tokenized_text(const TextDataSource& src) {
     largest = std::max(largest, g.samples);
     n_test += g.samples / 10;
   }
-  if (total < 2 || (n_test == 0 && largest < 2)) {
+  if (total < 2) {
     return invalid_argument("{}: '{}' makes {} sample(s) of {} tokens; at least 2 are needed (one held out)", kPathKey,
                             src.path, total, len);
   }
-  const bool fallback = n_test == 0;  // every group under 10 samples: one held out from the largest
+  // Every group under 10 samples: one held out, the largest group's last.
+  const bool fallback = n_test == 0;
 
   auto split = [&](std::string name) {
     ImageDataset d;
