@@ -150,6 +150,44 @@ TEST_F(FedAvgStreams, RejectsBadChecksumHashOffsetAndLength) {
   check(past, big, "outside");
 }
 
+// An update handed over inside the process (open_local_update: the
+// simulator's workers) carries no checksums: its chunks with checksum 0 fold
+// to the same mean as the same bytes sent hashed, while the same chunks
+// through open_update (any peer's) are refused; its header is checked all
+// the same.
+TEST_F(FedAvgStreams, ALocalUpdateSkipsOnlyTheChecksum) {
+  Arena other(layout.total_bytes(), MemoryCategory::kModel);
+  testing::fill_random(layout, other, 4);
+  auto hashed = agg.open_update("client_0", 10);
+  ASSERT_TRUE(hashed.ok());
+  ASSERT_TRUE(stream_arena(layout, model, 64, **hashed).ok());
+  ASSERT_TRUE((*hashed)->commit().ok());
+  auto local = agg.open_local_update("client_1", 10);
+  ASSERT_TRUE(local.ok());
+  for (size_t off = 0; off < layout.total_bytes(); off += 64) {
+    const size_t len = std::min<size_t>(64, layout.total_bytes() - off);
+    ASSERT_TRUE((*local)->accept(ChunkHeader{layout.hash(), off, len, 0}, other.bytes(off, len)).ok()) << off;
+  }
+  ASSERT_TRUE((*local)->commit().ok());
+  Arena global(layout.total_bytes(), MemoryCategory::kModel);
+  ASSERT_TRUE(agg.finalize(global).ok());
+  // Equal weights: the element-wise mean of the two, computed here.
+  for (const auto& e : layout.entries()) {
+    if (e.dtype != DType::kF32) continue;
+    const float* a = reinterpret_cast<const float*>(model.data() + e.offset);
+    const float* b = reinterpret_cast<const float*>(other.data() + e.offset);
+    const float* g = reinterpret_cast<const float*>(global.data() + e.offset);
+    for (size_t i = 0; i < e.numel(); ++i) ASSERT_NEAR(g[i], 0.5f * (a[i] + b[i]), 1e-6f) << e.name << "[" << i << "]";
+  }
+  ASSERT_TRUE(agg.begin_round(2).ok());
+  auto remote = agg.open_update("client_2", 10);
+  Status refused = (*remote)->accept(ChunkHeader{layout.hash(), 0, 16, 0}, model.bytes(0, 16));
+  EXPECT_NE(refused.message().find("checksum mismatch"), std::string::npos) << refused.message();
+  auto misplaced = agg.open_local_update("client_3", 10);
+  Status gap = (*misplaced)->accept(ChunkHeader{layout.hash(), 16, 16, 0}, model.bytes(16, 16));
+  EXPECT_NE(gap.message().find("offset 16 where 0 was expected"), std::string::npos) << gap.message();
+}
+
 TEST_F(FedAvgStreams, BrokenStreamAfterCountedBytesForcesARedo) {
   auto ok = agg.open_update("client_0", 10);
   ASSERT_TRUE(stream_arena(layout, model, 64, **ok).ok());

@@ -104,8 +104,8 @@ void write_sum(float* acc, const std::byte* src, size_t count, float w) {
 
 class FedAvgAggregator::Stream final : public UpdateStream {
  public:
-  Stream(FedAvgAggregator& agg, size_t slot, std::string client_id, double weight)
-      : agg_(agg), slot_(slot), client_id_(std::move(client_id)), weight_(weight) {}
+  Stream(FedAvgAggregator& agg, size_t slot, std::string client_id, double weight, bool hashed)
+      : agg_(agg), slot_(slot), client_id_(std::move(client_id)), weight_(weight), hashed_(hashed) {}
   ~Stream() override {
     if (!done_) abort();
   }
@@ -113,7 +113,10 @@ class FedAvgAggregator::Stream final : public UpdateStream {
   using UpdateStream::accept;
   Status accept(const ChunkHeader& h, Payload payload) override {
     if (done_) return failed_precondition("update from {}: chunk after commit", client_id_);
-    Status s = verify_chunk(h, payload, agg_.layout_, next_offset_, client_id_);
+    // A local update's chunks (open_local_update) carry no checksum: the
+    // header is checked all the same.
+    Status s = hashed_ ? verify_chunk(h, payload, agg_.layout_, next_offset_, client_id_)
+                       : verify_chunk_header(h, payload_size(payload), agg_.layout_, next_offset_, client_id_);
     if (!s.ok()) {
       abort();  // a peer that sends bad bytes loses its update
       return s;
@@ -234,6 +237,7 @@ class FedAvgAggregator::Stream final : public UpdateStream {
   const size_t slot_;
   std::string client_id_;
   double weight_;
+  bool hashed_;
   uint64_t next_offset_ = 0;
   Mode mode_ = Mode::kNone;
   bool done_ = false;
@@ -468,8 +472,8 @@ Status FedAvgAggregator::withdraw(const std::string& client_id) {
   return Status::Ok();
 }
 
-StatusOr<std::unique_ptr<UpdateStream>> FedAvgAggregator::open_update(const std::string& client_id,
-                                                                      double sample_count) {
+StatusOr<std::unique_ptr<UpdateStream>> FedAvgAggregator::open_stream(const std::string& client_id, double sample_count,
+                                                                      bool hashed) {
   if (!(sample_count >= 0) || !std::isfinite(sample_count)) {
     return invalid_argument("update from {}: sample count {} is not a non-negative number", client_id, sample_count);
   }
@@ -496,7 +500,7 @@ StatusOr<std::unique_ptr<UpdateStream>> FedAvgAggregator::open_update(const std:
   slots_[slot].state = SlotState::kOpen;
   slots_[slot].weight = w;
   open_streams_++;
-  return std::unique_ptr<UpdateStream>(std::make_unique<Stream>(*this, slot, client_id, w));
+  return std::unique_ptr<UpdateStream>(std::make_unique<Stream>(*this, slot, client_id, w, hashed));
 }
 
 int FedAvgAggregator::num_committed() const {

@@ -104,7 +104,13 @@ class FedAvgAggregator final : public Aggregator {
   void set_spool_dir(std::string dir) override { spool_dir_ = std::move(dir); }
   Status begin_round(int round, std::vector<std::string> fold_order = {}) override;
   Status withdraw(const std::string& client_id) override;
-  StatusOr<std::unique_ptr<UpdateStream>> open_update(const std::string& client_id, double sample_count) override;
+  StatusOr<std::unique_ptr<UpdateStream>> open_update(const std::string& client_id, double sample_count) override {
+    return open_stream(client_id, sample_count, /*hashed=*/true);
+  }
+  StatusOr<std::unique_ptr<UpdateStream>> open_local_update(const std::string& client_id,
+                                                            double sample_count) override {
+    return open_stream(client_id, sample_count, /*hashed=*/false);
+  }
   Status finalize(Arena& global) override;
   int num_committed() const override;
   size_t state_bytes() const override { return sum_.size(); }
@@ -175,6 +181,7 @@ class FedAvgAggregator final : public Aggregator {
   uint64_t element_floor(uint64_t offset) const;
   // Moves the cursor past every update that is done, folding the parked ones.
   Status advance_locked();
+  StatusOr<std::unique_ptr<UpdateStream>> open_stream(const std::string& client_id, double sample_count, bool hashed);
   Status park(size_t slot, uint64_t offset, Payload payload, const std::string& client_id);
   void spool_release_locked(size_t slot);
   // Folds `payload` (model bytes starting at `offset`, whole elements only

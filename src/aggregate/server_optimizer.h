@@ -57,6 +57,10 @@ class ServerOptAggregator final : public Aggregator {
   StatusOr<std::unique_ptr<UpdateStream>> open_update(const std::string& client_id, double sample_count) override {
     return inner_->open_update(client_id, sample_count);
   }
+  StatusOr<std::unique_ptr<UpdateStream>> open_local_update(const std::string& client_id,
+                                                            double sample_count) override {
+    return inner_->open_local_update(client_id, sample_count);
+  }
   Status finalize(Arena& global) override;
   int num_committed() const override { return inner_->num_committed(); }
   size_t state_bytes() const override;

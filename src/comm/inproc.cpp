@@ -2,14 +2,17 @@
 
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstring>
 #include <mutex>
 #include <thread>
 
 #include <fmt/format.h>
 
 #include "comm/chunk.h"
+#include "common/parallel.h"
 
 namespace memfl {
 
@@ -36,6 +39,31 @@ double seconds_since(std::chrono::steady_clock::time_point t) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
 }
 
+// A worker's model and update move inside this process: handed over, not
+// sent. The broadcast is a copy on every core; the upload goes in chunks of
+// at least this many bytes without checksums (open_local_update), so that
+// each chunk folds on every core (FedAvgAggregator::fold) and nothing hashes
+// bytes that never left memory the process owns. A model of many GB was
+// held to one core's hashing and folding speed by the transports' chunking.
+constexpr size_t kLocalChunkBytes = size_t{64} << 20;
+
+uint64_t copy_model(const Layout& layout, const Arena& from, Arena& to) {
+  const size_t total = layout.total_bytes();
+  const std::byte* src = from.data();
+  std::byte* dst = to.data();
+  parallel_for(total, size_t{8} << 20, [&](size_t lo, size_t hi) { std::memcpy(dst + lo, src + lo, hi - lo); });
+  return total;
+}
+
+StatusOr<uint64_t> hand_over(const Layout& layout, const Arena& arena, size_t chunk, ChunkSink& sink) {
+  const size_t total = layout.total_bytes();
+  for (size_t off = 0; off < total; off += chunk) {
+    const size_t len = std::min(chunk, total - off);
+    MEMFL_RETURN_IF_ERROR(sink.accept(ChunkHeader{layout.hash(), off, len, 0}, arena.bytes(off, len)));
+  }
+  return total;
+}
+
 }  // namespace
 
 Status InProcessTransport::collect(int round, const std::vector<int>& selected, const Arena& global,
@@ -53,11 +81,14 @@ Status InProcessTransport::collect(int round, const std::vector<int>& selected, 
       const std::string peer = client_id(c);
       ClientUpdateInfo info;
       info.client = c;
-      // Broadcast: the global model's chunks into the worker's arena.
+      // Broadcast: the global model into the worker's arena.
       auto t = std::chrono::steady_clock::now();
-      ArenaWriter into(layout_, arena, peer);
-      auto down = stream_arena(layout_, global, chunk_, into);
-      Status st = down.ok() ? into.finish() : down.status();
+      StatusOr<uint64_t> down = arena.size() >= layout_.total_bytes()
+                                    ? StatusOr<uint64_t>(copy_model(layout_, global, arena))
+                                    : StatusOr<uint64_t>(failed_precondition(
+                                          "{}: a worker's arena of {} bytes is smaller than the model's {}", peer,
+                                          arena.size(), layout_.total_bytes()));
+      Status st = down.status();
       const double down_s = seconds_since(t);
       if (st.ok()) st = local_update_(w, c, round, &info).with_context(fmt::format("round {}, {}", round, peer));
       // Upload: the update folds as it streams (or parks until its turn).
@@ -65,7 +96,10 @@ Status InProcessTransport::collect(int round, const std::vector<int>& selected, 
       double up_s = 0;
       if (st.ok()) {
         t = std::chrono::steady_clock::now();
-        auto update = aggregator.open_update(peer, info.sample_count);
+        // Frames (compressed, masked) go as any transport sends them; the
+        // arena's bytes are handed over.
+        auto update = upload_ ? aggregator.open_update(peer, info.sample_count)
+                              : aggregator.open_local_update(peer, info.sample_count);
         if (!update.ok()) {
           st = update.status();
         } else {
@@ -75,7 +109,7 @@ Status InProcessTransport::collect(int round, const std::vector<int>& selected, 
             auto place = upload_(w, c, global);
             up = place.ok() ? stream_place(layout_, **place, chunk_, counted) : StatusOr<uint64_t>(place.status());
           } else {
-            up = stream_arena(layout_, arena, chunk_, counted);
+            up = hand_over(layout_, arena, std::max(chunk_, kLocalChunkBytes), counted);
           }
           st = up.ok() ? (*update)->commit()
                        : up.status().with_context(fmt::format("round {}, upload from {}", round, peer));

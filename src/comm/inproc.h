@@ -1,8 +1,11 @@
 // In-process transport (the simulator, `memfl run`): K worker replicas serve
-// the round's virtual clients. A free worker takes the next client, receives
-// the global model as chunks into its arena (verified, as over the network),
-// runs the client's local update there, and streams its arena into the
-// aggregator at once — no worker waits for another's turn: the aggregator
+// the round's virtual clients. A free worker takes the next client, copies
+// the global model into its arena (on every core: nothing crosses a trust
+// boundary, so nothing is hashed), runs the client's local update there, and
+// hands its arena to the aggregator at once in large chunks whose sizes,
+// offsets and values are checked as any update's (open_local_update; frames,
+// when the update is compressed or masked, go as on the wire) — no worker
+// waits for another's turn: the aggregator
 // parks an update that is early (aggregate/fedavg_aggregator.h), so the
 // model is the same bit for bit for any K.
 #pragma once

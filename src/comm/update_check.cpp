@@ -196,8 +196,14 @@ namespace {
 
 class CheckedUpdateStream final : public UpdateStream {
  public:
-  CheckedUpdateStream(std::unique_ptr<UpdateStream> inner, const Layout& layout, std::string peer, int round)
-      : inner_(std::move(inner)), layout_(layout), check_(layout), peer_(std::move(peer)), round_(round) {}
+  CheckedUpdateStream(std::unique_ptr<UpdateStream> inner, const Layout& layout, std::string peer, int round,
+                      bool hashed)
+      : inner_(std::move(inner)),
+        layout_(layout),
+        check_(layout),
+        peer_(std::move(peer)),
+        round_(round),
+        hashed_(hashed) {}
   using ChunkSink::accept;
   Status accept(const ChunkHeader& header, Payload payload) override {
     // The header first (as the aggregator will again): the values are
@@ -206,7 +212,7 @@ class CheckedUpdateStream final : public UpdateStream {
     Status st = check_.check(header.offset, payload, peer_, round_);
     // Bytes damaged on the way are a checksum error, not the client's
     // values: say which (only a refused chunk is hashed again).
-    if (!st.ok() && chunk_checksum(payload) != header.checksum) return checksum_mismatch(header, peer_);
+    if (!st.ok() && hashed_ && chunk_checksum(payload) != header.checksum) return checksum_mismatch(header, peer_);
     MEMFL_RETURN_IF_ERROR(st);
     MEMFL_RETURN_IF_ERROR(inner_->accept(header, payload));
     next_offset_ += header.length;
@@ -221,6 +227,7 @@ class CheckedUpdateStream final : public UpdateStream {
   uint64_t next_offset_ = 0;
   std::string peer_;
   int round_;
+  bool hashed_;  // false: a local update's chunks, which carry no checksum
 };
 
 }  // namespace
@@ -230,7 +237,15 @@ StatusOr<std::unique_ptr<UpdateStream>> CheckedUpdateOpener::open_update(const s
   MEMFL_RETURN_IF_ERROR(check_sample_count(sample_count, limits_, client_id, round_));
   MEMFL_ASSIGN_OR_RETURN(auto inner, inner_.open_update(client_id, sample_count));
   return std::unique_ptr<UpdateStream>(
-      std::make_unique<CheckedUpdateStream>(std::move(inner), layout_, client_id, round_));
+      std::make_unique<CheckedUpdateStream>(std::move(inner), layout_, client_id, round_, /*hashed=*/true));
+}
+
+StatusOr<std::unique_ptr<UpdateStream>> CheckedUpdateOpener::open_local_update(const std::string& client_id,
+                                                                               double sample_count) {
+  MEMFL_RETURN_IF_ERROR(check_sample_count(sample_count, limits_, client_id, round_));
+  MEMFL_ASSIGN_OR_RETURN(auto inner, inner_.open_local_update(client_id, sample_count));
+  return std::unique_ptr<UpdateStream>(
+      std::make_unique<CheckedUpdateStream>(std::move(inner), layout_, client_id, round_, /*hashed=*/false));
 }
 
 }  // namespace memfl

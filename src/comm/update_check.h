@@ -88,6 +88,7 @@ class CheckedUpdateOpener final : public UpdateOpener {
   CheckedUpdateOpener(UpdateOpener& inner, const Layout& layout, int round, UpdateLimits limits)
       : inner_(inner), layout_(layout), round_(round), limits_(limits) {}
   StatusOr<std::unique_ptr<UpdateStream>> open_update(const std::string& client_id, double sample_count) override;
+  StatusOr<std::unique_ptr<UpdateStream>> open_local_update(const std::string& client_id, double sample_count) override;
 
  private:
   UpdateOpener& inner_;

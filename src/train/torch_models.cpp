@@ -232,7 +232,38 @@ torch::ScalarType scalar_type_of(DType d) {
 }
 
 #ifdef MEMFL_HAVE_CUDA_COPY
-void copy_cuda_arena(std::vector<torch::Tensor>& tensors, const Layout& layout, Arena& arena, bool to_device) {
+PinnedArena::PinnedArena(Arena& arena) : arena_(arena) {
+  if (arena.file_backed() || arena.size() == 0) return;
+  pinning_ = std::thread([this] {
+    if (cudaHostRegister(arena_.data(), arena_.size(), cudaHostRegisterDefault) == cudaSuccess) {
+      ready_.store(true, std::memory_order_release);
+    } else {
+      (void)cudaGetLastError();  // not sticky: the copies stage instead
+    }
+  });
+}
+
+PinnedArena::~PinnedArena() {
+  if (pinning_.joinable()) pinning_.join();
+  if (ready()) (void)cudaHostUnregister(arena_.data());
+}
+
+void copy_cuda_arena(std::vector<torch::Tensor>& tensors, const Layout& layout, Arena& arena, bool to_device,
+                     bool pinned) {
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  if (pinned) {
+    // Page-locked: each tensor in one DMA, queued back to back.
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      auto& t = tensors[i];
+      if (!t.is_cuda()) continue;
+      auto* host = reinterpret_cast<uint8_t*>(arena.data()) + layout.entries()[i].offset;
+      auto* dev = static_cast<uint8_t*>(t.data_ptr());
+      C10_CUDA_CHECK(to_device ? cudaMemcpyAsync(dev, host, t.nbytes(), cudaMemcpyHostToDevice, stream)
+                               : cudaMemcpyAsync(host, dev, t.nbytes(), cudaMemcpyDeviceToHost, stream));
+    }
+    stream.synchronize();
+    return;
+  }
   // Two pinned staging buffers: while the GPU copies one, the host threads
   // fill (or drain) the other. A pageable copy stages through the driver's
   // small buffers on one thread, 3-4 × slower for a model of many GB.
@@ -242,7 +273,6 @@ void copy_cuda_arena(std::vector<torch::Tensor>& tensors, const Layout& layout, 
                             torch::empty({static_cast<int64_t>(kStage)}, pinned)};
   at::cuda::CUDAEvent done[2];
   bool used[2] = {false, false};
-  auto stream = c10::cuda::getCurrentCUDAStream();
   int b = 0;
   auto host_copy = [](uint8_t* dst, const uint8_t* src, size_t n) {
     parallel_for(n, size_t{8} << 20, [&](size_t lo, size_t hi) { std::memcpy(dst + lo, src + lo, hi - lo); });

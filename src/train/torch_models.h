@@ -4,6 +4,9 @@
 
 #include <torch/torch.h>
 
+#include <atomic>
+#include <thread>
+
 // CUDA builds of libtorch (the GPU machine's): pinned, pipelined copies
 // between a module on the GPU and its arena.
 #if __has_include(<ATen/cuda/CUDAEvent.h>) && __has_include(<cuda_runtime_api.h>)
@@ -75,9 +78,32 @@ StatusOr<BoundModel> bind_to_arena(Net& net);
 
 #ifdef MEMFL_HAVE_CUDA_COPY
 // tensors[i] (contiguous, on the GPU; others are skipped) ↔ the arena bytes of
-// layout entry i, through pinned staging buffers, on the current stream;
-// returns when the copy is done.
-void copy_cuda_arena(std::vector<torch::Tensor>& tensors, const Layout& layout, Arena& arena, bool to_device);
+// layout entry i, on the current stream; returns when the copy is done.
+// Straight between the arena and the GPU when `pinned` (the arena is page-
+// locked: PinnedArena), at the link's speed; otherwise through two pinned
+// staging buffers that host threads fill or drain.
+void copy_cuda_arena(std::vector<torch::Tensor>& tensors, const Layout& layout, Arena& arena, bool to_device,
+                     bool pinned = false);
+
+// Page-locks an arena for the GPU's copy engines (cudaHostRegister), on a
+// thread of its own: pinning a model of many GB takes seconds, which the
+// first turn's copies must not wait for (they stage until it is done).
+// Unpinned when it goes. An arena that cannot be pinned (file-backed, or the
+// driver refuses) stays as it is, and copies keep staging.
+class PinnedArena {
+ public:
+  explicit PinnedArena(Arena& arena);
+  ~PinnedArena();
+  PinnedArena(const PinnedArena&) = delete;
+  PinnedArena& operator=(const PinnedArena&) = delete;
+  // True once the arena is page-locked.
+  bool ready() const { return ready_.load(std::memory_order_acquire); }
+
+ private:
+  Arena& arena_;
+  std::atomic<bool> ready_{false};
+  std::thread pinning_;
+};
 #endif
 
 }  // namespace memfl::torch_internal

@@ -209,6 +209,11 @@ class TorchReplica final : public ModelReplica {
   TorchReplica(std::shared_ptr<Net> net, BoundModel bound, torch::Device device)
       : net_(std::move(net)), bound_(std::move(bound)), device_(device) {
     if (device_.is_cuda()) net_->to(device_);  // the arena stays the host copy
+#ifdef MEMFL_HAVE_CUDA_COPY
+    // The model crosses the link twice a turn: page-locked, it goes at the
+    // link's speed instead of through staging buffers.
+    if (device_.is_cuda()) pinned_ = std::make_unique<PinnedArena>(bound_.arena);
+#endif
 #ifdef MEMFL_HAVE_CUDA_STATS
     // Each replica (a simulator worker) gets its own stream, so K workers'
     // kernels can overlap instead of queueing on the default stream.
@@ -268,7 +273,8 @@ class TorchReplica final : public ModelReplica {
     torch::NoGradGuard g;
     auto ts = all_tensors();
 #ifdef MEMFL_HAVE_CUDA_COPY
-    if (all_contiguous(ts)) return copy_cuda_arena(ts, bound_.layout, bound_.arena, /*to_device=*/true);
+    if (all_contiguous(ts))
+      return copy_cuda_arena(ts, bound_.layout, bound_.arena, /*to_device=*/true, pinned_ && pinned_->ready());
 #endif
     for (size_t i = 0; i < ts.size(); ++i) ts[i].copy_(host_view(i, ts[i]));
   }
@@ -277,7 +283,8 @@ class TorchReplica final : public ModelReplica {
     torch::NoGradGuard g;
     auto ts = all_tensors();
 #ifdef MEMFL_HAVE_CUDA_COPY
-    if (all_contiguous(ts)) return copy_cuda_arena(ts, bound_.layout, bound_.arena, /*to_device=*/false);
+    if (all_contiguous(ts))
+      return copy_cuda_arena(ts, bound_.layout, bound_.arena, /*to_device=*/false, pinned_ && pinned_->ready());
 #endif
     for (size_t i = 0; i < ts.size(); ++i) host_view(i, ts[i]).copy_(ts[i]);
   }
@@ -635,6 +642,9 @@ class TorchReplica final : public ModelReplica {
   std::shared_ptr<Net> net_;
   BoundModel bound_;
   torch::Device device_;
+#ifdef MEMFL_HAVE_CUDA_COPY
+  std::unique_ptr<PinnedArena> pinned_;  // after bound_: unpinned before the arena goes
+#endif
 #ifdef MEMFL_HAVE_CUDA_STATS
   std::optional<c10::cuda::CUDAStream> stream_;
 #endif
