@@ -1395,8 +1395,8 @@ Status check_text_data(const ExperimentConfig& c, const std::string& source, boo
   }
   if (tokenized && !have_sentencepiece()) {
     return failed_precondition(
-        "{}: '{}' needs SentencePiece, which this memfl was built without (install libsentencepiece-dev — "
-        "scripts/install-deps.sh does — and rebuild)",
+        "{}: '{}' needs SentencePiece, and this memfl was built without its plugin (it needs "
+        "libsentencepiece-dev — scripts/install-deps.sh installs it — and a build without MEMFL_SANITIZE)",
         source, kTokenizerPathKey);
   }
   if (!t.packing && !tokenized) {

@@ -70,8 +70,8 @@ StatusOr<const SpmApi*> spm_api() {
       kPluginName, tried);
 #else
   return failed_precondition(
-      "this memfl was built without SentencePiece (install libsentencepiece-dev — scripts/install-deps.sh does — "
-      "and rebuild)");
+      "this memfl was built without its SentencePiece plugin (it needs libsentencepiece-dev — "
+      "scripts/install-deps.sh installs it — and a build without MEMFL_SANITIZE)");
 #endif
 }
 

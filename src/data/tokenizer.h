@@ -1,6 +1,8 @@
 // A SentencePiece tokenizer (the tokenizer.model files of Llama 1/2,
 // Mistral, TinyLlama and others), read through Debian's libsentencepiece:
-// text in, token ids out, and the special ids a corpus is framed with.
+// text in, token ids out, and the special ids a corpus is framed with. The
+// library lives in a plugin, libmemfl_sentencepiece.so, loaded on first use
+// (data/sentencepiece_plugin.cpp says why).
 //
 //   MEMFL_ASSIGN_OR_RETURN(Tokenizer tok, Tokenizer::open(path, kTokenizerPathKey));
 //   MEMFL_ASSIGN_OR_RETURN(std::vector<int32_t> ids, tok.encode("Hello world"));
