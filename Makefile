@@ -79,7 +79,7 @@ bench: build
 	AGGREGATORS=FedAdamAggregator ARENA_BACKING=file bash bench/aggregators.sh $(BUILD) 1024 > $(BUILD)/bench_aggregators_file.jsonl
 	bash bench/async_memory.sh $(BUILD) > $(BUILD)/bench_async_memory.jsonl
 	bash bench/async_scale.sh $(BUILD) > $(BUILD)/bench_async_scale.jsonl
-	CELLS="16:10 16:100 16:1000 256:10 256:100" bash bench/server_sessions.sh $(BUILD) > $(BUILD)/bench_server_sessions.jsonl
+	bash bench/server_sessions.sh $(BUILD) > $(BUILD)/bench_server_sessions.jsonl
 	./$(BUILD)/memfl compare-algorithms configs/fedasync_fmnist_cnn.yaml --algorithms FedAvg,FedAsync,FedBuff,FedCompass \
 	  --set server_configs.num_global_epochs=25 --set client_configs.data_configs.dataset_kwargs.max_test_samples=2000 \
 	  --target 0.6,0.7,0.8 --out $(BUILD)/compare_algorithms
