@@ -421,8 +421,16 @@ StatusOr<DatasetSplits> load_tokenized_text(const TextDataSource& src) {
                          g.mask.begin() + static_cast<ptrdiff_t>((from + n) * len));
       d.labels.insert(d.labels.end(), n, gid);
     };
-    put(s.train, 0, train);
     put(s.test, train, test);
+    if (s.train.tokens.empty()) {  // the first group (often the only one) moves in: no second copy
+      g.tokens.resize(train * len);
+      g.mask.resize(train * len);
+      s.train.tokens = std::move(g.tokens);
+      s.train.loss_mask = std::move(g.mask);
+      s.train.labels.assign(train, gid);
+    } else {
+      put(s.train, 0, train);
+    }
     s.train.group_names.push_back(name);
     s.test.group_names.push_back(name);
     g = GroupSamples();
