@@ -278,19 +278,28 @@ StatusOr<int> check_tokenized_text(const TextDataSource& src) {
     MEMFL_ASSIGN_OR_RETURN(Documents docs, read_jsonl(src));
     std::map<std::string, int> groups;
     for (const auto& d : docs) groups[d.group] = 0;
+    if (groups.size() > kMaxGroups) {
+      return invalid_argument("{}: '{}' has {} groups; at most {} are supported", kwarg("group_field"), src.path,
+                              groups.size(), kMaxGroups);
+    }
     return static_cast<int>(groups.size());
   }
   MEMFL_ASSIGN_OR_RETURN(auto files, text_files(src.path));
   for (const auto& [file, name] : files) {
     MEMFL_RETURN_IF_ERROR(check_input_file_if_present(file, kPathKey, kTextCorpusLimit));
   }
+  if (files.size() > kMaxGroups) {
+    return invalid_argument("{}: the folder '{}' holds {} .txt files, each a group; at most {} are supported", kPathKey,
+                            src.path, files.size(), kMaxGroups);
+  }
   return static_cast<int>(files.size());
 }
 
 StatusOr<DatasetSplits> load_tokenized_text(const TextDataSource& src) {
   const TextDataConfig& t = src.text;
-  if (t.tokenizer_path.empty())
+  if (t.tokenizer_path.empty()) {
     return invalid_argument("{}: dataset {} needs a tokenizer", kTokenizerPathKey, src.dataset_name);
+  }
   MEMFL_ASSIGN_OR_RETURN(Tokenizer tok, Tokenizer::open(t.tokenizer_path, kTokenizerPathKey));
   MEMFL_RETURN_IF_ERROR(check_tokenizer(tok, src.vocab_size));
   const size_t len = static_cast<size_t>(src.seq_length) + 1;
