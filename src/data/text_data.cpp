@@ -389,7 +389,8 @@ StatusOr<DatasetSplits> load_tokenized_text(const TextDataSource& src) {
     it = groups.erase(it);
   }
   if (groups.size() > kMaxGroups) {
-    return invalid_argument("{}: '{}' has {} groups; at most {} are supported", kwarg("group_field"), src.path,
+    return invalid_argument("{}: '{}' has {} groups; at most {} are supported",
+                            src.dataset_name == "JsonLines" ? kwarg("group_field") : std::string(kPathKey), src.path,
                             groups.size(), kMaxGroups);
   }
   size_t total = 0, largest = 0, n_test = 0;
