@@ -503,6 +503,15 @@ TEST(JsonLines, AGroupFieldGroupsRecordsByItsValueAndPlainTextRecordsAreTokenize
     }
     EXPECT_EQ(got, std::vector<int32_t>(stream.begin(), stream.begin() + n_train * kLen)) << "group " << g;
   }
+  // Dirichlet splits by the same groups: every training sample to one client.
+  PartitionSpec dir{PartitionStrategy::kDirichlet, 2, 0.5, 2, 9};
+  auto pd = partition_indices(data->train.labels, data->train.num_classes, dir);
+  ASSERT_TRUE(pd.ok()) << pd.status().to_string();
+  std::vector<uint32_t> all_idx = (*pd)[0];
+  all_idx.insert(all_idx.end(), (*pd)[1].begin(), (*pd)[1].end());
+  std::sort(all_idx.begin(), all_idx.end());
+  for (uint32_t i = 0; i < all_idx.size(); ++i) ASSERT_EQ(all_idx[i], i);
+  EXPECT_EQ(all_idx.size(), data->train.size());
   // Three clients for two topics: refused naming both counts.
   auto three = experiment("JsonLines", tmp.file("docs.jsonl"), 3,
                           ", text_field: text, group_field: src, partition_strategy: by_group");
