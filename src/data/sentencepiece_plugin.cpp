@@ -6,8 +6,8 @@
 // names; in a process that also has the system's libprotobuf (gRPC's,
 // 3.21), those names resolve to the system's copy and the model's parser
 // aborts on the version check. RTLD_DEEPBIND makes this library and
-// libsentencepiece look up their own symbols first. A process that never
-// tokenizes (a server) never maps either.
+// libsentencepiece look up their own symbols first. A process whose config
+// names no tokenizer never maps either.
 //
 // Nothing allocated here crosses the interface: text comes in as bytes, ids
 // leave through the caller's callback, errors as text into its buffer.
