@@ -99,6 +99,36 @@ TEST(LlamaTorch, ChunkedLossAndGradientsMatchFullLogits) {
   EXPECT_LT(max_rel_diff(gw, w.grad()), 1e-5);
 }
 
+// Targets of -100 (a loss mask's padding or prompt) are no targets: the
+// chunked loss, its count and its gradients equal torch's cross_entropy with
+// ignore_index -100 over the full logits — the mean over the 25 rows that
+// count, not the 37 — with masked rows in several chunks, one chunk all
+// masked.
+TEST(LlamaTorch, ChunkedLossSkipsIgnoredTargetsAsTorchDoes) {
+  torch::manual_seed(5);
+  auto h = torch::randn({37, 16}).requires_grad_(true);
+  auto w = torch::randn({50, 16}).requires_grad_(true);
+  auto y = torch::randint(0, 50, {37}, torch::kInt64);
+  for (int64_t i : {0, 3, 9, 17, 30, 36}) y[i] = -100;
+  y.narrow(0, 8, 8).fill_(-100);                         // rows 8..15: the second chunk of 8, all masked
+  ASSERT_EQ(y.ge(0).sum().item<int64_t>(), 37 - 6 - 7);  // row 9 is in both
+  auto [loss, correct] = linear_cross_entropy(h, w, y, 8);
+  loss.mul(1.5).backward();
+  auto gh = h.grad().clone(), gw = w.grad().clone();
+  h.mutable_grad() = torch::Tensor();
+  w.mutable_grad() = torch::Tensor();
+  auto logits = torch::matmul(h, w.t());
+  auto ref = torch::nn::functional::cross_entropy(logits, y,
+                                                  torch::nn::functional::CrossEntropyFuncOptions().ignore_index(-100));
+  ref.mul(1.5).backward();
+  EXPECT_NEAR(loss.item<double>(), ref.item<double>(), 1e-5);
+  EXPECT_EQ(correct.item<int64_t>(), logits.argmax(-1).eq(y).sum().item<int64_t>());
+  EXPECT_LT(max_rel_diff(gh, h.grad()), 1e-5);
+  EXPECT_LT(max_rel_diff(gw, w.grad()), 1e-5);
+  // The masked rows get no gradient at all.
+  EXPECT_EQ(gh.narrow(0, 8, 8).abs().max().item<float>(), 0.0f);
+}
+
 TEST(LlamaTorch, GradientsMatchAutogradThroughAComposedLlama) {
   const LlamaSpec s = tiny_spec();
   torch::manual_seed(11);

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <array>
 #include <numeric>
+#include <random>
 #include <set>
 #include <cmath>
 #include <cstdio>
@@ -72,6 +73,69 @@ TEST(Training, ThreeClientsTwoRoundsBeatChance) {
   EXPECT_EQ(again.exit_code, 2);
   EXPECT_NE(again.output.find("already holds a run"), std::string::npos) << again.output;
 }
+
+#if defined(MEMFL_HAVE_SENTENCEPIECE)
+// A Llama trained federatedly on instruction records tokenized by a
+// SentencePiece model (trained here by Debian's spm_train), its loss on the
+// responses only: the held-out loss falls over 3 rounds, and metrics.csv's
+// test_perplexity is exp(test_loss). Records are "repeat the word" tasks, so
+// a response is predictable from its prompt and the loss can fall.
+TEST(Training, InstructionRecordsTrainOnTheirResponsesAndTheHeldOutLossFalls) {
+  testing::TempDir tmp;
+  const char* syl[] = {"ka", "lo", "mi", "ne", "ru", "sa", "ti", "vo", "ze", "pa"};
+  std::mt19937_64 rng(17);
+  auto word = [&] {
+    std::string w;
+    for (int k = 0; k < 2; ++k) w += syl[rng() % 10];
+    return w;
+  };
+  {
+    std::ofstream corpus(tmp.file("corpus.txt")), records(tmp.file("train.jsonl"));
+    for (int i = 0; i < 600; ++i) {
+      const std::string a = word(), b = word();
+      const std::string output = a + " " + b + " " + a + " " + b;
+      corpus << "Repeat twice " << a << " " << b << " " << output << "\n";
+      records << nlohmann::json{{"instruction", "Repeat twice"},
+                                {"input", a + " " + b},
+                                {"output", output},
+                                {"topic", i % 3 == 0   ? "x"
+                                          : i % 3 == 1 ? "y"
+                                                       : "z"}}
+                     .dump()
+              << "\n";
+    }
+  }
+  Result spm = run_shell("spm_train --input=" + tmp.file("corpus.txt") + " --model_prefix=" + tmp.file("tok") +
+                         " --vocab_size=96 --model_type=bpe --character_coverage=1.0 --pad_id=3 --minloglevel=2");
+  ASSERT_EQ(spm.exit_code, 0) << spm.output;
+  std::ofstream(tmp.file("c.yaml"))
+      << "client_configs:\n  train_configs:\n    trainer: VanillaTrainer\n    mode: step\n    num_local_steps: 30\n"
+         "    optim: Adam\n    optim_args: {lr: 0.01}\n    train_batch_size: 16\n"
+         "  model_configs:\n    model_name: llama\n    model_kwargs: {hidden_size: 32, num_layers: 1, num_heads: 2, "
+         "num_kv_heads: 1, intermediate_size: 64, vocab_size: 96, seq_length: 48}\n"
+         "  data_configs:\n    dataset_name: JsonLines\n    dataset_path: "
+      << tmp.file("train.jsonl") << "\n    tokenizer_path: " << tmp.file("tok.model")
+      << "\n    dataset_kwargs: {packing: false, train_on_response_only: true, group_field: topic, "
+         "partition_strategy: by_group, prompt_template: '{instruction} {input} '}\n"
+         "server_configs:\n  num_clients: 3\n  num_global_epochs: 3\n";
+  Result r = memfl_cli("run " + tmp.file("c.yaml") + " -q --out " + tmp.file("run"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const auto rows = read_csv(tmp.file("run/metrics.csv"));
+  ASSERT_EQ(rows.size(), 4u) << r.output;
+  const auto& head = rows[0];
+  const size_t loss = std::find(head.begin(), head.end(), "test_loss") - head.begin();
+  const size_t ppl = std::find(head.begin(), head.end(), "test_perplexity") - head.begin();
+  ASSERT_LT(ppl, head.size());
+  std::vector<double> losses;
+  for (size_t i = 1; i < rows.size(); ++i) {
+    const double l = std::stod(rows[i][loss]), p = std::stod(rows[i][ppl]);
+    EXPECT_NEAR(p, std::exp(l), 1e-4 * std::exp(l)) << "round " << i;
+    losses.push_back(l);
+  }
+  EXPECT_LT(losses[2], losses[0]) << r.output;
+  EXPECT_LT(losses[0], std::log(96.0) + 0.5) << "a first round no worse than a uniform guess, give or take";
+}
+#endif
 
 TEST(Training, BadConfigFailsBeforeAnyWork) {
   testing::TempDir tmp;

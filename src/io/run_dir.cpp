@@ -6,6 +6,7 @@
 
 #include <cerrno>
 #include <chrono>
+#include <cmath>
 #include <cstring>
 #include <ctime>
 #include <atomic>
@@ -83,7 +84,7 @@ StatusOr<std::unique_ptr<MetricsWriter>> MetricsWriter::open(const std::string& 
   std::fputs(
       "round,clients,train_loss,train_accuracy,val_loss,val_accuracy,test_loss,test_accuracy,bytes_moved,"
       "round_seconds,peak_rss_bytes,download_seconds,upload_seconds,bytes_down,bytes_up,rss_bytes,commit_seconds,"
-      "threads,open_fds,virtual_seconds,bytes_up_raw\n",
+      "threads,open_fds,virtual_seconds,bytes_up_raw,test_perplexity\n",
       f);
   std::fflush(f);
   return std::unique_ptr<MetricsWriter>(new MetricsWriter(f));
@@ -93,11 +94,14 @@ MetricsWriter::~MetricsWriter() { std::fclose(f_); }
 
 Status MetricsWriter::append(const RoundMetrics& m) {
   std::fputs(fmt::format("{},{},{:.6f},{:.6f},{:.6f},{:.6f},{:.6f},{:.6f},{},{:.3f},{},{:.6f},{:.6f},{},{},{},{:.3f},{}"
-                         ",{},{:.3f},{}\n",
+                         ",{},{:.3f},{},{:.6g}\n",
                          m.round, m.clients, m.train_loss, m.train_accuracy, m.val_loss, m.val_accuracy, m.test_loss,
                          m.test_accuracy, m.bytes_moved, m.round_seconds, m.peak_rss_bytes, m.download_seconds,
                          m.upload_seconds, m.bytes_down, m.bytes_up, m.rss_bytes, m.commit_seconds, m.threads,
-                         m.open_fds, m.virtual_seconds, m.bytes_up_raw)
+                         m.open_fds, m.virtual_seconds, m.bytes_up_raw,
+                         // exp of the held-out mean loss per token (per sample for a
+                         // classifier); 0 for a round the server did not evaluate.
+                         m.test_loss > 0 ? std::exp(m.test_loss) : 0.0)
                  .c_str(),
              f_);
   if (std::fflush(f_) != 0) return internal_error("writing metrics.csv failed: {}", std::strerror(errno));

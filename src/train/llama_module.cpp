@@ -275,19 +275,28 @@ struct LinearCrossEntropy : torch::autograd::Function<LinearCrossEntropy> {
     auto correct = torch::zeros({}, h.options().dtype(torch::kInt64));
     torch::Tensor dh = grad_h ? torch::empty_like(h) : torch::Tensor();
     torch::Tensor dw = grad_w ? torch::zeros_like(w) : torch::Tensor();
+    // A negative target (-100, torch's ignore_index: padding, a prompt under
+    // train_on_response_only) is no target: its row adds nothing, and the
+    // mean is over the rows that count. Kept on the device (no sync): the
+    // count scales each row's gradient as the mean's 1/n did.
+    auto counted = targets.ge(0);
+    auto n_counted = counted.sum().clamp_min(1).to(torch::kFloat32);
     for (int64_t s = 0; s < n; s += chunk_rows) {
       const int64_t m = std::min(chunk_rows, n - s);
       auto hc = h.narrow(0, s, m);
-      auto yc = targets.narrow(0, s, m).unsqueeze(1);
+      auto keep = counted.narrow(0, s, m).unsqueeze(1);
+      auto yc = targets.narrow(0, s, m).unsqueeze(1).clamp_min(0);
       auto logits = torch::matmul(hc, w.t()).to(torch::kFloat32);  // [m, vocab]
       auto lse = torch::logsumexp(logits, -1, /*keepdim=*/true);
-      loss.add_((lse - logits.gather(1, yc)).sum());
-      correct.add_(logits.argmax(-1).eq(yc.squeeze(1)).sum());
+      loss.add_(((lse - logits.gather(1, yc)) * keep).sum());
+      correct.add_(logits.argmax(-1).eq(yc.squeeze(1)).logical_and(keep.squeeze(1)).sum());
       if (!grad_h && !grad_w) continue;
-      // d(mean loss)/d logits = (softmax − one-hot) / n, in place of the logits.
+      // d(mean loss)/d logits = (softmax − one-hot) / n, in place of the
+      // logits; a row that does not count: 0.
       auto p = logits.sub_(lse).exp_();
+      auto row_scale = keep.to(torch::kFloat32) / n_counted;  // [m, 1]
       p.scatter_add_(1, yc, torch::full({m, 1}, -1.0, f32));
-      p.div_(static_cast<double>(n));
+      p.mul_(row_scale);
       auto pb = p.to(h.scalar_type());
       if (grad_h) dh.narrow(0, s, m).copy_(torch::matmul(pb, w));
       if (grad_w) dw.addmm_(pb.t(), hc);
@@ -296,7 +305,7 @@ struct LinearCrossEntropy : torch::autograd::Function<LinearCrossEntropy> {
     ctx->saved_data["dh"] = dh;
     ctx->saved_data["dw"] = dw;
     ctx->mark_non_differentiable({correct});
-    return {loss.div_(static_cast<double>(std::max<int64_t>(1, n))), correct};
+    return {loss.div_(n_counted), correct};
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     auto g = grads[0];

@@ -48,7 +48,8 @@ torch::Tensor causal_attention(const torch::Tensor& q, const torch::Tensor& k, c
 // Mean cross-entropy of logits = h · wᵀ against `targets`, and the number of
 // rows whose arg-max is the target, computed `chunk_rows` rows at a time so
 // the full [N, vocab] f32 logits never exist: h [N, H], w [vocab, H],
-// targets [N] int64. Under autograd the gradients of h and w are worked out
+// targets [N] int64; a negative target (-100, as torch's ignore_index) is
+// left out of the mean, the count and the gradients. Under autograd the gradients of h and w are worked out
 // chunk by chunk in the forward pass (the chunk's logits are at hand then)
 // and scaled in the backward. chunk_rows ≤ 0 picks rows for ~256 MiB of f32
 // logits a chunk.

@@ -59,21 +59,41 @@ void fill_batch(const ImageDataset& data, std::span<const uint32_t> idx, torch::
   }
 }
 
-// Language-model batches: each sample is seq_length + 1 token ids (stored as
-// the data set's uint8 "pixels"); the input is the first seq_length, the
-// target the last seq_length (next-token prediction).
+// Language-model batches: each sample is seq_length + 1 token ids (the data
+// set's int32 `tokens`, or its uint8 "pixels" for byte tokens; dataset.h);
+// the input is the first seq_length, the target the last seq_length
+// (next-token prediction). A target the data set's loss_mask leaves out
+// (padding, a prompt) is -100, torch's ignore_index, which every loss here
+// skips.
+constexpr int64_t kIgnoredTarget = -100;
 void fill_token_batch(const ImageDataset& data, std::span<const uint32_t> idx, torch::Tensor& x, torch::Tensor& y) {
   const int64_t b = static_cast<int64_t>(idx.size());
-  const int64_t len = static_cast<int64_t>(data.sample_bytes());
+  const int64_t len = data.width;
+  const bool ids = !data.tokens.empty();
+  const bool masked = !data.loss_mask.empty();
   auto all = torch::empty({b, len}, torch::kInt64);
   int64_t* p = all.data_ptr<int64_t>();
   for (int64_t i = 0; i < b; ++i) {
-    const uint8_t* s = data.sample(idx[static_cast<size_t>(i)]);
-    for (int64_t j = 0; j < len; ++j) p[i * len + j] = s[j];
+    const size_t at = static_cast<size_t>(idx[static_cast<size_t>(i)]) * static_cast<size_t>(len);
+    for (int64_t j = 0; j < len; ++j) {
+      p[i * len + j] = ids ? data.tokens[at + static_cast<size_t>(j)] : data.pixels[at + static_cast<size_t>(j)];
+    }
   }
   x = all.narrow(1, 0, len - 1).contiguous();
   y = all.narrow(1, 1, len - 1).contiguous();
+  if (masked) {
+    int64_t* t = y.data_ptr<int64_t>();
+    for (int64_t i = 0; i < b; ++i) {
+      const uint8_t* m = data.loss_mask.data() + static_cast<size_t>(idx[static_cast<size_t>(i)]) * len;
+      for (int64_t j = 1; j < len; ++j) {
+        if (m[j] == 0) t[i * (len - 1) + j - 1] = kIgnoredTarget;
+      }
+    }
+  }
 }
+
+// The targets that count in a batch (a classifier's: all of them).
+torch::Tensor counted_targets(const torch::Tensor& y) { return y.ge(0).sum(); }
 
 // Loss and correct predictions of a batch, for classifiers and language models alike.
 torch::Tensor batch_loss(const torch::Tensor& logits, const torch::Tensor& y, bool sum = false) {
@@ -396,9 +416,9 @@ class TorchReplica final : public ModelReplica {
         {
           torch::NoGradGuard g;
           auto weighted = loss.detach() * static_cast<double>(n);
-          // Accuracy per predicted element (per token for a language model).
-          auto acc = right.to(torch::kFloat64) *
-                     (static_cast<double>(n) / static_cast<double>(std::max<int64_t>(1, y.numel())));
+          // Accuracy per predicted element (per counted token for a language model).
+          auto acc =
+              right.to(torch::kFloat64) * static_cast<double>(n) / counted_targets(y).clamp_min(1).to(torch::kFloat64);
           loss_sum = loss_sum.defined() ? loss_sum + weighted : weighted;
           correct = correct.defined() ? correct + acc : acc;
         }
@@ -624,16 +644,17 @@ class TorchReplica final : public ModelReplica {
       x = x.to(device_);
       y = y.to(device_);
       auto logits = net_->forward(x);
-      // Per sample: a language model's summed token loss is divided by its
-      // tokens per sample, so loss and accuracy are per token.
-      const double per = static_cast<double>(std::max<int64_t>(1, y.numel() / std::max<int64_t>(1, y.size(0))));
-      loss_sum += batch_loss(logits, y, /*sum=*/true).item<double>() / per;
+      // Summed over the targets that count (a language model's: the tokens
+      // its loss mask keeps; -100 is skipped by the loss and never equals an
+      // arg-max), and divided by them at the end: loss and accuracy per
+      // counted token, per sample for a classifier.
+      loss_sum += batch_loss(logits, y, /*sum=*/true).item<double>();
       correct += batch_correct(logits, y);
       r.num_samples += static_cast<int64_t>(n);
-      predicted += y.numel();
+      predicted += counted_targets(y).item<int64_t>();
     }
-    if (r.num_samples > 0) {
-      r.loss = loss_sum / static_cast<double>(r.num_samples);
+    if (predicted > 0) {
+      r.loss = loss_sum / static_cast<double>(predicted);
       r.accuracy = static_cast<double>(correct) / static_cast<double>(predicted);
     }
     return r;
