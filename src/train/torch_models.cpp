@@ -249,9 +249,9 @@ PinnedArena::~PinnedArena() {
 }
 
 void copy_cuda_arena(std::vector<torch::Tensor>& tensors, const Layout& layout, Arena& arena, bool to_device,
-                     bool pinned) {
+                     bool arena_pinned) {
   auto stream = c10::cuda::getCurrentCUDAStream();
-  if (pinned) {
+  if (arena_pinned) {
     // Page-locked: each tensor in one DMA, queued back to back.
     for (size_t i = 0; i < tensors.size(); ++i) {
       auto& t = tensors[i];

@@ -79,11 +79,11 @@ StatusOr<BoundModel> bind_to_arena(Net& net);
 #ifdef MEMFL_HAVE_CUDA_COPY
 // tensors[i] (contiguous, on the GPU; others are skipped) ↔ the arena bytes of
 // layout entry i, on the current stream; returns when the copy is done.
-// Straight between the arena and the GPU when `pinned` (the arena is page-
+// Straight between the arena and the GPU when `arena_pinned` (the arena is page-
 // locked: PinnedArena), at the link's speed; otherwise through two pinned
 // staging buffers that host threads fill or drain.
 void copy_cuda_arena(std::vector<torch::Tensor>& tensors, const Layout& layout, Arena& arena, bool to_device,
-                     bool pinned = false);
+                     bool arena_pinned = false);
 
 // Page-locks an arena for the GPU's copy engines (cudaHostRegister), on a
 // thread of its own: pinning a model of many GB takes seconds, which the
