@@ -24,6 +24,7 @@
 #include "model/llama.h"
 #include "model/synthetic.h"
 #include "tensor/safetensors.h"
+#include "tensor/sharded_safetensors.h"
 
 namespace memfl {
 
@@ -34,6 +35,14 @@ bool is_spec_only(const ExperimentConfig& cfg) {
 }
 
 Status fill_initial_model(const ModelConfig& model, const Layout& layout, Arena& arena, uint64_t seed) {
+  if (!model.hf_checkpoint.empty()) {
+    // By Hugging Face's tensor names, every name, dtype and shape checked
+    // before a byte is copied, one shard mapped at a time.
+    MEMFL_ASSIGN_OR_RETURN(auto ckpt, ShardedCheckpoint::open(model.hf_checkpoint));
+    Status loaded = ckpt.load_into(layout, arena);
+    if (!loaded.ok()) return loaded.with_context("client_configs.model_configs.hf_checkpoint");
+    return Status::Ok();
+  }
   if (model.initial_model.empty()) {
     fill_synthetic(layout, arena, seed);
     return Status::Ok();

@@ -4,6 +4,7 @@
 #include "data/tokenizer.h"
 #include "io/input_file.h"
 #include "memory/budget.h"
+#include "model/hf_checkpoint.h"
 #include "model/llama.h"
 #include "secagg/secagg.h"
 
@@ -397,6 +398,9 @@ const std::vector<KeySpec>& schema() {
       {"client_configs.model_configs.model_kwargs.intermediate_size", Type::kInt, "172", {}, 1, 1e7, "llama: SwiGLU MLP width", I(model.intermediate_size)},
       {"client_configs.model_configs.model_kwargs.vocab_size", Type::kInt, "256", {}, 2, 1e7, "llama: vocabulary", I(model.vocab_size)},
       {"client_configs.model_configs.model_kwargs.tie_word_embeddings", Type::kBool, "false", {}, -kInf, kInf, "llama: LM head shares the embedding", B(model.tie_word_embeddings)},
+      {"client_configs.model_configs.model_kwargs.rope_theta", Type::kFloat, "500000", {}, 1, 1e12, "llama: rotary embedding base", F(model.rope_theta)},
+      {"client_configs.model_configs.model_kwargs.rms_norm_eps", Type::kFloat, "1e-05", {}, 1e-12, 1, "llama: RMSNorm epsilon", F(model.rms_norm_eps)},
+      {"client_configs.model_configs.hf_checkpoint", Type::kString, "\"\"", {}, -kInf, kInf, "a Hugging Face Llama checkpoint folder (config.json + model.safetensors or shards and their index): model_name llama, the spec and dtype from its config.json, the initial global model from its weights", S(model.hf_checkpoint)},
       {"client_configs.model_configs.model_kwargs.seq_length", Type::kInt, "64", {}, 2, 1 << 20, "llama training: tokens per sample", I(model.seq_length)},
       // clang-format on
       // client_configs.data_configs
@@ -1681,6 +1685,17 @@ StatusOr<ExperimentConfig> load_config_text(const std::string& yaml_text, const 
     MEMFL_ASSIGN_OR_RETURN(Value v, convert(k, n, where));
     k.apply(cfg, v);
     assign(resolved, k.path, n);
+  }
+  if (!cfg.model.hf_checkpoint.empty()) {
+    // The spec and dtype come from the checkpoint's config.json; the
+    // resolved config says what they became.
+    auto user_set = [&](std::string_view key) {
+      const YAML::Node n = lookup(root, std::string(key));
+      return n.IsDefined() && !n.IsNull();
+    };
+    auto set = apply_hf_config(&cfg.model, user_set);
+    if (!set.ok()) return set.status().with_context(source);
+    for (const auto& [key, value] : *set) assign(resolved, key, YAML::Load(value));
   }
   MEMFL_RETURN_IF_ERROR(cross_checks(cfg, source));
   YAML::Emitter out;

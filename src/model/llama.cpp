@@ -30,6 +30,8 @@ StatusOr<LlamaSpec> llama_spec_from_config(const ModelConfig& model) {
     s.intermediate_size = model.intermediate_size;
     s.vocab_size = model.vocab_size;
     s.tie_word_embeddings = model.tie_word_embeddings;
+    s.rope_theta = model.rope_theta;
+    s.rms_norm_eps = model.rms_norm_eps;
     MEMFL_RETURN_IF_ERROR(validate_llama_spec(s).with_context("client_configs.model_configs.model_kwargs"));
     return s;
   }

@@ -20,7 +20,8 @@ struct ModelConfig {
   int num_layers = 2, num_heads = 4, num_kv_heads = 2;
   int64_t intermediate_size = 172, vocab_size = 256;
   bool tie_word_embeddings = false;
-  int seq_length = 64;  // llama training: tokens per sample
+  double rope_theta = 500000.0, rms_norm_eps = 1e-5;  // llama (custom spec)
+  int seq_length = 64;                                // llama training: tokens per sample
   // model_name "TorchScript": a torch.jit.save'd module (scripted or traced)
   // whose forward takes an N×C×H×W batch and returns logits.
   std::string torchscript_path;
@@ -29,6 +30,15 @@ struct ModelConfig {
   // network, and a DummyTrainer client takes its layout from it. `memfl
   // inspect model.pt --write-layout FILE` writes one for a TorchScript model.
   std::string initial_model;
+  // A Hugging Face Llama checkpoint folder (config.json + model.safetensors,
+  // or shards with their index): its config.json sets model_name llama, the
+  // spec and the dtype when the config is loaded (model/hf_checkpoint.h), and
+  // its weights are the initial global model.
+  std::string hf_checkpoint;
 };
+
+// The model starts from a file's weights (initial_model or hf_checkpoint),
+// not a seeded draw.
+inline bool has_initial_weights(const ModelConfig& m) { return !m.initial_model.empty() || !m.hf_checkpoint.empty(); }
 
 }  // namespace memfl

@@ -87,7 +87,7 @@ StatusOr<std::unique_ptr<GlobalModel>> GlobalModel::create(const ExperimentConfi
       g->mapped_ = true;
     }
   }
-  if (!g->mapped_ && !is_spec_only(cfg) && !cfg.model.initial_model.empty() && !network_here) {
+  if (!g->mapped_ && !is_spec_only(cfg) && has_initial_weights(cfg.model) && !network_here) {
     // The layout and initial weights from the user's file: no model worker,
     // no libtorch (a worker still evaluates, where the config asks for it).
     MEMFL_ASSIGN_OR_RETURN(Layout layout, layout_without_network(cfg.model));
@@ -110,7 +110,7 @@ StatusOr<std::unique_ptr<GlobalModel>> GlobalModel::create(const ExperimentConfi
     g->model_ = LocalModel::from_arena(std::move(layout), std::move(arena));
   } else if (!g->mapped_) {
     MEMFL_ASSIGN_OR_RETURN(g->model_, make_local_model(cfg, input, /*fill=*/true, cfg.server.seed, run_dir));
-    if (g->model_.replica() != nullptr && !cfg.model.initial_model.empty()) {
+    if (g->model_.replica() != nullptr && has_initial_weights(cfg.model)) {
       // A network here (the simulator): the user's initial weights into it.
       MEMFL_RETURN_IF_ERROR(fill_initial_model(cfg.model, g->model_.layout(), g->model_.arena(), cfg.server.seed));
     }
@@ -154,7 +154,7 @@ StatusOr<std::unique_ptr<GlobalModel>> GlobalModel::create(const ExperimentConfi
   // Lossy compressed updates are rebuilt against the round's model, which
   // an in-place fold reads from that file (round_base), so they keep it.
   const bool lossy_updates = cfg.compressor.enable_compression && cfg.compressor.lossy_compressor != "none";
-  g->seeded_start_ = !g->mapped_ && !naive && is_spec_only(cfg) && cfg.model.initial_model.empty() &&
+  g->seeded_start_ = !g->mapped_ && !naive && is_spec_only(cfg) && !has_initial_weights(cfg.model) &&
                      g->aggregator_->name() == "FedAvgAggregator" && !lossy_updates;
   if (!g->mapped_ && !g->seeded_start_) {
     MEMFL_RETURN_IF_ERROR(write_safetensors(g->checkpoint_, layout, g->model_.arena(), meta));

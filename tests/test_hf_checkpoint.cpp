@@ -1,0 +1,222 @@
+// Hugging Face Llama checkpoints as a run's initial model
+// (client_configs.model_configs.hf_checkpoint): a folder as save_pretrained
+// writes it — config.json, and the weights in one safetensors file or in
+// shards with their index — written here byte by byte, in HF's tensor order
+// (sorted names), not memfl's.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "cli_util.h"
+#include "tensor/safetensors.h"
+#include "test_util.h"
+
+namespace memfl {
+namespace {
+
+namespace fs = std::filesystem;
+using testing::TempDir;
+
+struct Spec {
+  int hidden = 32, layers = 2, heads = 4, kv_heads = 2, intermediate = 48, vocab = 64;
+};
+
+// Every tensor of a Llama of `s` under HF's names with its shape.
+std::map<std::string, std::vector<int64_t>> hf_tensors(const Spec& s, bool tied) {
+  const int64_t hd = s.hidden / s.heads;
+  std::map<std::string, std::vector<int64_t>> t;
+  t["model.embed_tokens.weight"] = {s.vocab, s.hidden};
+  for (int l = 0; l < s.layers; ++l) {
+    const std::string p = "model.layers." + std::to_string(l) + ".";
+    t[p + "input_layernorm.weight"] = {s.hidden};
+    t[p + "self_attn.q_proj.weight"] = {s.heads * hd, s.hidden};
+    t[p + "self_attn.k_proj.weight"] = {s.kv_heads * hd, s.hidden};
+    t[p + "self_attn.v_proj.weight"] = {s.kv_heads * hd, s.hidden};
+    t[p + "self_attn.o_proj.weight"] = {s.hidden, s.heads * hd};
+    t[p + "post_attention_layernorm.weight"] = {s.hidden};
+    t[p + "mlp.gate_proj.weight"] = {s.intermediate, s.hidden};
+    t[p + "mlp.up_proj.weight"] = {s.intermediate, s.hidden};
+    t[p + "mlp.down_proj.weight"] = {s.hidden, s.intermediate};
+  }
+  t["model.norm.weight"] = {s.hidden};
+  if (!tied) t["lm_head.weight"] = {s.vocab, s.hidden};
+  return t;
+}
+
+// bf16 values, seeded, distinct per tensor: a tensor loaded under another
+// name, or at another offset, would not match.
+std::map<std::string, std::vector<uint16_t>> draw(const std::map<std::string, std::vector<int64_t>>& shapes) {
+  std::mt19937 rng(5);
+  std::normal_distribution<float> n(0.f, 0.05f);
+  std::map<std::string, std::vector<uint16_t>> out;
+  for (const auto& [name, shape] : shapes) {
+    int64_t count = 1;
+    for (int64_t d : shape) count *= d;
+    auto& v = out[name];
+    for (int64_t i = 0; i < count; ++i) v.push_back(f32_to_bf16(n(rng)));
+  }
+  return out;
+}
+
+// One safetensors file of `names`, in that order, as the format says: an
+// 8-byte little-endian header length, the JSON header, the data.
+void write_file(const std::string& path, const std::vector<std::string>& names,
+                const std::map<std::string, std::vector<int64_t>>& shapes,
+                const std::map<std::string, std::vector<uint16_t>>& values) {
+  nlohmann::json header;
+  size_t at = 0;
+  for (const auto& name : names) {
+    const size_t bytes = values.at(name).size() * 2;
+    header[name] = {{"dtype", "BF16"}, {"shape", shapes.at(name)}, {"data_offsets", {at, at + bytes}}};
+    at += bytes;
+  }
+  header["__metadata__"] = {{"format", "pt"}};
+  std::string text = header.dump();
+  text.append((8 - text.size() % 8) % 8, ' ');
+  std::ofstream f(path, std::ios::binary);
+  const uint64_t len = text.size();
+  f.write(reinterpret_cast<const char*>(&len), 8);
+  f.write(text.data(), static_cast<std::streamsize>(text.size()));
+  for (const auto& name : names) {
+    f.write(reinterpret_cast<const char*>(values.at(name).data()),
+            static_cast<std::streamsize>(values.at(name).size() * 2));
+  }
+}
+
+nlohmann::json config_json(const Spec& s, bool tied) {
+  return {{"architectures", {"LlamaForCausalLM"}},
+          {"model_type", "llama"},
+          {"hidden_size", s.hidden},
+          {"num_hidden_layers", s.layers},
+          {"num_attention_heads", s.heads},
+          {"num_key_value_heads", s.kv_heads},
+          {"intermediate_size", s.intermediate},
+          {"vocab_size", s.vocab},
+          {"rope_theta", 10000.0},
+          {"rms_norm_eps", 1e-6},
+          {"rope_scaling", nullptr},
+          {"tie_word_embeddings", tied},
+          {"torch_dtype", "bfloat16"}};
+}
+
+// A checkpoint folder: config.json and the tensors, in one file or in two
+// shards (the first half of the sorted names, then the rest) with an index.
+void write_checkpoint(const std::string& dir, const nlohmann::json& cfg,
+                      const std::map<std::string, std::vector<int64_t>>& shapes,
+                      const std::map<std::string, std::vector<uint16_t>>& values, bool sharded) {
+  fs::create_directories(dir);
+  std::ofstream(dir + "/config.json") << cfg.dump(2);
+  std::vector<std::string> names;
+  for (const auto& [name, v] : values) names.push_back(name);  // sorted, as HF writes them
+  if (!sharded) {
+    write_file(dir + "/model.safetensors", names, shapes, values);
+    return;
+  }
+  const std::vector<std::string> first(names.begin(), names.begin() + static_cast<std::ptrdiff_t>(names.size() / 2));
+  const std::vector<std::string> second(names.begin() + static_cast<std::ptrdiff_t>(names.size() / 2), names.end());
+  write_file(dir + "/model-00001-of-00002.safetensors", first, shapes, values);
+  write_file(dir + "/model-00002-of-00002.safetensors", second, shapes, values);
+  nlohmann::json index;
+  size_t total = 0;
+  for (const auto& n : first) index["weight_map"][n] = "model-00001-of-00002.safetensors";
+  for (const auto& n : second) index["weight_map"][n] = "model-00002-of-00002.safetensors";
+  for (const auto& [name, v] : values) total += v.size() * 2;
+  index["metadata"] = {{"total_size", total}};
+  std::ofstream(dir + "/model.safetensors.index.json") << index.dump(2);
+}
+
+std::string run_config(const TempDir& tmp, const std::string& ckpt, const std::string& extra = "") {
+  const std::string path = tmp.file("run.yaml");
+  std::ofstream(path) << "client_configs:\n  train_configs:\n    trainer: DummyTrainer\n    dummy_update_scale: 0\n"
+                         "  model_configs:\n    model_name: llama\n    hf_checkpoint: "
+                      << ckpt << "\n"
+                      << extra
+                      << "server_configs:\n  num_clients: 2\n  num_global_epochs: 1\n  do_server_eval: false\n";
+  return path;
+}
+
+// The global model a run starts from is the checkpoint's weights, each under
+// its own name, from one file or from shards; the spec and dtype come from
+// config.json (the run's resolved config says so). With a DummyTrainer that
+// changes nothing, the round's model is that initial model bit for bit.
+TEST(HfCheckpoint, ItsWeightsAreTheInitialGlobalModelFromOneFileOrShards) {
+  for (const bool sharded : {false, true}) {
+    for (const bool tied : {false, true}) {
+      SCOPED_TRACE(std::string(sharded ? "sharded" : "one file") + (tied ? ", tied embeddings" : ""));
+      TempDir tmp;
+      const Spec s;
+      const auto shapes = hf_tensors(s, tied);
+      const auto values = draw(shapes);
+      write_checkpoint(tmp.file("ckpt"), config_json(s, tied), shapes, values, sharded);
+      Result r = memfl_cli("run " + run_config(tmp, tmp.file("ckpt")) + " -q --out " + tmp.file("run"));
+      ASSERT_EQ(r.exit_code, 0) << r.output;
+      auto file = SafetensorsFile::open(tmp.file("run/global_model.safetensors"));
+      ASSERT_TRUE(file.ok()) << file.status().to_string();
+      size_t seen = 0;
+      for (const auto& t : (*file)->tensors()) {
+        ASSERT_TRUE(values.count(t.name)) << "a tensor the checkpoint does not have: " << t.name;
+        ASSERT_EQ(t.dtype, DType::kBF16) << t.name;
+        const auto& want = values.at(t.name);
+        ASSERT_EQ(t.data.size(), want.size() * 2) << t.name;
+        EXPECT_EQ(std::memcmp(t.data.data(), want.data(), t.data.size()), 0) << t.name;
+        ++seen;
+      }
+      EXPECT_EQ(seen, values.size());
+      const std::string resolved = testing::read_file(tmp.file("run/config.yaml"));
+      EXPECT_NE(resolved.find("rope_theta: 10000"), std::string::npos) << resolved;
+      EXPECT_NE(resolved.find("intermediate_size: 48"), std::string::npos) << resolved;
+    }
+  }
+}
+
+// What does not fit is refused before any round, naming the file and what is
+// wrong: another architecture, rope scaling, a key the user set to another
+// value, a tensor missing from the weights, a tensor of another shape.
+TEST(HfCheckpoint, ACheckpointThatDoesNotFitIsRefusedNamingTheFileAndTheTensor) {
+  const Spec s;
+  const auto shapes = hf_tensors(s, false);
+  const auto values = draw(shapes);
+  auto refused = [&](const nlohmann::json& cfg, std::map<std::string, std::vector<int64_t>> sh,
+                     std::map<std::string, std::vector<uint16_t>> v, const std::string& extra,
+                     const std::vector<std::string>& says) {
+    TempDir tmp;
+    write_checkpoint(tmp.file("ckpt"), cfg, sh, v, /*sharded=*/false);
+    Result r = memfl_cli("run " + run_config(tmp, tmp.file("ckpt"), extra) + " -q --out " + tmp.file("run"));
+    EXPECT_NE(r.exit_code, 0) << r.output;
+    for (const auto& what : says) EXPECT_NE(r.output.find(what), std::string::npos) << what << "\n" << r.output;
+    const std::string metrics =
+        fs::exists(tmp.file("run/metrics.csv")) ? testing::read_file(tmp.file("run/metrics.csv")) : "";
+    EXPECT_EQ(metrics.find("\n1,"), std::string::npos) << "no round was played";
+  };
+  nlohmann::json mistral = config_json(s, false);
+  mistral["architectures"] = {"MistralForCausalLM"};
+  mistral["model_type"] = "mistral";
+  refused(mistral, shapes, values, "", {"config.json", "MistralForCausalLM", "hf_checkpoint"});
+  nlohmann::json scaled = config_json(s, false);
+  scaled["rope_scaling"] = {{"rope_type", "llama3"}, {"factor", 8.0}};
+  refused(scaled, shapes, values, "", {"config.json", "rope_scaling"});
+  refused(config_json(s, false), shapes, values, "    model_kwargs:\n      hidden_size: 64\n",
+          {"config.json", "hidden_size = 32", "model_kwargs.hidden_size' is 64"});
+  auto missing_v = values;
+  auto missing_s = shapes;
+  missing_v.erase("model.layers.1.mlp.up_proj.weight");
+  missing_s.erase("model.layers.1.mlp.up_proj.weight");
+  refused(config_json(s, false), missing_s, missing_v, "",
+          {"model.safetensors", "model.layers.1.mlp.up_proj.weight", "missing"});
+  Spec narrow = s;
+  narrow.intermediate = 40;  // the weights of another MLP width than config.json says
+  const auto other = hf_tensors(narrow, false);
+  refused(config_json(s, false), other, draw(other), "",
+          {"model.safetensors", "model.layers.0.mlp.down_proj.weight", "shape"});
+}
+
+}  // namespace
+}  // namespace memfl
