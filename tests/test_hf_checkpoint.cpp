@@ -91,7 +91,18 @@ void write_file(const std::string& path, const std::vector<std::string>& names,
   }
 }
 
-nlohmann::json config_json(const Spec& s, bool tied) {
+// `v5`: as transformers 5 writes it — the rotary base inside
+// rope_parameters, the dtype as "dtype".
+nlohmann::json config_json(const Spec& s, bool tied, bool v5 = false) {
+  if (v5) {
+    nlohmann::json j = config_json(s, tied);
+    j.erase("rope_theta");
+    j.erase("rope_scaling");
+    j.erase("torch_dtype");
+    j["rope_parameters"] = {{"rope_theta", 10000.0}, {"rope_type", "default"}};
+    j["dtype"] = "bfloat16";
+    return j;
+  }
   return {{"architectures", {"LlamaForCausalLM"}},
           {"model_type", "llama"},
           {"hidden_size", s.hidden},
@@ -155,7 +166,8 @@ TEST(HfCheckpoint, ItsWeightsAreTheInitialGlobalModelFromOneFileOrShards) {
       const Spec s;
       const auto shapes = hf_tensors(s, tied);
       const auto values = draw(shapes);
-      write_checkpoint(tmp.file("ckpt"), config_json(s, tied), shapes, values, sharded);
+      // The sharded folders' config.json is transformers 5's form.
+      write_checkpoint(tmp.file("ckpt"), config_json(s, tied, /*v5=*/sharded), shapes, values, sharded);
       Result r = memfl_cli("run " + run_config(tmp, tmp.file("ckpt")) + " -q --out " + tmp.file("run"));
       ASSERT_EQ(r.exit_code, 0) << r.output;
       auto file = SafetensorsFile::open(tmp.file("run/global_model.safetensors"));
@@ -203,6 +215,9 @@ TEST(HfCheckpoint, ACheckpointThatDoesNotFitIsRefusedNamingTheFileAndTheTensor) 
   nlohmann::json scaled = config_json(s, false);
   scaled["rope_scaling"] = {{"rope_type", "llama3"}, {"factor", 8.0}};
   refused(scaled, shapes, values, "", {"config.json", "rope_scaling"});
+  nlohmann::json scaled_v5 = config_json(s, false, /*v5=*/true);
+  scaled_v5["rope_parameters"]["rope_type"] = "llama3";
+  refused(scaled_v5, shapes, values, "", {"config.json", "rope_type 'llama3'"});
   refused(config_json(s, false), shapes, values, "    model_kwargs:\n      hidden_size: 64\n",
           {"config.json", "hidden_size = 32", "model_kwargs.hidden_size' is 64"});
   auto missing_v = values;

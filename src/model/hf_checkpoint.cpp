@@ -49,6 +49,18 @@ StatusOr<std::vector<std::pair<std::string, std::string>>> apply_hf_config(
         kHfCheckpointKey, path, architectures.empty() ? std::string("no architecture") : architectures,
         j.value("model_type", std::string()));
   }
+  // transformers 5 writes the rotary settings as rope_parameters
+  // {rope_type, rope_theta}; the plain ("default") one is memfl's.
+  if (auto rp = j.find("rope_parameters"); rp != j.end() && rp->is_object()) {
+    const std::string type = rp->value("rope_type", std::string("default"));
+    if (type != "default") {
+      return invalid_argument(
+          "{}: {} sets rope_parameters.rope_type '{}'; memfl's rotary embedding is the plain one, so this "
+          "checkpoint would give other logits than it was trained with",
+          kHfCheckpointKey, path, type);
+    }
+    if (rp->contains("rope_theta") && !j.contains("rope_theta")) j["rope_theta"] = (*rp)["rope_theta"];
+  }
   if (auto rs = j.find("rope_scaling"); rs != j.end() && !rs->is_null()) {
     return invalid_argument(
         "{}: {} sets rope_scaling ({}); memfl's rotary embedding is the plain one, so this checkpoint would give "
