@@ -2,16 +2,20 @@
 #pragma once
 
 #include <gtest/gtest.h>
+#include <sys/resource.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <cstring>
 
+#include "common/status.h"
 #include "tensor/safetensors.h"
 
 #include <array>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -49,6 +53,41 @@ inline Result mpirun(int ranks, const std::string& args) {
 #endif
   return run_shell(env + "mpirun -np " + std::to_string(ranks) + " --oversubscribe " + std::string(MEMFL_BINARY) +
                    " mpi " + args);
+}
+
+// Runs `load` in a child process that an alarm ends if it does not return:
+// a call that would wait on a FIFO forever fails this test, not the suite.
+// Gives the refusal's message, or what went wrong instead ("accepted",
+// "killed by signal N").
+inline std::string refusal_of(const std::function<Status()>& load) {
+  int fds[2];
+  if (pipe(fds) != 0) return "pipe failed";
+  const pid_t pid = fork();
+  if (pid == 0) {
+    close(fds[0]);
+    alarm(60);
+#if !defined(__SANITIZE_ADDRESS__)
+    // An unbounded read (of /dev/zero) ends at this ceiling instead of
+    // taking the machine's memory; ASan's shadow needs more address space.
+    struct rlimit lim {
+      size_t{4} << 30, size_t{4} << 30
+    };
+    setrlimit(RLIMIT_AS, &lim);
+#endif
+    const Status s = load();
+    const std::string msg = s.ok() ? std::string("accepted") : s.message();
+    (void)!write(fds[1], msg.data(), msg.size());
+    _exit(0);
+  }
+  close(fds[1]);
+  std::string out;
+  char buf[4096];
+  for (ssize_t n; (n = read(fds[0], buf, sizeof buf)) > 0;) out.append(buf, static_cast<size_t>(n));
+  close(fds[0]);
+  int status = 0;
+  waitpid(pid, &status, 0);
+  if (WIFSIGNALED(status)) return "killed by signal " + std::to_string(WTERMSIG(status)) + " " + out;
+  return out;
 }
 
 inline std::vector<std::vector<std::string>> read_csv(const std::string& path) {

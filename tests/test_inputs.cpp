@@ -28,41 +28,6 @@ namespace {
 
 using testing::TempDir;
 
-// Runs `load` in a child process that an alarm ends if it does not return:
-// a call that would wait on a FIFO forever fails this test, not the suite.
-// Gives the refusal's message, or what went wrong instead ("accepted",
-// "killed by signal N").
-std::string refusal_of(const std::function<Status()>& load) {
-  int fds[2];
-  if (pipe(fds) != 0) return "pipe failed";
-  const pid_t pid = fork();
-  if (pid == 0) {
-    close(fds[0]);
-    alarm(60);
-#if !defined(__SANITIZE_ADDRESS__)
-    // An unbounded read (of /dev/zero) ends at this ceiling instead of
-    // taking the machine's memory; ASan's shadow needs more address space.
-    struct rlimit lim {
-      size_t{4} << 30, size_t{4} << 30
-    };
-    setrlimit(RLIMIT_AS, &lim);
-#endif
-    const Status s = load();
-    const std::string msg = s.ok() ? std::string("accepted") : s.message();
-    (void)!write(fds[1], msg.data(), msg.size());
-    _exit(0);
-  }
-  close(fds[1]);
-  std::string out;
-  char buf[4096];
-  for (ssize_t n; (n = read(fds[0], buf, sizeof buf)) > 0;) out.append(buf, static_cast<size_t>(n));
-  close(fds[0]);
-  int status = 0;
-  waitpid(pid, &status, 0);
-  if (WIFSIGNALED(status)) return "killed by signal " + std::to_string(WTERMSIG(status)) + " " + out;
-  return out;
-}
-
 std::string make_fifo(const TempDir& tmp, const std::string& name) {
   const std::string p = tmp.file(name);
   EXPECT_EQ(mkfifo(p.c_str(), 0600), 0);

@@ -593,31 +593,6 @@ TEST(Tokenizer, AVocabularyThatDisagreesWithTheModelIsRefusedNamingBothSizes) {
   EXPECT_TRUE(experiment("TextFile", tmp.file("corpus.txt"), 1).ok());
 }
 
-// Runs `open` in a child that an alarm ends, so a call that waited on a FIFO
-// fails this test instead of hanging the suite; gives the refusal's message.
-std::string refusal_of(const std::function<Status()>& open) {
-  int fds[2];
-  if (pipe(fds) != 0) return "pipe failed";
-  const pid_t pid = fork();
-  if (pid == 0) {
-    close(fds[0]);
-    alarm(30);
-    const Status s = open();
-    const std::string msg = s.ok() ? std::string("accepted") : s.message();
-    (void)!write(fds[1], msg.data(), msg.size());
-    _exit(0);
-  }
-  close(fds[1]);
-  std::string out;
-  char buf[4096];
-  for (ssize_t n; (n = read(fds[0], buf, sizeof buf)) > 0;) out.append(buf, static_cast<size_t>(n));
-  close(fds[0]);
-  int status = 0;
-  waitpid(pid, &status, 0);
-  if (WIFSIGNALED(status)) return "killed by signal " + std::to_string(WTERMSIG(status));
-  return out;
-}
-
 TEST(Tokenizer, AFifoADirectoryOrAFileThatIsNotAModelIsRefusedNamingTheKey) {
   TempDir tmp;
   const std::string key = "client_configs.data_configs.tokenizer_path";

@@ -169,7 +169,8 @@ uint64_t ChunkChecksums::get(uint64_t offset, std::span<const std::byte> bytes) 
   return sum;
 }
 
-StatusOr<uint64_t> stream_arena(const Layout& layout, const Arena& arena, size_t chunk_size, ChunkSink& sink) {
+StatusOr<uint64_t> stream_arena(const Layout& layout, const Arena& arena, size_t chunk_size, ChunkSink& sink,
+                                bool hashed) {
   if (chunk_size == 0) return invalid_argument("model_chunk_size must be at least 1 byte");
   const size_t total = layout.total_bytes();
   if (arena.size() < total) {
@@ -179,7 +180,7 @@ StatusOr<uint64_t> stream_arena(const Layout& layout, const Arena& arena, size_t
   for (size_t off = 0; off < total; off += chunk_size) {
     const size_t len = std::min(chunk_size, total - off);
     auto payload = arena.bytes(off, len);
-    ChunkHeader h{layout.hash(), off, len, chunk_checksum(payload)};
+    ChunkHeader h{layout.hash(), off, len, hashed ? chunk_checksum(payload) : 0};
     MEMFL_RETURN_IF_ERROR(sink.accept(h, payload));
     sent += len;
   }

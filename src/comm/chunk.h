@@ -160,8 +160,11 @@ class ArenaUpdateSource final : public UpdateSource {
 
 // Sends `arena` (the whole of `layout.total_bytes()`) to `sink` in chunks of
 // at most `chunk_size` bytes, straight from the arena: no staging copy.
+// `hashed` false: the chunks carry checksum 0, for a sink opened with
+// UpdateOpener::open_local_update (bytes that never leave the process).
 // Returns the number of bytes sent.
-StatusOr<uint64_t> stream_arena(const Layout& layout, const Arena& arena, size_t chunk_size, ChunkSink& sink);
+StatusOr<uint64_t> stream_arena(const Layout& layout, const Arena& arena, size_t chunk_size, ChunkSink& sink,
+                                bool hashed = true);
 
 // Receives one model stream: every chunk's header is checked (layout hash,
 // offset in order, length, bounds) before store() sees a byte, and store()

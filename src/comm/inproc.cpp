@@ -48,20 +48,8 @@ double seconds_since(std::chrono::steady_clock::time_point t) {
 constexpr size_t kLocalChunkBytes = size_t{64} << 20;
 
 uint64_t copy_model(const Layout& layout, const Arena& from, Arena& to) {
-  const size_t total = layout.total_bytes();
-  const std::byte* src = from.data();
-  std::byte* dst = to.data();
-  parallel_for(total, size_t{8} << 20, [&](size_t lo, size_t hi) { std::memcpy(dst + lo, src + lo, hi - lo); });
-  return total;
-}
-
-StatusOr<uint64_t> hand_over(const Layout& layout, const Arena& arena, size_t chunk, ChunkSink& sink) {
-  const size_t total = layout.total_bytes();
-  for (size_t off = 0; off < total; off += chunk) {
-    const size_t len = std::min(chunk, total - off);
-    MEMFL_RETURN_IF_ERROR(sink.accept(ChunkHeader{layout.hash(), off, len, 0}, arena.bytes(off, len)));
-  }
-  return total;
+  parallel_copy(to.data(), from.data(), layout.total_bytes());
+  return layout.total_bytes();
 }
 
 }  // namespace
@@ -109,7 +97,7 @@ Status InProcessTransport::collect(int round, const std::vector<int>& selected, 
             auto place = upload_(w, c, global);
             up = place.ok() ? stream_place(layout_, **place, chunk_, counted) : StatusOr<uint64_t>(place.status());
           } else {
-            up = hand_over(layout_, arena, std::max(chunk_, kLocalChunkBytes), counted);
+            up = stream_arena(layout_, arena, std::max(chunk_, kLocalChunkBytes), counted, /*hashed=*/false);
           }
           st = up.ok() ? (*update)->commit()
                        : up.status().with_context(fmt::format("round {}, upload from {}", round, peer));

@@ -234,18 +234,21 @@ class CheckedUpdateStream final : public UpdateStream {
 
 StatusOr<std::unique_ptr<UpdateStream>> CheckedUpdateOpener::open_update(const std::string& client_id,
                                                                          double sample_count) {
-  MEMFL_RETURN_IF_ERROR(check_sample_count(sample_count, limits_, client_id, round_));
-  MEMFL_ASSIGN_OR_RETURN(auto inner, inner_.open_update(client_id, sample_count));
-  return std::unique_ptr<UpdateStream>(
-      std::make_unique<CheckedUpdateStream>(std::move(inner), layout_, client_id, round_, /*hashed=*/true));
+  return open_checked(client_id, sample_count, /*hashed=*/true);
 }
 
 StatusOr<std::unique_ptr<UpdateStream>> CheckedUpdateOpener::open_local_update(const std::string& client_id,
                                                                                double sample_count) {
+  return open_checked(client_id, sample_count, /*hashed=*/false);
+}
+
+StatusOr<std::unique_ptr<UpdateStream>> CheckedUpdateOpener::open_checked(const std::string& client_id,
+                                                                          double sample_count, bool hashed) {
   MEMFL_RETURN_IF_ERROR(check_sample_count(sample_count, limits_, client_id, round_));
-  MEMFL_ASSIGN_OR_RETURN(auto inner, inner_.open_local_update(client_id, sample_count));
+  MEMFL_ASSIGN_OR_RETURN(auto inner, hashed ? inner_.open_update(client_id, sample_count)
+                                            : inner_.open_local_update(client_id, sample_count));
   return std::unique_ptr<UpdateStream>(
-      std::make_unique<CheckedUpdateStream>(std::move(inner), layout_, client_id, round_, /*hashed=*/false));
+      std::make_unique<CheckedUpdateStream>(std::move(inner), layout_, client_id, round_, hashed));
 }
 
 }  // namespace memfl

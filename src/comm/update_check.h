@@ -91,6 +91,7 @@ class CheckedUpdateOpener final : public UpdateOpener {
   StatusOr<std::unique_ptr<UpdateStream>> open_local_update(const std::string& client_id, double sample_count) override;
 
  private:
+  StatusOr<std::unique_ptr<UpdateStream>> open_checked(const std::string& client_id, double sample_count, bool hashed);
   UpdateOpener& inner_;
   const Layout& layout_;
   int round_;

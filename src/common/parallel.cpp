@@ -1,5 +1,7 @@
 #include "common/parallel.h"
 
+#include <cstring>
+
 #include <sched.h>
 
 #include <algorithm>
@@ -144,6 +146,12 @@ void parallel_for(size_t n, size_t grain, const std::function<void(size_t, size_
   for (size_t i = 0; i < pieces; ++i) tasks.push_back({&batch, n * i / pieces, n * (i + 1) / pieces});
   pool().push(tasks);
   pool().help_and_wait(batch);
+}
+
+void parallel_copy(void* dst, const void* src, size_t n) {
+  auto* d = static_cast<std::byte*>(dst);
+  const auto* s = static_cast<const std::byte*>(src);
+  parallel_for(n, size_t{8} << 20, [&](size_t lo, size_t hi) { std::memcpy(d + lo, s + lo, hi - lo); });
 }
 
 }  // namespace memfl

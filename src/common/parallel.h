@@ -24,4 +24,8 @@ int parallel_threads();
 // Below 2 × grain, fn(0, n) on the calling thread.
 void parallel_for(size_t n, size_t grain, const std::function<void(size_t, size_t)>& fn);
 
+// memcpy of n bytes on the pool, 8 MiB pieces at least (a model of many GB
+// is copied at the memory's speed, not one core's).
+void parallel_copy(void* dst, const void* src, size_t n);
+
 }  // namespace memfl

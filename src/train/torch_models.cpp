@@ -274,9 +274,7 @@ void copy_cuda_arena(std::vector<torch::Tensor>& tensors, const Layout& layout, 
   at::cuda::CUDAEvent done[2];
   bool used[2] = {false, false};
   int b = 0;
-  auto host_copy = [](uint8_t* dst, const uint8_t* src, size_t n) {
-    parallel_for(n, size_t{8} << 20, [&](size_t lo, size_t hi) { std::memcpy(dst + lo, src + lo, hi - lo); });
-  };
+  auto host_copy = [](uint8_t* dst, const uint8_t* src, size_t n) { parallel_copy(dst, src, n); };
   // Device to host: the GPU copy of piece k overlaps the host's drain of piece k − 1.
   struct Pending {
     uint8_t* dst = nullptr;

@@ -6,6 +6,7 @@
 #include <mpi.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <csignal>
 #include <chrono>
@@ -38,6 +39,15 @@ class DiscardedUpdate final : public UpdateStream {
   Status accept(const ChunkHeader&, Payload) override { return Status::Ok(); }
   Status commit() override { return Status::Ok(); }
 };
+
+// The metrics an update's fixed wire struct carries, by name, for
+// check_update_metrics.
+std::array<std::pair<const char*, double>, 4> wire_metrics(const WireUpdateMeta& md) {
+  return {{{"train_loss", md.train_loss},
+           {"train_accuracy", md.train_accuracy},
+           {"val_accuracy", md.val_accuracy},
+           {"local_steps", md.local_steps}}};
+}
 
 // Counts the bytes an update's chunks carried (its frames, when compressed)
 // on their way to `inner`; the fold worker may call it.
@@ -330,13 +340,9 @@ Status MpiServerTransport::collect(int round, const std::vector<int>& selected, 
                               md.client, md.round, round));
       }
       done[static_cast<size_t>(md.client)] = true;
-      const std::pair<const char*, double> metrics[] = {{"train_loss", md.train_loss},
-                                                        {"train_accuracy", md.train_accuracy},
-                                                        {"val_accuracy", md.val_accuracy},
-                                                        {"local_steps", md.local_steps}};
       // Refused before a byte counts; the rank is out once its chunks are read.
       Status bad = check_update_round(md.round, round, client_id(md.client));
-      if (bad.ok()) bad = check_update_metrics(metrics, client_id(md.client), round);
+      if (bad.ok()) bad = check_update_metrics(wire_metrics(md), client_id(md.client), round);
       StatusOr<std::unique_ptr<UpdateStream>> opened =
           bad.ok() ? agg.open_update(client_id(md.client), md.sample_count)
                    : StatusOr<std::unique_ptr<UpdateStream>>(std::make_unique<DiscardedUpdate>());
@@ -494,12 +500,8 @@ Status MpiServerTransport::serve_async(AsyncUpdateHandler& core, Arena& global, 
     // its metrics are numbers. A refused one's chunks are read and dropped
     // (the rank sends them all the same) and the rank is out of the run.
     const int sent_version = static_cast<int>(base[static_cast<size_t>(c)]);
-    const std::pair<const char*, double> metrics[] = {{"train_loss", md.train_loss},
-                                                      {"train_accuracy", md.train_accuracy},
-                                                      {"val_accuracy", md.val_accuracy},
-                                                      {"local_steps", md.local_steps}};
     Status refused = check_update_round(md.round, sent_version, client_id(c));
-    if (refused.ok()) refused = check_update_metrics(metrics, client_id(c), sent_version);
+    if (refused.ok()) refused = check_update_metrics(wire_metrics(md), client_id(c), sent_version);
     if (!refused.ok()) {
       std::shared_ptr<UpdateStream> dropped = std::make_shared<DiscardedUpdate>();
       (void)streams_.receive_update(r, peer, dropped, stall);
