@@ -151,8 +151,8 @@ class ServerAgent final : public ServerTransport {
   }
   // What the transport holds beside the model, whatever its clients do: the
   // upload pool (8 · (c + frame overhead)), and per session its thread and
-  // gRPC's per-connection state (kSessionBytes; ≈ 43 KB measured by
-  // bench/server_sessions.sh from 10 to 1,000 sessions), plus, on the
+  // gRPC's per-connection state (kSessionBytes; ≈ 50–54 KB measured by
+  // bench/server_sessions.sh from 100 to 1,000 sessions), plus, on the
   // stream (`data_channel: grpc`), the one-chunk HTTP/2 window an upload in
   // flight may hold (c + 1 KiB).
   static uint64_t transfer_buffer_bytes_for(size_t chunk, int sessions, bool chunks_on_stream) {
