@@ -5,7 +5,10 @@
 # evaluation. One JSON line per round from metrics.csv: the round's seconds,
 # its download (the global model into the worker), upload (the update folded)
 # and commit seconds, the training (the rest of the round), and the share of
-# the round outside training.
+# the round outside training. A last line sums the run up: the wall time per
+# round from the first round's start to the last commit's end (the commit
+# of a round is written while the next one trains, so it is in the wall
+# time, not in round_seconds), and the share of it outside training.
 #
 #   bash bench/llm_round_inproc.sh BUILD_DIR/memfl > bench/results/llm_round_8b_inproc_….jsonl
 #   MODEL=llama-8b CLIENTS=2 STEPS=10 BATCH=4 SEQ=512 ROUNDS=3 (defaults)
@@ -25,13 +28,21 @@ python3 - "$RUN/run" "$MODEL" "$CLIENTS" "$STEPS" "$BATCH" "$SEQ" <<'PY'
 import csv, json, os, sys
 run, model, clients, steps, batch, seq = sys.argv[1:]
 s = json.load(open(os.path.join(run, "summary.json")))
-for row in csv.DictReader(open(os.path.join(run, "metrics.csv"))):
+rows = list(csv.DictReader(open(os.path.join(run, "metrics.csv"))))
+trained = 0.0
+for row in rows:
     r, down, up = float(row["round_seconds"]), float(row["download_seconds"]), float(row["upload_seconds"])
     train = r - down - up
+    trained += train
     print(json.dumps({"model": model, "clients": int(clients), "local_steps": int(steps), "batch": int(batch),
                       "seq_length": int(seq), "round": int(row["round"]), "round_seconds": r,
                       "download_seconds": down, "upload_seconds": up, "training_seconds": round(train, 3),
                       "commit_seconds": float(row["commit_seconds"]),
                       "outside_training_share": round((r - train) / r, 4),
                       "peak_rss_over_model": s.get("peak_rss_over_model"), "wall_seconds": s.get("wall_seconds")}))
+per_round = (s["wall_seconds"] - s["setup_seconds"]) / len(rows)
+print(json.dumps({"model": model, "summary": True, "rounds": len(rows), "setup_seconds": s["setup_seconds"],
+                  "wall_seconds_per_round": round(per_round, 3),
+                  "training_seconds_per_round": round(trained / len(rows), 3),
+                  "outside_training_share_of_wall": round(1 - trained / len(rows) / per_round, 4)}))
 PY

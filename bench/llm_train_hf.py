@@ -4,6 +4,9 @@ batch as `memfl bench llm`: bf16 weights, SDPA attention, torch AdamW
 (weight decay 0, so the update is memfl's Adam's), random tokens. One JSON line:
 tokens/s of the timed steps, the CUDA caching allocator's peak over them
 (after the warm-up, so the optimizer's state is in it), set-up seconds.
+With --lora-r: PEFT's LoRA on the given modules (adapters in float32, as
+get_peft_model's autocast keeps them), AdamW on the adapters alone: the
+reference of bench/llm_lora_vs_peft.sh.
 The side-by-side reference of bench/llm_train_vs_hf.sh; never a dependency.
 """
 import argparse
@@ -30,6 +33,9 @@ def main():
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--lr", type=float, default=1e-5)
     ap.add_argument("--gradient-checkpointing", action="store_true")
+    ap.add_argument("--lora-r", type=int, default=0)
+    ap.add_argument("--lora-alpha", type=float, default=16.0)
+    ap.add_argument("--target-modules", default="all-linear")
     a = ap.parse_args()
     s = PRESETS.get(a.model, dict(hidden=a.hidden, layers=a.layers, heads=a.heads, kv_heads=a.kv_heads,
                                    intermediate=a.intermediate, vocab=a.vocab))
@@ -45,7 +51,15 @@ def main():
     model.train()
     if a.gradient_checkpointing:
         model.gradient_checkpointing_enable()
-    opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.0)
+    if a.lora_r > 0:
+        from peft import LoraConfig, get_peft_model
+        modules = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"] \
+            if a.target_modules == "all-linear" else a.target_modules.split(",")
+        model = get_peft_model(model, LoraConfig(r=a.lora_r, lora_alpha=a.lora_alpha, lora_dropout=0.0,
+                                                 target_modules=modules, task_type="CAUSAL_LM"))
+        if a.gradient_checkpointing:
+            model.enable_input_require_grads()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=a.lr, weight_decay=0.0)
     torch.cuda.synchronize()
     setup = time.perf_counter() - t0
     g = torch.Generator(device="cuda").manual_seed(42)
@@ -70,11 +84,19 @@ def main():
         loss = step()
     loss = loss.item()
     dt = time.perf_counter() - t1
-    n = sum(p.numel() for p in model.parameters())
+    n = sum(p.numel() for p in model.parameters() if a.lora_r == 0 or not p.requires_grad)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    # memfl bench llm's count: 6 N + 12 L H T per token (N without the input
+    # embedding), two thirds of it over a frozen base.
+    non_embedding = n - s["vocab"] * s["hidden"]
+    flops = (2 / 3 if a.lora_r > 0 else 1) * (6 * non_embedding + 12 * s["layers"] * s["hidden"] * a.seq)
+    tps = a.steps * a.batch * a.seq / dt
     print(json.dumps({
-        "impl": "transformers", "model": a.model, "num_params": n, "batch_size": a.batch, "seq_length": a.seq,
+        "impl": "transformers+peft" if a.lora_r > 0 else "transformers", "model": a.model, "num_params": n,
+        "trainable_params": trainable, "lora_r": a.lora_r, "flops_per_token": flops,
+        "mfu_989_tflops": tps * flops / 989e12, "batch_size": a.batch, "seq_length": a.seq,
         "steps": a.steps, "gradient_checkpointing": a.gradient_checkpointing, "attention": "sdpa",
-        "tokens_per_s": a.steps * a.batch * a.seq / dt, "step_seconds": dt,
+        "tokens_per_s": tps, "step_seconds": dt,
         "peak_allocated_bytes": torch.cuda.max_memory_allocated(), "setup_seconds": setup, "loss": loss,
         "torch": torch.__version__}))
 

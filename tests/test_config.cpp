@@ -171,6 +171,17 @@ TEST(Config, NoiseValuesWithoutNoiseAreRefusedNamingBothKeys) {
           .ok());
 }
 
+TEST(Config, Float32OptimizerStateIsForAdamAndNamesBothKeys) {
+  const std::string t = "client_configs.train_configs.";
+  const std::string e = error_of("", {t + "optim=SGD", t + "optimizer_state_dtype=float32"});
+  EXPECT_HAS(e, t + "optimizer_state_dtype: float32");
+  EXPECT_HAS(e, t + "optim is SGD");
+  auto adam = load_config_text("", "exp.yaml", {t + "optim=Adam", t + "optimizer_state_dtype=float32"});
+  ASSERT_TRUE(adam.ok()) << adam.status().message();
+  EXPECT_EQ(adam->train.optim.state_dtype, "float32");
+  EXPECT_HAS(error_of("", {t + "optimizer_state_dtype=fp8"}), "must be one of [param, float32]");
+}
+
 TEST(Config, TheTcpDataChannelWithTlsIsRefusedNamingBothKeys) {
   const std::string tls =
       "server_configs:\n  comm_configs:\n    grpc_configs:\n      use_ssl: true\n      server_cert: s.pem\n"

@@ -5,6 +5,7 @@
 // (sorted names), not memfl's.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -232,6 +233,109 @@ TEST(HfCheckpoint, ACheckpointThatDoesNotFitIsRefusedNamingTheFileAndTheTensor) 
   refused(config_json(s, false), other, draw(other), "",
           {"model.safetensors", "model.layers.0.mlp.down_proj.weight", "shape"});
 }
+
+#ifdef MEMFL_TEST_TORCH
+// Federated LoRA over a Hugging Face checkpoint: only the adapters train and
+// travel. The same run in process, over gRPC and as MPI ranks ends with the
+// same adapters bit for bit; the held-out loss falls; each upload is the
+// adapters' bytes (computed here from their shapes); the base checkpoint is
+// never written; the run directory holds the global adapters in PEFT's
+// format.
+TEST(LoraRun, OnlyTheAdaptersTrainAndTravelAndEveryTransportGivesTheSameOnes) {
+  TempDir tmp;
+  Spec s;
+  s.vocab = 256;  // SyntheticTokens' tokens are bytes
+  const auto shapes = hf_tensors(s, false);
+  const auto values = draw(shapes);
+  write_checkpoint(tmp.file("ckpt"), config_json(s, false), shapes, values, /*sharded=*/true);
+  auto checkpoint_bytes = [&] {
+    std::string all;
+    for (const auto& e : fs::directory_iterator(tmp.file("ckpt"))) all += testing::read_file(e.path().string());
+    return all;
+  };
+  const std::string before = checkpoint_bytes();
+  const int clients = 2;
+  std::ofstream(tmp.file("lora.yaml"))
+      << "client_configs:\n  train_configs:\n    trainer: VanillaTrainer\n    mode: step\n    num_local_steps: 8\n"
+         "    optim: Adam\n    optim_args: {lr: 0.02}\n    train_batch_size: 8\n    num_threads: 1\n"
+         "    lora:\n      r: 4\n      lora_alpha: 8\n      target_modules: [v_proj, q_proj, down_proj]\n"
+         "  model_configs:\n    model_name: llama\n    hf_checkpoint: "
+      << tmp.file("ckpt") << "\n    model_kwargs: {seq_length: 16}\n"
+      << "  data_configs:\n    dataset_name: SyntheticTokens\n"
+         "    dataset_kwargs: {num_train_samples: 256, num_test_samples: 64}\n"
+         "server_configs:\n  num_clients: "
+      << clients << "\n  num_global_epochs: 3\n  eval_batch_size: 32\n";
+  std::vector<std::string> adapters;
+  Result in = memfl_cli("run " + tmp.file("lora.yaml") + " -q --out " + tmp.file("inproc"));
+  ASSERT_EQ(in.exit_code, 0) << in.output;
+  adapters.push_back(tmp.file("inproc/global_model.safetensors"));
+#ifdef MEMFL_TEST_GRPC
+  Result g = memfl_cli("launch " + tmp.file("lora.yaml") + " -q --clients " + std::to_string(clients) + " --out " +
+                       tmp.file("grpc"));
+  ASSERT_EQ(g.exit_code, 0) << g.output;
+  adapters.push_back(tmp.file("grpc/server/global_model.safetensors"));
+#endif
+#ifdef MEMFL_TEST_MPI
+  Result m = mpirun(clients + 1, tmp.file("lora.yaml") + " -q --out " + tmp.file("mpi"));
+  ASSERT_EQ(m.exit_code, 0) << m.output;
+  adapters.push_back(tmp.file("mpi/rank_0/global_model.safetensors"));
+#endif
+  for (const auto& path : adapters) EXPECT_TRUE(same_model(adapters.front(), path)) << path;
+
+  // The adapters by PEFT's names, in float32: A [4, in], B [out, 4]; the
+  // base's tensors are not in it.
+  auto file = SafetensorsFile::open(adapters.front());
+  ASSERT_TRUE(file.ok()) << file.status().to_string();
+  const int64_t hd = s.hidden / s.heads;
+  std::map<std::string, std::pair<int64_t, int64_t>> in_out = {
+      {"self_attn.q_proj", {s.hidden, s.heads * hd}},
+      {"self_attn.v_proj", {s.hidden, s.kv_heads * hd}},
+      {"mlp.down_proj", {s.intermediate, s.hidden}}};
+  size_t adapter_bytes = 0;
+  for (int l = 0; l < s.layers; ++l) {
+    for (const auto& [module, io] : in_out) {
+      const std::string p = "base_model.model.model.layers." + std::to_string(l) + "." + module;
+      const auto* a = (*file)->find(p + ".lora_A.weight");
+      const auto* b = (*file)->find(p + ".lora_B.weight");
+      ASSERT_NE(a, nullptr) << p;
+      ASSERT_NE(b, nullptr) << p;
+      EXPECT_EQ(a->shape, (std::vector<int64_t>{4, io.first}));
+      EXPECT_EQ(b->shape, (std::vector<int64_t>{io.second, 4}));
+      EXPECT_EQ(a->dtype, DType::kF32);
+      adapter_bytes += static_cast<size_t>(4 * io.first + io.second * 4) * 4;
+      // B moved from its zero start: the adapters trained.
+      const float* bv = reinterpret_cast<const float*>(b->data.data());
+      EXPECT_TRUE(std::any_of(bv, bv + b->data.size() / 4, [](float v) { return v != 0; })) << p;
+    }
+  }
+  EXPECT_EQ((*file)->tensors().size(), static_cast<size_t>(s.layers) * in_out.size() * 2);
+
+  const auto rows = read_csv(tmp.file("inproc/metrics.csv"));
+  ASSERT_EQ(rows.size(), 4u);
+  const auto& head = rows[0];
+  const size_t loss = std::find(head.begin(), head.end(), "test_loss") - head.begin();
+  const size_t up = std::find(head.begin(), head.end(), "bytes_up") - head.begin();
+  ASSERT_LT(loss, head.size());
+  ASSERT_LT(up, head.size());
+  EXPECT_LT(std::stod(rows[3][loss]), std::stod(rows[1][loss])) << "the held-out loss falls";
+  for (size_t r = 1; r < rows.size(); ++r) {
+    const double bytes = std::stod(rows[r][up]);
+    // Each client's upload is its adapters (plus the arena's alignment
+    // padding between tensors: 64 bytes at most each), not the base.
+    EXPECT_GE(bytes, clients * static_cast<double>(adapter_bytes)) << "round " << r;
+    EXPECT_LE(bytes, clients * static_cast<double>(adapter_bytes + 64 * (*file)->tensors().size())) << "round " << r;
+  }
+
+  // The global adapters in PEFT's format in the run directory: its config,
+  // and the same tensors as the global model.
+  const auto peft = nlohmann::json::parse(testing::read_file(tmp.file("inproc/adapter/adapter_config.json")));
+  EXPECT_EQ(peft["peft_type"], "LORA");
+  EXPECT_EQ(peft["r"], 4);
+  EXPECT_EQ(peft["target_modules"], (std::vector<std::string>{"q_proj", "v_proj", "down_proj"}));
+  EXPECT_TRUE(same_model(adapters.front(), tmp.file("inproc/adapter/adapter_model.safetensors")));
+  EXPECT_EQ(checkpoint_bytes(), before) << "the base checkpoint was written to";
+}
+#endif
 
 }  // namespace
 }  // namespace memfl

@@ -8,7 +8,10 @@
 
 #include <cmath>
 #include <cstdlib>
+#include <map>
 #include <string>
+
+#include "model/lora.h"
 
 #include "train/llama_module.h"
 
@@ -32,11 +35,26 @@ LlamaSpec tiny_spec() {
   return s;
 }
 
+// LoRA adapters by the linear layer's Hugging Face prefix
+// ("model.layers.0.self_attn.q_proj"): (A [r, in], B [out, r]).
+using Adapters = std::map<std::string, std::pair<torch::Tensor, torch::Tensor>>;
+
 // The Llama of the published architecture, written with autograd's own ops
 // on the module's parameters (by name), so its gradients are autograd's.
+// With `lora`, each adapted linear layer is x Wᵀ + scale · (x Aᵀ) Bᵀ — LoRA's
+// formula (Hu et al.), not memfl's modules.
 torch::Tensor composed_loss(torch::nn::Module& net, const LlamaSpec& s, const torch::Tensor& x,
-                            const torch::Tensor& y) {
+                            const torch::Tensor& y, const Adapters* lora = nullptr, double scale = 0) {
   auto p = [&](const std::string& name) { return net.named_parameters()[name]; };
+  auto lin = [&](const torch::Tensor& v, const std::string& name) {
+    auto out = torch::matmul(v, p(name + ".weight").t());
+    if (lora != nullptr) {
+      if (auto it = lora->find(name); it != lora->end()) {
+        out = out + scale * torch::matmul(torch::matmul(v, it->second.first.t()), it->second.second.t());
+      }
+    }
+    return out;
+  };
   auto rms = [&](const torch::Tensor& v, const torch::Tensor& w) {
     return w * (v * torch::rsqrt(v.pow(2).mean(-1, true) + s.rms_norm_eps));
   };
@@ -53,20 +71,19 @@ torch::Tensor composed_loss(torch::nn::Module& net, const LlamaSpec& s, const to
   for (int64_t i = 0; i < s.num_layers; ++i) {
     const std::string l = "model.layers." + std::to_string(i) + ".";
     auto a = rms(h, p(l + "input_layernorm.weight"));
-    auto q = rope(torch::matmul(a, p(l + "self_attn.q_proj.weight").t()).view({b, t, s.num_heads, hd}).transpose(1, 2));
-    auto k =
-        rope(torch::matmul(a, p(l + "self_attn.k_proj.weight").t()).view({b, t, s.num_kv_heads, hd}).transpose(1, 2));
-    auto v = torch::matmul(a, p(l + "self_attn.v_proj.weight").t()).view({b, t, s.num_kv_heads, hd}).transpose(1, 2);
+    auto q = rope(lin(a, l + "self_attn.q_proj").view({b, t, s.num_heads, hd}).transpose(1, 2));
+    auto k = rope(lin(a, l + "self_attn.k_proj").view({b, t, s.num_kv_heads, hd}).transpose(1, 2));
+    auto v = lin(a, l + "self_attn.v_proj").view({b, t, s.num_kv_heads, hd}).transpose(1, 2);
     const int64_t rep = s.num_heads / s.num_kv_heads;
     k = k.repeat_interleave(rep, 1);
     v = v.repeat_interleave(rep, 1);
     auto att =
         torch::matmul(torch::softmax(torch::matmul(q, k.transpose(-1, -2)) / std::sqrt(double(hd)) + mask, -1), v);
-    h = h + torch::matmul(att.transpose(1, 2).reshape({b, t, -1}), p(l + "self_attn.o_proj.weight").t());
+    h = h + lin(att.transpose(1, 2).reshape({b, t, -1}), l + "self_attn.o_proj");
     auto m = rms(h, p(l + "post_attention_layernorm.weight"));
-    auto g = torch::matmul(m, p(l + "mlp.gate_proj.weight").t());
-    auto u = torch::matmul(m, p(l + "mlp.up_proj.weight").t());
-    h = h + torch::matmul(torch::silu(g) * u, p(l + "mlp.down_proj.weight").t());
+    auto g = lin(m, l + "mlp.gate_proj");
+    auto u = lin(m, l + "mlp.up_proj");
+    h = h + lin(torch::silu(g) * u, l + "mlp.down_proj");
   }
   auto logits = torch::matmul(rms(h, p("model.norm.weight")), p("lm_head.weight").t());
   return torch::nn::functional::cross_entropy(logits.reshape({-1, s.vocab_size}), y.reshape({-1}));
@@ -155,6 +172,78 @@ TEST(LlamaTorch, GradientsMatchAutogradThroughAComposedLlama) {
   auto names = net->named_parameters().keys();
   for (size_t i = 0; i < got.size(); ++i) {
     EXPECT_LT(max_rel_diff(got[i], want[i]), 1e-4) << names[i];
+  }
+}
+
+// LoRA over a frozen base: the loss and the adapters' gradients equal the
+// formula's through autograd (every linear layer x Wᵀ + (α/r)·x Aᵀ Bᵀ), the
+// base gets no gradient, and the tensors that bind to the arena are the
+// adapters alone, by PEFT's names and in lora_layout()'s order.
+TEST(LlamaTorch, LoraForwardAndBackwardMatchTheFormulaOverAFrozenBase) {
+  const LlamaSpec s = tiny_spec();
+  torch::manual_seed(13);
+  LlamaOptions plain;
+  plain.fused_attention = false;
+  auto base_net = make_llama(s, plain);
+  std::map<std::string, torch::Tensor> base;
+  for (auto& kv : base_net->named_parameters()) base[kv.key()] = kv.value().detach();
+  LoraConfig lora;
+  lora.enabled = true;
+  lora.r = 3;
+  lora.lora_alpha = 7.5;  // scale 2.5
+  lora.target_modules = {"q_proj", "v_proj", "o_proj", "up_proj", "down_proj"};
+  LlamaOptions o = plain;
+  o.lora = &lora;
+  o.base = &base;
+  auto net = make_llama(s, o);
+  auto named = net->named_tensors();
+  auto layout = lora_layout(s, lora);
+  ASSERT_TRUE(layout.ok());
+  ASSERT_EQ(named.size(), layout->size());
+  for (size_t i = 0; i < named.size(); ++i) {
+    EXPECT_EQ(named[i].first, layout->entries()[i].name);
+    EXPECT_EQ(named[i].second.sizes().vec(), layout->entries()[i].shape) << named[i].first;
+  }
+  // B away from zero (as after training), so both matrices shape the output.
+  {
+    torch::NoGradGuard g;
+    for (auto& [name, t] : named) t.copy_(torch::randn_like(t) * 0.3);
+  }
+  // The same base tensors, not copies: one base for every network over it.
+  EXPECT_EQ(net->named_parameters()["model.layers.1.mlp.up_proj.weight"].data_ptr(),
+            base["model.layers.1.mlp.up_proj.weight"].data_ptr());
+  net->train();
+  auto x = torch::randint(0, s.vocab_size, {2, 7}, torch::kInt64);
+  auto y = torch::randint(0, s.vocab_size, {2, 7}, torch::kInt64);
+  auto [loss, correct] = net->loss_and_correct(x, y);
+  loss.backward();
+  for (auto& kv : net->named_parameters()) {
+    if (kv.key().find("lora_") == std::string::npos) {
+      EXPECT_FALSE(kv.value().grad().defined()) << kv.key() << ": a frozen base weight got a gradient";
+    }
+  }
+  // The formula on copies of the adapters, keyed by their linear layer.
+  Adapters ref_adapters;
+  std::vector<std::pair<std::string, torch::Tensor>> ref_leaves;
+  for (size_t i = 0; i < named.size(); i += 2) {
+    const std::string& a_name = named[i].first;  // base_model.model.<prefix>.lora_A.weight
+    const std::string prefix = a_name.substr(std::string("base_model.model.").size(),
+                                             a_name.size() - std::string("base_model.model.").size() -
+                                                 std::string(".lora_A.weight").size());
+    auto a = named[i].second.detach().clone().requires_grad_(true);
+    auto b = named[i + 1].second.detach().clone().requires_grad_(true);
+    ref_adapters[prefix] = {a, b};
+    ref_leaves.emplace_back(named[i].first, a);
+    ref_leaves.emplace_back(named[i + 1].first, b);
+  }
+  auto ref = composed_loss(*net, s, x, y, &ref_adapters, 2.5);
+  ref.backward();
+  EXPECT_NEAR(loss.item<double>(), ref.item<double>(), 1e-5);
+  // The base alone gives another loss: the adapters count.
+  EXPECT_GT(std::abs(composed_loss(*net, s, x, y).item<double>() - ref.item<double>()), 1e-3);
+  for (size_t i = 0; i < named.size(); ++i) {
+    ASSERT_TRUE(named[i].second.grad().defined()) << named[i].first;
+    EXPECT_LT(max_rel_diff(named[i].second.grad(), ref_leaves[i].second.grad()), 1e-4) << named[i].first;
   }
 }
 

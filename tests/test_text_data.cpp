@@ -512,12 +512,15 @@ TEST(JsonLines, AGroupFieldGroupsRecordsByItsValueAndPlainTextRecordsAreTokenize
   std::sort(all_idx.begin(), all_idx.end());
   for (uint32_t i = 0; i < all_idx.size(); ++i) ASSERT_EQ(all_idx[i], i);
   EXPECT_EQ(all_idx.size(), data->train.size());
-  // Three clients for two topics: refused naming both counts.
+  // Three clients for two topics: refused naming both counts, by memfl
+  // validate's data check (a config load parses no record).
   auto three = experiment("JsonLines", tmp.file("docs.jsonl"), 3,
                           ", text_field: text, group_field: src, partition_strategy: by_group");
-  ASSERT_FALSE(three.ok());
-  EXPECT_HAS(three.status().message(), "2 group");
-  EXPECT_HAS(three.status().message(), "3 clients");
+  ASSERT_TRUE(three.ok()) << three.status().to_string();
+  const Status groups = check_experiment_data(*three);
+  ASSERT_FALSE(groups.ok());
+  EXPECT_HAS(groups.message(), "2 group");
+  EXPECT_HAS(groups.message(), "3 clients");
 }
 
 TEST(JsonLines, ABadLineIsRefusedNamingTheKeyTheFileAndItsLine) {
@@ -545,10 +548,12 @@ TEST(JsonLines, ABadLineIsRefusedNamingTheKeyTheFileAndItsLine) {
     const Case& c = cases[i];
     const std::string path = tmp.file("bad" + std::to_string(i) + ".jsonl");
     write_text(path, c.lines);
-    // The config check (what memfl validate runs) ...
+    // A config load reads no record; memfl validate's data check does ...
     auto cfg = experiment("JsonLines", path, 1, c.kwargs);
-    ASSERT_FALSE(cfg.ok()) << "case " << i;
-    for (const std::string& s : {c.key, path, c.line, c.what}) EXPECT_HAS(cfg.status().message(), s);
+    ASSERT_TRUE(cfg.ok()) << "case " << i << ": " << cfg.status().to_string();
+    const Status data = check_experiment_data(*cfg);
+    ASSERT_FALSE(data.ok()) << "case " << i;
+    for (const std::string& s : {c.key, path, c.line, c.what}) EXPECT_HAS(data.message(), s);
     // ... and the loader itself.
     TextDataSource src{"JsonLines", path, kSeq, spm().vocab, {}, 0, 0};
     src.text.tokenizer_path = spm().model;
@@ -570,12 +575,15 @@ TEST(Tokenizer, AVocabularyThatDisagreesWithTheModelIsRefusedNamingBothSizes) {
   write_text(tmp.file("corpus.txt"), join_lines(make_lines(100, 41)));
   const int wrong = spm().vocab + 8;
   const std::string size = std::to_string(spm().vocab), other = std::to_string(wrong);
+  // A config load does not open the tokenizer; memfl validate's data check does.
   auto cfg = experiment("TextFile", tmp.file("corpus.txt"), 1, "", wrong);
-  ASSERT_FALSE(cfg.ok());
-  EXPECT_HAS(cfg.status().message(), size);
-  EXPECT_HAS(cfg.status().message(), other);
-  EXPECT_HAS(cfg.status().message(), "client_configs.data_configs.tokenizer_path");
-  EXPECT_HAS(cfg.status().message(), "vocab_size");
+  ASSERT_TRUE(cfg.ok()) << cfg.status().to_string();
+  const Status data = check_experiment_data(*cfg);
+  ASSERT_FALSE(data.ok());
+  EXPECT_HAS(data.message(), size);
+  EXPECT_HAS(data.message(), other);
+  EXPECT_HAS(data.message(), "client_configs.data_configs.tokenizer_path");
+  EXPECT_HAS(data.message(), "vocab_size");
   // The loader checks it too (a client whose config passed elsewhere).
   TextDataSource src{"TextFile", tmp.file("corpus.txt"), kSeq, wrong, {}, 0, 0};
   src.text.tokenizer_path = spm().model;
@@ -590,7 +598,9 @@ TEST(Tokenizer, AVocabularyThatDisagreesWithTheModelIsRefusedNamingBothSizes) {
   EXPECT_HAS(r.output, size);
   EXPECT_HAS(r.output, other);
   // The right size passes.
-  EXPECT_TRUE(experiment("TextFile", tmp.file("corpus.txt"), 1).ok());
+  auto right = experiment("TextFile", tmp.file("corpus.txt"), 1);
+  ASSERT_TRUE(right.ok()) << right.status().to_string();
+  EXPECT_TRUE(check_experiment_data(*right).ok());
 }
 
 TEST(Tokenizer, AFifoADirectoryOrAFileThatIsNotAModelIsRefusedNamingTheKey) {
@@ -622,10 +632,12 @@ TEST(Tokenizer, AFifoADirectoryOrAFileThatIsNotAModelIsRefusedNamingTheKey) {
   });
   EXPECT_HAS(msg, "FIFO");
   EXPECT_HAS(msg, key);
+  // A regular file that is not a model: the config loads (it opens no
+  // tokenizer), memfl validate's data check refuses it.
   msg = refusal_of([&] {
-    return load_config_text(experiment_yaml("TextFile", tmp.file("corpus.txt"), spm().vocab, 1), "exp.yaml",
-                            {key + "=" + tmp.file("vocab.txt")})
-        .status();
+    auto cfg = load_config_text(experiment_yaml("TextFile", tmp.file("corpus.txt"), spm().vocab, 1), "exp.yaml",
+                                {key + "=" + tmp.file("vocab.txt")});
+    return cfg.ok() ? check_experiment_data(*cfg) : Status(StatusCode::kInternal, "the config load refused it");
   });
   EXPECT_HAS(msg, "not a SentencePiece model");
   EXPECT_HAS(msg, "exp.yaml");

@@ -137,6 +137,46 @@ TEST(Training, InstructionRecordsTrainOnTheirResponsesAndTheHeldOutLossFalls) {
 }
 #endif
 
+// A Llama's evaluation computes its loss a chunk of rows at a time, as its
+// training does: with a 32k vocabulary, eval_batch_size 64 and seq 256 the
+// full logits would be 64 × 256 × 32000 × 4 B = 2.1 GB (and their f32 log-
+// softmax as much again); a chunk is max(64, 256 MiB / (4 · vocab)) rows of
+// f32 logits. The run that evaluates peaks at most 4 chunks above the same
+// run without the evaluation (the logits, logsumexp's temporary, slack).
+TEST(Training, LlmEvaluationStaysWithinTheChunkedLossBound) {
+  testing::TempDir tmp;
+  const int64_t vocab = 32000, seq = 256, batch = 64;
+  std::ofstream(tmp.file("c.yaml"))
+      << "client_configs:\n  train_configs:\n    trainer: VanillaTrainer\n    mode: step\n    num_local_steps: 1\n"
+         "    optim: SGD\n    train_batch_size: 1\n    num_threads: 1\n    do_validation: false\n"
+         "  model_configs:\n    model_name: llama\n    model_kwargs: {hidden_size: 64, num_layers: 1, num_heads: 4, "
+         "num_kv_heads: 2, intermediate_size: 128, vocab_size: "
+      << vocab << ", seq_length: " << seq
+      << "}\n  data_configs:\n    dataset_name: SyntheticTokens\n"
+         "    dataset_kwargs: {num_train_samples: 8, num_test_samples: "
+      << batch << "}\nserver_configs:\n  num_clients: 1\n  num_global_epochs: 1\n  eval_batch_size: " << batch
+      << "\n";
+  auto peak = [&](bool eval) -> int64_t {
+    const std::string out = tmp.file(eval ? "eval" : "plain");
+    Result r = memfl_cli("run " + tmp.file("c.yaml") + " -q --out " + out +
+                         " --set server_configs.do_server_eval=" + (eval ? "true" : "false"));
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+    std::ifstream in(out + "/summary.json");
+    if (!in) return -1;
+    return nlohmann::json::parse(in)["peak_rss_bytes"].get<int64_t>();
+  };
+  const int64_t with_eval = peak(true), without = peak(false);
+  ASSERT_GT(with_eval, 0);
+  ASSERT_GT(without, 0);
+  const int64_t rows = std::max<int64_t>(64, (int64_t{256} << 20) / (4 * vocab));
+  const int64_t chunk_bytes = rows * vocab * 4;
+  const int64_t full_logits = batch * seq * vocab * 4;
+  ASSERT_GT(full_logits, 4 * chunk_bytes) << "the bound must tell chunks from the full logits";
+  EXPECT_LE(with_eval - without, 4 * chunk_bytes)
+      << "evaluation peaked " << (with_eval - without) / (1 << 20) << " MiB above training alone; a chunk is "
+      << chunk_bytes / (1 << 20) << " MiB, the full logits " << full_logits / (1 << 20) << " MiB";
+}
+
 TEST(Training, BadConfigFailsBeforeAnyWork) {
   testing::TempDir tmp;
   const std::string cfg = tmp.file("bad.yaml");

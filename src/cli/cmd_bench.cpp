@@ -6,12 +6,14 @@
 #include <chrono>
 #include <cstdlib>
 #include <fstream>
+#include <sstream>
 #include <filesystem>
 #include <memory>
 #include <nlohmann/json.hpp>
 
 #include "cli/commands.h"
 #include "io/process.h"
+#include "model/lora.h"
 #include "report/dp_sweep.h"
 #include "train/trainer_backend.h"
 #ifdef MEMFL_HAVE_GRPC
@@ -135,6 +137,8 @@ void add_bench_transfer_options(CLI::App& transfer, memfl::TransferBenchOptions&
 struct BenchLlmArgs {
   memfl::LlmBenchOptions o;
   std::string json_out;
+  int lora_r = 0;
+  std::string target_modules = "all-linear";
 };
 
 void add_bench_llm_options(CLI::App& llm, BenchLlmArgs& a) {
@@ -158,18 +162,53 @@ void add_bench_llm_options(CLI::App& llm, BenchLlmArgs& a) {
   llm.add_option("--warmup", o.warmup, "untimed steps after the first")->capture_default_str();
   llm.add_option("--device", o.device, "cpu | cuda")->capture_default_str();
   llm.add_option("--optimizer", o.optimizer, "Adam | SGD")->capture_default_str();
+  llm.add_option("--state-dtype", o.state_dtype, "Adam's moments: param (the weights' dtype) | float32")
+      ->capture_default_str();
   llm.add_option("--lr", o.lr, "learning rate")->capture_default_str();
   llm.add_flag("--gradient-checkpointing", o.gradient_checkpointing, "recompute each decoder block in the backward");
   llm.add_option("--seed", o.seed, "initial weights and tokens")->capture_default_str();
-  llm.add_option("--weights", o.weights, "safetensors in the model's layout: write its logits instead of timing");
+  llm.add_option("--weights", o.weights, "safetensors in the model's layout (with --lora-r: the adapters, as PEFT's adapter_model.safetensors): "
+                 "write its logits instead of timing");
   llm.add_option("--tokens", o.tokens, "with --weights: raw int64 tokens, batch × (seq + 1)");
   llm.add_option("--logits-out", o.logits_out, "with --weights: the logits as raw f32 [batch, seq, vocab]");
   llm.add_option("--json", a.json_out, "append the JSON line here too");
+  llm.add_option("--hf-checkpoint", o.model.hf_checkpoint,
+                 "with --lora-r: the frozen base's weights from this Hugging Face folder (its shape given by --model "
+                 "or --hidden …); empty: the seed's");
+  llm.add_option("--lora-r", a.lora_r, "LoRA: train rank-r adapters over a frozen base (0: the whole model)")
+      ->capture_default_str();
+  llm.add_option("--lora-alpha", o.model.lora.lora_alpha, "LoRA: lora_alpha (the adapters' scale is lora_alpha / r)")
+      ->capture_default_str();
+  llm.add_option("--lora-dropout", o.model.lora.lora_dropout, "LoRA: dropout on the adapters' input")
+      ->capture_default_str();
+  llm.add_option("--target-modules", a.target_modules,
+                 "LoRA: PEFT's module names, comma-separated (q_proj,v_proj,…), or all-linear")
+      ->capture_default_str();
 }
 
 int bench_llm(BenchLlmArgs a) {
   if (a.o.batch_size < 1 || a.o.seq_length < 1 || a.o.steps < 1 || a.o.warmup < 0) {
     return fail(memfl::invalid_argument("bench llm: --batch, --seq and --steps must be positive"));
+  }
+  if (a.o.state_dtype != "param" && a.o.state_dtype != "float32") {
+    return fail(memfl::invalid_argument("bench llm: --state-dtype is param or float32, got '{}'", a.o.state_dtype));
+  }
+  if (a.lora_r < 0) return fail(memfl::invalid_argument("bench llm: --lora-r must be 0 (no LoRA) or more"));
+  if (a.lora_r > 0) {
+    auto& l = a.o.model.lora;
+    l.enabled = true;
+    l.r = a.lora_r;
+    std::vector<std::string> names;
+    std::stringstream ss(a.target_modules);
+    for (std::string m; std::getline(ss, m, ',');) names.push_back(m);
+    auto modules = memfl::resolve_target_modules(names);
+    if (!modules.ok()) return fail(modules.status());
+    l.target_modules = *modules;
+    if (!(l.lora_dropout >= 0 && l.lora_dropout < 1)) {
+      return fail(memfl::invalid_argument("bench llm: --lora-dropout must lie in [0, 1)"));
+    }
+  } else if (!a.o.model.hf_checkpoint.empty()) {
+    return fail(memfl::invalid_argument("bench llm: --hf-checkpoint is the base of --lora-r; give both"));
   }
   if (!a.o.weights.empty() && (a.o.tokens.empty() || a.o.logits_out.empty())) {
     return fail(memfl::invalid_argument("bench llm: --weights needs --tokens and --logits-out"));

@@ -5,6 +5,7 @@
 
 #include "cli/commands.h"
 #include "comm/client_tokens.h"
+#include "data/experiment_data.h"
 
 namespace memfl::cli {
 
@@ -19,6 +20,9 @@ CommandFn add_validate(CLI::App& cmd, SharedOptions& shared) {
       auto tokens = load_client_tokens(path, kClientTokensFileKey, cfg->server.num_clients);
       if (!tokens.ok()) return fail(tokens.status());
     }
+    // The data's files, read as a client would read them (a config load
+    // checks only their kinds and sizes).
+    if (auto data = check_experiment_data(*cfg); !data.ok()) return fail(data);
     fmt::print("# {} — valid\n{}", cfg->source, cfg->resolved_yaml);
     return kExitOk;
   };

@@ -22,6 +22,7 @@
 #include "io/input_file.h"
 #include "io/run_dir.h"
 #include "model/llama.h"
+#include "model/lora.h"
 #include "model/synthetic.h"
 #include "tensor/safetensors.h"
 #include "tensor/sharded_safetensors.h"
@@ -35,6 +36,13 @@ bool is_spec_only(const ExperimentConfig& cfg) {
 }
 
 Status fill_initial_model(const ModelConfig& model, const Layout& layout, Arena& arena, uint64_t seed) {
+  if (model.lora.enabled) {
+    // The adapters are the model that travels; the base (hf_checkpoint or
+    // the seed's) is the trainer's, never the server's.
+    if (!model.lora.init_adapters.empty()) return load_peft_adapter(model.lora, layout, arena);
+    fill_initial_adapters(layout, arena, seed);
+    return Status::Ok();
+  }
   if (!model.hf_checkpoint.empty()) {
     // By Hugging Face's tensor names, every name, dtype and shape checked
     // before a byte is copied, one shard mapped at a time.
@@ -91,6 +99,11 @@ StatusOr<LocalModel> make_local_model(const ExperimentConfig& cfg, const InputSp
     return m;
   }
   MEMFL_ASSIGN_OR_RETURN(m.replica_, backend->create_replica(cfg.model, input, cfg.train.device, seed));
+  if (fill && cfg.model.lora.enabled) {
+    // The initial adapters as a server without libtorch draws them, so the
+    // simulator's global model is the gRPC and MPI servers' too.
+    MEMFL_RETURN_IF_ERROR(fill_initial_model(cfg.model, m.replica_->layout(), m.replica_->arena(), seed));
+  }
   if (!cfg.model.initial_model.empty()) {
     // The file and the network must be the same model, or the server's
     // broadcasts would not fit this client.

@@ -45,8 +45,10 @@ bool is_spec_only(const ExperimentConfig& cfg);
 // memory, or a scratch file in memory_configs.scratch_dir (else `run_dir`).
 StatusOr<Arena> make_model_arena(const ExperimentConfig& cfg, size_t bytes, const std::string& run_dir,
                                  MemoryCategory category = MemoryCategory::kModel);
-// The initial weights of a model described without a network: from
-// model_configs.initial_model when set, else synthetic (seeded).
+// The initial weights of a model described without a network: with LoRA
+// the adapters (train_configs.lora.init_adapters, else A drawn from the
+// seed and B zero); model_configs.hf_checkpoint's or initial_model's
+// weights when set; else synthetic (seeded).
 Status fill_initial_model(const ModelConfig& model, const Layout& layout, Arena& arena, uint64_t seed);
 
 // Builds the model. `fill` asks a synthetic model for seeded values (the

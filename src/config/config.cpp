@@ -6,6 +6,7 @@
 #include "memory/budget.h"
 #include "model/hf_checkpoint.h"
 #include "model/llama.h"
+#include "model/lora.h"
 #include "secagg/secagg.h"
 
 #include <fmt/ranges.h>  // fmt::join (its home since fmt 11; here on 9 too)
@@ -15,6 +16,7 @@
 #include <algorithm>
 #include <cmath>
 #include <map>
+#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <limits>
@@ -40,7 +42,7 @@ const std::vector<std::string>& known_model_names() {
 
 namespace {
 
-enum class Type { kInt, kFloat, kBool, kString, kFloatPair };
+enum class Type { kInt, kFloat, kBool, kString, kFloatPair, kStringList };
 
 const char* type_name(Type t) {
   switch (t) {
@@ -54,6 +56,8 @@ const char* type_name(Type t) {
       return "string";
     case Type::kFloatPair:
       return "list of 2 numbers";
+    case Type::kStringList:
+      return "list of strings";
   }
   return "?";
 }
@@ -65,6 +69,7 @@ struct Value {
   bool b = false;
   std::string s;
   double pair[2] = {0, 0};
+  std::vector<std::string> list;
 };
 
 struct KeySpec {
@@ -165,6 +170,49 @@ const std::vector<KeySpec>& schema() {
        kInf,
        "Llama: recompute each decoder block in the backward pass instead of keeping its activations",
        B(train.gradient_checkpointing)},
+      // LoRA (model/lora.h): on when the config has a train_configs.lora
+      // section, PEFT's keys and defaults.
+      {"client_configs.train_configs.lora.r",
+       Type::kInt,
+       "8",
+       {},
+       1,
+       65536,
+       "LoRA: the adapters' rank (a train_configs.lora section turns LoRA on: only the adapters train and travel)",
+       I(model.lora.r)},
+      {"client_configs.train_configs.lora.lora_alpha",
+       Type::kFloat,
+       "8",
+       {},
+       1e-6,
+       1e6,
+       "LoRA: the adapters' output is scaled by lora_alpha / r",
+       F(model.lora.lora_alpha)},
+      {"client_configs.train_configs.lora.lora_dropout",
+       Type::kFloat,
+       "0",
+       {},
+       0,
+       1,
+       "LoRA: dropout on the adapters' input while training, in [0, 1)",
+       F(model.lora.lora_dropout)},
+      {"client_configs.train_configs.lora.target_modules",
+       Type::kStringList,
+       "[q_proj, v_proj]",
+       {},
+       -kInf,
+       kInf,
+       "LoRA: PEFT's module names (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj) or all-linear",
+       [](ExperimentConfig& c, const Value& v) { c.model.lora.target_modules = v.list; }},
+      {"client_configs.train_configs.lora.init_adapters",
+       Type::kString,
+       "\"\"",
+       {},
+       -kInf,
+       kInf,
+       "LoRA: a PEFT adapter folder (adapter_config.json + adapter_model.safetensors) to start from; empty: A "
+       "Kaiming-uniform, B zero",
+       S(model.lora.init_adapters)},
       {"client_configs.train_configs.num_local_steps",
        Type::kInt,
        "100",
@@ -232,6 +280,15 @@ const std::vector<KeySpec>& schema() {
        1,
        "Adam epsilon",
        F(train.optim.eps)},
+      {"client_configs.train_configs.optimizer_state_dtype",
+       Type::kString,
+       "param",
+       {"param", "float32"},
+       -kInf,
+       kInf,
+       "Adam's moments: in the parameters' dtype (as torch.optim), or float32 for bf16/f16 weights (8 bytes a "
+       "parameter instead of 4)",
+       S(train.optim.state_dtype)},
       {"client_configs.train_configs.loss_fn_name",
        Type::kString,
        "CrossEntropyLoss",
@@ -1164,6 +1221,19 @@ StatusOr<Value> convert(const KeySpec& k, const YAML::Node& n, const std::string
     }
     return v;
   }
+  if (k.type == Type::kStringList) {
+    // A YAML list, or one name as a scalar (PEFT's target_modules: "all-linear").
+    if (n.IsScalar()) {
+      v.list.push_back(n.Scalar());
+      return v;
+    }
+    if (!n.IsSequence()) return bad_type(YAML::Dump(n));
+    for (const auto& item : n) {
+      if (!item.IsScalar()) return bad_type(YAML::Dump(n));
+      v.list.push_back(item.Scalar());
+    }
+    return v;
+  }
   if (!n.IsScalar()) return bad_type(YAML::Dump(n));
   const std::string text = n.Scalar();
   try {
@@ -1184,6 +1254,7 @@ StatusOr<Value> convert(const KeySpec& k, const YAML::Node& n, const std::string
         v.s = text;
         break;
       case Type::kFloatPair:
+      case Type::kStringList:
         break;
     }
   } catch (const YAML::Exception&) {
@@ -1446,7 +1517,10 @@ Status check_text_data(const ExperimentConfig& c, const std::string& source, boo
   }
   int groups = 0;
   if (tokenized) {
-    auto g = check_tokenized_text(text_data_source(c));
+    // The files' kinds and sizes only: the tokenizer, its vocabulary and the
+    // records are read by the process that loads the data (and by memfl
+    // validate, check_experiment_data).
+    auto g = check_text_inputs(text_data_source(c));
     if (!g.ok()) return g.status().with_context(source);
     groups = *g;
   } else if (d.dataset_name == "FashionMNIST" || d.dataset_name == "SyntheticCIFAR10") {
@@ -1459,6 +1533,50 @@ Status check_text_data(const ExperimentConfig& c, const std::string& source, boo
         "{}: '{}partition_strategy: by_group' gives each client a group of its own, but the data has {} group(s) "
         "for {} clients (server_configs.num_clients)",
         source, kw, groups, c.server.num_clients);
+  }
+  return Status::Ok();
+}
+
+// train_configs.lora: what PEFT's LoraConfig would refuse or memfl does not
+// run, before any work. The adapter folder is checked for being one; its
+// files are read by the roles that start from it.
+Status check_lora(const ExperimentConfig& c, const std::string& source, bool llama) {
+  const std::string k(kLoraKey);
+  if (!llama) {
+    return invalid_argument("{}: '{}' adapts a Llama's linear layers; client_configs.model_configs.model_name is {}",
+                            source, k, c.model.model_name);
+  }
+  if (!(c.model.lora.lora_dropout < 1)) {
+    return invalid_argument("{}: key '{}.lora_dropout' must lie in [0, 1), got {}", source, k,
+                            c.model.lora.lora_dropout);
+  }
+  if (c.model.lora.lora_dropout > 0 && c.train.gradient_checkpointing) {
+    // A recomputed block would draw another dropout mask than its forward.
+    return invalid_argument(
+        "{}: '{}.lora_dropout' {} with client_configs.train_configs.gradient_checkpointing: the recomputed blocks "
+        "would drop other inputs than the forward did; set lora_dropout to 0 or turn checkpointing off",
+        source, k, c.model.lora.lora_dropout);
+  }
+  if (!c.model.initial_model.empty()) {
+    return invalid_argument(
+        "{}: '{}' trains adapters over the base; the base comes from client_configs.model_configs.hf_checkpoint "
+        "(or the seed), and '{}.init_adapters' starts the adapters, not client_configs.model_configs.initial_model",
+        source, k, k);
+  }
+  if (c.train.num_gpus > 1) {
+    return invalid_argument("{}: '{}' with client_configs.train_configs.num_gpus {}: a sharded client trains the "
+                            "whole model; set num_gpus to 1",
+                            source, k, c.train.num_gpus);
+  }
+  if (c.train.dp.enabled) {
+    return invalid_argument("{}: '{}' with client_configs.train_configs.dp.enabled: DP-SGD on adapters is not "
+                            "available yet; turn one of them off",
+                            source, k);
+  }
+  if (const auto& dir = c.model.lora.init_adapters; !dir.empty() && !std::filesystem::is_directory(dir)) {
+    return invalid_argument("{}: '{}.init_adapters': '{}' is not a folder (a PEFT adapter: adapter_config.json and "
+                            "adapter_model.safetensors)",
+                            source, k, dir);
   }
   return Status::Ok();
 }
@@ -1480,6 +1598,7 @@ Status cross_checks(const ExperimentConfig& c, const std::string& source) {
     // A spec that cannot be built is named here, with the file, before any work.
     if (auto spec = llama_spec_from_config(c.model); !spec.ok()) return spec.status().with_context(source);
   }
+  if (c.model.lora.enabled) MEMFL_RETURN_IF_ERROR(check_lora(c, source, llama));
   if (llama && c.train.trainer != "DummyTrainer" && !tokens) {
     return invalid_argument(
         "{}: model_name '{}' trains on tokens; set 'client_configs.data_configs.dataset_name' to SyntheticTokens, "
@@ -1605,6 +1724,12 @@ Status cross_checks(const ExperimentConfig& c, const std::string& source) {
         "server's model; remove the key or set it to true",
         source);
   }
+  if (c.train.optim.state_dtype == "float32" && c.train.optim.optim != "Adam") {
+    return invalid_argument(
+        "{}: 'client_configs.train_configs.optimizer_state_dtype: float32' is for Adam's moments; "
+        "client_configs.train_configs.optim is {}",
+        source, c.train.optim.optim);
+  }
   MEMFL_RETURN_IF_ERROR(check_compressor(c, source));
   MEMFL_RETURN_IF_ERROR(check_secure_aggregation(c, source));
   if (c.server.clients_per_round > c.server.num_clients) {
@@ -1685,6 +1810,21 @@ StatusOr<ExperimentConfig> load_config_text(const std::string& yaml_text, const 
     MEMFL_ASSIGN_OR_RETURN(Value v, convert(k, n, where));
     k.apply(cfg, v);
     assign(resolved, k.path, n);
+  }
+  // LoRA is on when the config has a train_configs.lora section; without
+  // one, its keys' defaults are not part of the experiment (a resolved
+  // config read back must not turn it on).
+  {
+    const YAML::Node lora = lookup(root, std::string(kLoraKey));
+    cfg.model.lora.enabled = lora.IsDefined() && !lora.IsNull();
+    if (!cfg.model.lora.enabled) {
+      YAML::Node train = lookup(resolved, "client_configs.train_configs");
+      if (train.IsDefined() && train.IsMap()) train.remove("lora");
+    } else {
+      auto modules = resolve_target_modules(cfg.model.lora.target_modules);
+      if (!modules.ok()) return modules.status().with_context(source);
+      cfg.model.lora.target_modules = *modules;
+    }
   }
   if (!cfg.model.hf_checkpoint.empty()) {
     // The spec and dtype come from the checkpoint's config.json; the

@@ -26,6 +26,7 @@ struct OptimConfig {
   double weight_decay = 0;
   bool nesterov = false;
   double beta1 = 0.9, beta2 = 0.999, eps = 1e-8;
+  std::string state_dtype = "param";  // Adam's moments: param (the parameters' dtype) | float32
 };
 
 // train_configs.dp: sample-level DP-SGD inside each client (Abadi et al.

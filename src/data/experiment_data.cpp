@@ -34,6 +34,21 @@ StatusOr<DatasetSplits> load_data(const ExperimentConfig& cfg) {
                             static_cast<size_t>(d.max_test_samples));
 }
 
+Status check_experiment_data(const ExperimentConfig& cfg) {
+  const auto& d = cfg.data;
+  const bool tokenized = d.dataset_name == "JsonLines" || (d.dataset_name == "TextFile" && !d.text.tokenizer_path.empty());
+  if (!tokenized) return Status::Ok();
+  auto groups = check_tokenized_text(text_data_source(cfg));
+  if (!groups.ok()) return groups.status().with_context(cfg.source);
+  if (d.partition_strategy == "by_group" && *groups > 0 && *groups < cfg.server.num_clients) {
+    return invalid_argument(
+        "{}: 'client_configs.data_configs.dataset_kwargs.partition_strategy: by_group' gives each client a group of "
+        "its own, but the data has {} group(s) for {} clients (server_configs.num_clients)",
+        cfg.source, *groups, cfg.server.num_clients);
+  }
+  return Status::Ok();
+}
+
 StatusOr<InputSpec> input_spec(const ExperimentConfig& cfg, const ImageDataset& train) {
   InputSpec in{train.channels, train.height, train.width, train.num_classes};
   const auto& m = cfg.model;

@@ -27,6 +27,12 @@ StatusOr<DatasetSplits> load_data(const ExperimentConfig& cfg);
 // A tokenized text set's source as the config gives it (the model's
 // vocabulary from its llama spec, 0 when it has none).
 TextDataSource text_data_source(const ExperimentConfig& cfg);
+// What loading the data would refuse, found without loading it, for `memfl
+// validate`: a tokenized corpus's tokenizer (its vocabulary against the
+// model's), every JSON line, and that partition_strategy by_group has a
+// group for every client. A config load checks only the files' kinds and
+// sizes; this reads them, where they are on this machine.
+[[nodiscard]] Status check_experiment_data(const ExperimentConfig& cfg);
 // model_kwargs that contradict the data set are config errors, named as such.
 StatusOr<InputSpec> input_spec(const ExperimentConfig& cfg, const ImageDataset& train);
 StatusOr<std::vector<ClientPartition>> make_partitions(const ExperimentConfig& cfg, const ImageDataset& train);

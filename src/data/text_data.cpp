@@ -295,6 +295,26 @@ StatusOr<int> check_tokenized_text(const TextDataSource& src) {
   return static_cast<int>(files.size());
 }
 
+StatusOr<int> check_text_inputs(const TextDataSource& src) {
+  MEMFL_RETURN_IF_ERROR(
+      check_input_file_if_present(src.text.tokenizer_path, kTokenizerPathKey, kTokenizerFileLimit));
+  std::error_code ec;
+  if (src.path.empty() || !fs::exists(fs::symlink_status(src.path, ec))) return 0;
+  if (src.dataset_name == "JsonLines") {
+    MEMFL_RETURN_IF_ERROR(check_input_file_if_present(src.path, kPathKey, kTextCorpusLimit));
+    return 0;  // its groups are its records' values
+  }
+  MEMFL_ASSIGN_OR_RETURN(auto files, text_files(src.path));
+  for (const auto& [file, name] : files) {
+    MEMFL_RETURN_IF_ERROR(check_input_file_if_present(file, kPathKey, kTextCorpusLimit));
+  }
+  if (files.size() > kMaxGroups) {
+    return invalid_argument("{}: the folder '{}' holds {} .txt files, each a group; at most {} are supported", kPathKey,
+                            src.path, files.size(), kMaxGroups);
+  }
+  return static_cast<int>(files.size());
+}
+
 StatusOr<DatasetSplits> load_tokenized_text(const TextDataSource& src) {
   const TextDataConfig& t = src.text;
   if (t.tokenizer_path.empty()) {

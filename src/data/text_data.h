@@ -42,12 +42,21 @@ struct TextDataSource {
 // in a JSON lines file, the line).
 [[nodiscard]] StatusOr<DatasetSplits> load_tokenized_text(const TextDataSource& src);
 
-// What loading would refuse that can be seen without tokenizing, for config
-// checks: the tokenizer (a SentencePiece model of the model's vocabulary,
-// with an EOS piece), the corpus's files, every JSON line and its fields.
-// Paths not on this machine are left to the process that loads them. Gives
-// the number of groups the data will have, 0 when it cannot be told here.
+// What loading would refuse that can be seen without tokenizing, for
+// `memfl validate`: the tokenizer (a SentencePiece model of the model's
+// vocabulary, with an EOS piece), the corpus's files, every JSON line and
+// its fields. Paths not on this machine are left to the process that loads
+// them. Gives the number of groups the data will have, 0 when it cannot be
+// told here.
 [[nodiscard]] StatusOr<int> check_tokenized_text(const TextDataSource& src);
+
+// What a config load checks, reading no file's contents: the tokenizer and
+// the corpus are regular files within their size limits (a FIFO, a
+// directory or a device is refused, naming the key), a folder's .txt files
+// too. Neither the tokenizer plugin nor a JSON line is touched: a server
+// that never reads the data starts without doing the data's work. Gives a
+// folder's group count (its files), 0 where it takes parsing to tell.
+[[nodiscard]] StatusOr<int> check_text_inputs(const TextDataSource& src);
 
 // The Stanford Alpaca prompt, for records with and without an input.
 std::string_view alpaca_prompt_template(bool with_input);

@@ -2,6 +2,7 @@
 
 #include "tensor/safetensors.h"
 
+#include "model/lora.h"
 #include "model/synthetic.h"
 
 namespace memfl {
@@ -119,6 +120,9 @@ StatusOr<Layout> layout_without_network(const ModelConfig& model) {
   if (model.model_name == "synthetic") return synthetic_layout(model.num_params, *dtype);
   if (is_llama_model(model.model_name)) {
     MEMFL_ASSIGN_OR_RETURN(LlamaSpec spec, llama_spec_from_config(model));
+    // With LoRA the model that travels is the adapters; the base stays
+    // with the clients.
+    if (model.lora.enabled) return lora_layout(spec, model.lora);
     return llama_layout(spec, *dtype);
   }
   return failed_precondition("model {}: its layout comes from its network", model.model_name);

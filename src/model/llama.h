@@ -57,7 +57,8 @@ int64_t llama_num_params(const LlamaSpec& spec);
 StatusOr<Layout> llama_layout(const LlamaSpec& spec, DType dtype);
 
 // A model's layout from its config alone (synthetic, every llama spec, an
-// initial_model file); an error for a model that needs its network.
+// initial_model file; with train_configs.lora, the adapters' layout); an
+// error for a model that needs its network.
 StatusOr<Layout> layout_without_network(const ModelConfig& model);
 
 }  // namespace memfl

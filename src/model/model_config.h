@@ -6,8 +6,26 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace memfl {
+
+// client_configs.train_configs.lora: LoRA adapters over a frozen base, in
+// PEFT's names (model/lora.h). It is a training choice to the user, so its
+// keys sit under train_configs as in PEFT's recipes, but it is kept here:
+// it changes the model that travels (the adapters, not the base), which
+// every role derives from the model config alone.
+struct LoraConfig {
+  bool enabled = false;  // the config has a train_configs.lora section
+  int r = 8;             // PEFT's defaults
+  double lora_alpha = 8;
+  double lora_dropout = 0;
+  // PEFT's module names, resolved (all-linear expanded), in decoder order.
+  std::vector<std::string> target_modules = {"q_proj", "v_proj"};
+  // A PEFT adapter folder (adapter_config.json + adapter_model.safetensors)
+  // whose adapters are the initial global model.
+  std::string init_adapters;
+};
 
 struct ModelConfig {
   std::string model_name = "CNN";  // a registry model, or "synthetic"
@@ -35,6 +53,7 @@ struct ModelConfig {
   // spec and the dtype when the config is loaded (model/hf_checkpoint.h), and
   // its weights are the initial global model.
   std::string hf_checkpoint;
+  LoraConfig lora;
 };
 
 // The model starts from a file's weights (initial_model or hf_checkpoint),

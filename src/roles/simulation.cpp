@@ -152,6 +152,9 @@ StatusOr<SimulationResult> run_simulation(const ExperimentConfig& cfg, const Sim
   workers->attach(&dopts, *global, *scheduler, [&](const RoundMetrics& m) {
     if (opts.progress) print_progress(cfg, m, seconds_since(t_start));
   });
+  // From the start to the first round: the global model made or read (a
+  // checkpoint), the workers and their replicas.
+  const double setup_seconds = seconds_since(t_start);
   RoundDriver driver(cfg, *global, *transport, *scheduler, sampler, std::move(dopts));
   MEMFL_RETURN_IF_ERROR(driver.run());
   result.rounds = driver.rounds();
@@ -186,6 +189,7 @@ StatusOr<SimulationResult> run_simulation(const ExperimentConfig& cfg, const Sim
   summary["num_params"] = result.num_params;
   summary["peak_rss_over_model"] = static_cast<double>(result.peak_rss_bytes) / static_cast<double>(result.model_bytes);
   summary["wall_seconds"] = result.wall_seconds;
+  summary["setup_seconds"] = setup_seconds;
   summary["num_clients"] = sc.num_clients;
   summary["model_chunk_size"] = chunk;
   MEMFL_RETURN_IF_ERROR(workers->summarise(&summary, baseline_rss, result.peak_rss_bytes,

@@ -1,5 +1,7 @@
 #include "server/global_model.h"
 
+#include "model/lora.h"
+
 #include <cstdio>
 #include <filesystem>
 
@@ -87,9 +89,12 @@ StatusOr<std::unique_ptr<GlobalModel>> GlobalModel::create(const ExperimentConfi
       g->mapped_ = true;
     }
   }
-  if (!g->mapped_ && !is_spec_only(cfg) && has_initial_weights(cfg.model) && !network_here) {
-    // The layout and initial weights from the user's file: no model worker,
-    // no libtorch (a worker still evaluates, where the config asks for it).
+  // LoRA's federated model, the adapters, is described by the config alone.
+  const bool described = has_initial_weights(cfg.model) || cfg.model.lora.enabled;
+  if (!g->mapped_ && !is_spec_only(cfg) && described && !network_here) {
+    // The layout and initial weights from the user's file (with LoRA: the
+    // adapters, never the base): no model worker, no libtorch (a worker
+    // still evaluates, where the config asks for it).
     MEMFL_ASSIGN_OR_RETURN(Layout layout, layout_without_network(cfg.model));
     MEMFL_ASSIGN_OR_RETURN(Arena arena, make_model_arena(cfg, layout.total_bytes(), run_dir));
     MEMFL_RETURN_IF_ERROR(fill_initial_model(cfg.model, layout, arena, cfg.server.seed));
@@ -110,8 +115,9 @@ StatusOr<std::unique_ptr<GlobalModel>> GlobalModel::create(const ExperimentConfi
     g->model_ = LocalModel::from_arena(std::move(layout), std::move(arena));
   } else if (!g->mapped_) {
     MEMFL_ASSIGN_OR_RETURN(g->model_, make_local_model(cfg, input, /*fill=*/true, cfg.server.seed, run_dir));
-    if (g->model_.replica() != nullptr && has_initial_weights(cfg.model)) {
-      // A network here (the simulator): the user's initial weights into it.
+    if (g->model_.replica() != nullptr && has_initial_weights(cfg.model) && !cfg.model.lora.enabled) {
+      // A network here (the simulator): the user's initial weights into it
+      // (LoRA's adapters: make_local_model drew them).
       MEMFL_RETURN_IF_ERROR(fill_initial_model(cfg.model, g->model_.layout(), g->model_.arena(), cfg.server.seed));
     }
   }
@@ -216,6 +222,12 @@ Status GlobalModel::finish_round(int round, int contributors) {
 }
 
 Status GlobalModel::write_checkpoint(int round) {
+  if (cfg_.model.lora.enabled) {
+    // The global adapters as PEFT writes them, beside the checkpoint: what
+    // a user loads onto the base with PeftModel.from_pretrained.
+    MEMFL_RETURN_IF_ERROR(write_peft_adapter((fs::path(checkpoint_).parent_path() / "adapter").string(), cfg_.model,
+                                             model_.layout(), model_.arena()));
+  }
   if (mapped_) return Status::Ok();
   seeded_start_ = false;
   return write_safetensors(

@@ -105,12 +105,31 @@ Status RoundDriver::check_disk() const {
                                global_.aggregator().saved_state_bytes());
 }
 
-Status RoundDriver::commit(int round) {
+Status RoundDriver::start_commit(int round) {
   sampler_.mark(round, "commit");
-  const CheckpointPolicy policy = CheckpointPolicy::from(cfg_.server);
   // Refused with the numbers before a byte is written, not by a write that
   // fails half way; the commits already on disk stay resumable.
   MEMFL_RETURN_IF_ERROR(check_disk());
+  CommittedState st;
+  st.round = round;
+  st.experiment = experiment_identity(cfg_);
+  st.scheduler = scheduler_.save();
+  nlohmann::json extra = opts_.save_extra ? opts_.save_extra() : nlohmann::json::object();
+  extra["dp_fedavg_epsilon"] = dp_fedavg_epsilon_;
+  extra["dropped"] = dropped_;
+  extra["metrics"] = nlohmann::json::array();
+  for (const auto& m : rounds_) extra["metrics"].push_back(round_metrics_to_json(m));
+  st.extra = std::move(extra);
+  pending_commit_.emplace();
+  pending_commit_->round = round;
+  pending_commit_->started = Clock::now();
+  pending_commit_->done =
+      std::async(std::launch::async, [this, round, st = std::move(st)]() mutable { return write_commit(round, std::move(st)); });
+  return Status::Ok();
+}
+
+Status RoundDriver::write_commit(int round, CommittedState st) {
+  const CheckpointPolicy policy = CheckpointPolicy::from(cfg_.server);
   // Written after every round, committed or not: the checkpoint file is the
   // next round's undo (GlobalModel::restore reloads it when a round's
   // aggregate cannot be trusted, the in-place modes having overwritten the
@@ -118,23 +137,35 @@ Status RoundDriver::commit(int round) {
   // this file.
   MEMFL_RETURN_IF_ERROR(global_.write_checkpoint(round));
   if (!policy.commits(round, cfg_.server.num_global_epochs)) return Status::Ok();
-  CommittedState st;
-  st.round = round;
-  st.experiment = experiment_identity(cfg_);
-  st.scheduler = scheduler_.save();
   // The aggregator's state between rounds (a server optimizer's moments),
   // written under state/ before the commit that names it.
   std::string record;
   MEMFL_RETURN_IF_ERROR(global_.aggregator().save_state((fs::path(opts_.run_dir) / "state").string(), round, &record));
   st.aggregator = record.empty() ? nlohmann::json::object() : nlohmann::json::parse(record);
-  nlohmann::json extra = opts_.save_extra ? opts_.save_extra() : nlohmann::json::object();
-  extra["dp_fedavg_epsilon"] = dp_fedavg_epsilon_;
-  extra["dropped"] = dropped_;
-  extra["metrics"] = nlohmann::json::array();
-  for (const auto& m : rounds_) extra["metrics"].push_back(round_metrics_to_json(m));
-  st.extra = std::move(extra);
   return commit_state(opts_.run_dir, global_.checkpoint_path(), global_.layout(), global_.arena(), std::move(st),
                       policy.keep);
+}
+
+Status RoundDriver::settle_commit() {
+  if (!pending_commit_) return Status::Ok();
+  PendingCommit pending = std::move(*pending_commit_);
+  pending_commit_.reset();
+  Status st = pending.done.get();
+  if (!st.ok()) return st.with_context(fmt::format("round {}, commit", pending.round));
+  auto it =
+      std::find_if(rounds_.begin(), rounds_.end(), [&](const RoundMetrics& m) { return m.round == pending.round; });
+  if (it == rounds_.end()) return internal_error("round {}: committed but never played", pending.round);
+  it->commit_seconds = std::chrono::duration<double>(Clock::now() - pending.started).count();
+  // A round still being evaluated is published when its result is in.
+  if (pending_evaluation_ != pending.round) MEMFL_RETURN_IF_ERROR(publish(*it));
+  return Status::Ok();
+}
+
+// A crash point of the fault tests, after the commit in flight is durable:
+// which commit --resume finds then does not depend on the disk's speed.
+void RoundDriver::crash_after_commit(int round, const char* point) {
+  if (crash_point_armed(round, point)) (void)settle_commit();
+  crash_point(round, point);
 }
 
 Status RoundDriver::play_round(int round, RoundMetrics* m, bool* redo) {
@@ -151,7 +182,7 @@ Status RoundDriver::play_round(int round, RoundMetrics* m, bool* redo) {
   live::clients_connected(transport_.connected_clients());
 
   sampler_.mark(round, "broadcast");
-  crash_point(round, "broadcast");
+  crash_after_commit(round, "broadcast");
   BroadcastResult down;
   MEMFL_RETURN_IF_ERROR(transport_.broadcast(round, selected, global_.arena(), &down));
 
@@ -160,6 +191,11 @@ Status RoundDriver::play_round(int round, RoundMetrics* m, bool* redo) {
   // sees one update, the unmasked mean.
   std::unique_ptr<SecAggRound> secure;
   std::vector<int> key_failed;
+  // The previous round's commit reads the global model: it is durable
+  // before the upload writes over it (a fold in place, a masked sum in the
+  // model's memory). Otherwise the uploads fold elsewhere and it has until
+  // the aggregate (in process: the whole of the clients' training).
+  if (global_.folds_over_model() || cfg_.secagg.enable) MEMFL_RETURN_IF_ERROR(settle_commit());
   if (cfg_.secagg.enable) {
     if (opts_.secure_aggregation == nullptr) {
       return failed_precondition(
@@ -210,7 +246,7 @@ Status RoundDriver::play_round(int round, RoundMetrics* m, bool* redo) {
   }
   MEMFL_RETURN_IF_ERROR(global_.begin_round(round, std::move(fold_order)));
   sampler_.mark(round, "upload");
-  crash_point(round, "upload");
+  crash_after_commit(round, "upload");
   CollectResult up;
   // Every update's sample count and values are checked before they count.
   CheckedUpdateOpener checked(global_.aggregator(), global_.layout(), round, UpdateLimits{cfg_.server.max_num_samples});
@@ -228,7 +264,9 @@ Status RoundDriver::play_round(int round, RoundMetrics* m, bool* redo) {
   UpdateOpener& opener = secure    ? static_cast<UpdateOpener&>(*secure)
                          : decoded ? static_cast<UpdateOpener&>(*decoded)
                                    : checked;
-  MEMFL_RETURN_IF_ERROR(transport_.collect(round, selected, global_.arena(), opener, &up));
+  Status collected = transport_.collect(round, selected, global_.arena(), opener, &up);
+  MEMFL_RETURN_IF_ERROR(settle_commit());
+  MEMFL_RETURN_IF_ERROR(collected);
   int contributors = 0;
   if (secure) {
     sampler_.mark(round, "secagg_unmask");
@@ -415,7 +453,10 @@ Status RoundDriver::run() {
   for (int round = first_round_; round <= last;) {
     RoundMetrics m;
     bool redo = false;
-    MEMFL_RETURN_IF_ERROR(play_round(round, &m, &redo));
+    if (Status played = play_round(round, &m, &redo); !played.ok()) {
+      (void)settle_commit();  // the round before this one keeps its commit and its row
+      return played;
+    }
     if (redo) {
       // Each redo leaves out the clients that made it necessary when it can
       // tell them; the cap is for when it cannot.
@@ -433,13 +474,11 @@ Status RoundDriver::run() {
     // commit. A round the checkpoint policy does not commit is replayed by
     // --resume from the newest commit (same selection, same model).
     rounds_.push_back(m);
-    const auto t_commit = Clock::now();
-    MEMFL_RETURN_IF_ERROR(commit(round));
-    rounds_.back().commit_seconds = m.commit_seconds = std::chrono::duration<double>(Clock::now() - t_commit).count();
-    // A round still being evaluated is published when its result is in.
-    if (pending_evaluation_ != round) MEMFL_RETURN_IF_ERROR(publish(m));
+    MEMFL_RETURN_IF_ERROR(start_commit(round));
+    if (opts_.between_rounds) opts_.between_rounds(round);
     ++round;
   }
+  MEMFL_RETURN_IF_ERROR(settle_commit());
   MEMFL_RETURN_IF_ERROR(finish_evaluation());
   sampler_.mark(last, "done");
   live::loop_finished();

@@ -15,9 +15,12 @@
 #pragma once
 
 #include <array>
+#include <chrono>
 #include <cstdint>
 #include <functional>
+#include <future>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -28,6 +31,7 @@
 #include "io/run_dir.h"
 #include "schedule/scheduler.h"
 #include "server/global_model.h"
+#include "server/server_state.h"
 #include "comm/transport.h"
 #include "train/trainer_backend.h"
 
@@ -51,8 +55,12 @@ struct RoundDriverOptions {
   // empty (its model is committed).
   std::function<Status(int round, const Arena& global)> begin_evaluation;
   std::function<StatusOr<EvalResult>(int round)> end_evaluation;
-  // Called after each round's metrics are final (progress lines).
+  // Called after each round's metrics are final (progress lines): once its
+  // commit is durable, which is during the next round.
   std::function<void(const RoundMetrics&)> on_round;
+  // Called when a round is over and before the next one begins (its commit
+  // may still be writing).
+  std::function<void(int round)> between_rounds;
   // The simulated duration of `round` (its slowest client's local steps ×
   // its time per step), added up into RoundMetrics::virtual_seconds; empty:
   // no simulated time.
@@ -85,9 +93,22 @@ class RoundDriver {
   Status finish_evaluation();
   // Round `m`'s metrics are final: the row, and on_round.
   Status publish(const RoundMetrics& m);
-  // Writes the round's checkpoint (the next round's undo) and, on the rounds
-  // the checkpoint policy names, commits the state.
-  Status commit(int round);
+  // Starts writing the round's checkpoint (the next round's undo) and, on
+  // the rounds the checkpoint policy names, its commit, on a thread of its
+  // own: the next round broadcasts and trains meanwhile. What the commit
+  // records (the scheduler, the metrics, the aggregator's record) is taken
+  // now; the global model and the aggregator's state are not written again
+  // before settle_commit().
+  Status start_commit(int round);
+  // Waits for the commit in flight (none: OK) and then publishes its round:
+  // a round's metrics row follows its durable commit. Called before anything
+  // writes the global model or the aggregator's state, and before the run
+  // ends, errors included.
+  Status settle_commit();
+  // The writes start_commit() runs.
+  Status write_commit(int round, CommittedState st);
+  // crash_point (server/server_state.h) once the commit in flight is durable.
+  void crash_after_commit(int round, const char* point);
   // The checkpoint policy's disk need against the run directory's free bytes.
   Status check_disk() const;
 
@@ -108,6 +129,14 @@ class RoundDriver {
   // Secure aggregation: this run's id (secagg_experiment_id), which every
   // round's masks, shares and upload tags are bound to.
   std::array<uint8_t, 32> secagg_experiment_{};
+  // The commit in flight (start_commit): last, so that it is waited for
+  // before anything it reads is destroyed.
+  struct PendingCommit {
+    int round = 0;
+    std::chrono::steady_clock::time_point started;
+    std::future<Status> done;
+  };
+  std::optional<PendingCommit> pending_commit_;
 };
 
 // The server's stated bound — the global model (anonymous unless

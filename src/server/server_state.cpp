@@ -58,10 +58,14 @@ uint64_t text_checksum(const std::string& text) {
 
 }  // namespace
 
-void crash_point(int round, const char* point) {
+bool crash_point_armed(int round, const char* point) {
   static const char* spec = std::getenv("MEMFL_CRASH_AT");
-  if (spec == nullptr) return;
-  if (fmt::format("{}:{}", round, point) == spec) {
+  return spec != nullptr && fmt::format("{}:{}", round, point) == spec;
+}
+
+void crash_point(int round, const char* point) {
+  if (crash_point_armed(round, point)) {
+    const char* spec = std::getenv("MEMFL_CRASH_AT");
     spdlog::warn("MEMFL_CRASH_AT={}: killing this process (SIGKILL)", spec);
     ::kill(::getpid(), SIGKILL);
   }

@@ -109,5 +109,7 @@ StatusOr<CommittedState> load_committed_state(const std::string& run_dir, const 
 // kills this process with SIGKILL (as kill -9 would) when the round driver
 // reaches that point of that round (broadcast, upload, aggregate, commit).
 void crash_point(int round, const char* point);
+// Whether crash_point(round, point) would kill the process.
+bool crash_point_armed(int round, const char* point);
 
 }  // namespace memfl

@@ -1,5 +1,7 @@
 #include "server/sim_workers.h"
 
+#include "model/llama.h"
+
 #include <algorithm>
 #include <cstring>
 #include <filesystem>
@@ -74,7 +76,13 @@ StatusOr<std::unique_ptr<SimWorkers>> SimWorkers::create(const ExperimentConfig&
 
 double SimWorkers::optimizer_models() {
   const bool trains_here = workers_[0].replica() != nullptr && cfg_.train.trainer != "DummyTrainer";
-  return !trains_here ? 0.0 : (cfg_.train.optim.optim == "Adam" ? 2.0 : (cfg_.train.optim.momentum > 0 ? 1.0 : 0.0));
+  if (!trains_here) return 0.0;
+  const auto& o = cfg_.train.optim;
+  if (o.optim != "Adam") return o.momentum > 0 ? 1.0 : 0.0;
+  // Two moments, each the model's size, or 4 bytes an element in float32.
+  // (LoRA's adapters are float32 whatever the base's dtype.)
+  const double element = cfg_.model.dtype == "f32" || cfg_.model.lora.enabled ? 4.0 : 2.0;
+  return o.state_dtype == "float32" ? 2.0 * 4.0 / element : 2.0;
 }
 
 Status SimWorkers::grow(int64_t baseline_rss) {
@@ -248,8 +256,6 @@ void SimWorkers::record_round(int round, const Scheduler& scheduler) {
       if (e.ok()) max_epsilon_ = std::max(max_epsilon_, *e);
     }
   }
-  // A shed worker's replica goes now, between rounds.
-  for (size_t k = static_cast<size_t>(governor_->active()); k < workers_.size(); ++k) workers_[k] = LocalModel();
 }
 
 void SimWorkers::attach(RoundDriverOptions* dopts, GlobalModel& global, const Scheduler& scheduler,
@@ -262,6 +268,10 @@ void SimWorkers::attach(RoundDriverOptions* dopts, GlobalModel& global, const Sc
   dopts->on_round = [this, &scheduler, on_round = std::move(on_round)](const RoundMetrics& m) {
     record_round(m.round, scheduler);
     if (on_round) on_round(m);
+  };
+  // A shed worker's replica goes between rounds, when no worker trains.
+  dopts->between_rounds = [this](int) {
+    for (size_t k = static_cast<size_t>(governor_->active()); k < workers_.size(); ++k) workers_[k] = LocalModel();
   };
   dopts->round_virtual_seconds = [this](int round) { return take_round_virtual_seconds(round); };
   dopts->save_extra = [this] { return nlohmann::json{{"max_client_epsilon", max_epsilon_}}; };
@@ -288,7 +298,16 @@ Status SimWorkers::summarise(nlohmann::ordered_json* summary, int64_t baseline_r
   // number of clients. Activations come on top and scale with the batch.
   const double m_bytes = static_cast<double>(layout().total_bytes());
   const bool trains = workers_[0].replica() != nullptr && cfg_.train.trainer != "DummyTrainer";
-  const double bound = m_bytes * (2.0 + (trains ? 1.0 : 0.0) + optimizer_models()) + sum_bytes;
+  // With LoRA M is the adapters, and the frozen base comes on top once:
+  // every worker's network shares the process's one copy.
+  double base = 0;
+  if (cfg_.model.lora.enabled && trains) {
+    auto spec = llama_spec_from_config(cfg_.model);
+    auto dtype = dtype_from_name(cfg_.model.dtype);
+    if (spec.ok() && dtype) base = static_cast<double>(llama_num_params(*spec)) * static_cast<double>(dtype_size(*dtype));
+    s["lora_base_bytes"] = base;
+  }
+  const double bound = m_bytes * (2.0 + (trains ? 1.0 : 0.0) + optimizer_models()) + sum_bytes + base;
   s["baseline_rss_bytes"] = baseline_rss;
   s["model_state_bound_bytes"] = bound;
   s["peak_above_baseline_bytes"] = peak_rss - baseline_rss;

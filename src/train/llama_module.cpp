@@ -1,7 +1,15 @@
 #include "train/llama_module.h"
 
+#include <algorithm>
 #include <cmath>
+#include <functional>
 #include <limits>
+#include <stdexcept>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include "model/lora.h"
 
 #if __has_include(<torch/version.h>)
 #include <torch/version.h>
@@ -27,6 +35,25 @@ torch::Tensor normal_param(std::vector<int64_t> shape, const torch::TensorOption
   return torch::empty(shape, o).normal_(0.0, 0.02);
 }
 
+// A weight of the base: options.base's tensor of that name (shape checked),
+// or one `make` creates. Frozen under LoRA.
+torch::Tensor base_weight(const LlamaOptions& opt, const std::string& name, const std::vector<int64_t>& shape,
+                          const std::function<torch::Tensor()>& make) {
+  if (opt.base == nullptr) return make();
+  auto it = opt.base->find(name);
+  if (it == opt.base->end()) throw std::invalid_argument(fmt::format("the base model has no tensor '{}'", name));
+  if (it->second.sizes().vec() != shape) {
+    throw std::invalid_argument(fmt::format("the base model's '{}' has shape [{}], not [{}]", name,
+                                            fmt::join(it->second.sizes().vec(), ", "), fmt::join(shape, ", ")));
+  }
+  return it->second;
+}
+bool base_trains(const LlamaOptions& opt) { return opt.lora == nullptr; }
+bool adapted(const LlamaOptions& opt, std::string_view module) {
+  return opt.lora != nullptr && std::find(opt.lora->target_modules.begin(), opt.lora->target_modules.end(),
+                                          module) != opt.lora->target_modules.end();
+}
+
 // RMSNorm that keeps only its input and the per-row 1/rms for the backward
 // (the composed form keeps the f32 copy of the input and the normalised
 // values too: 1.5 × the input in bf16, twice a layer).
@@ -44,7 +71,10 @@ struct RmsNormFn : torch::autograd::Function<RmsNormFn> {
     auto g = grads[0].to(torch::kFloat32);
     auto n = x.to(torch::kFloat32) * rstd;
     const int64_t h = x.size(-1);
-    auto dw = (g * n.to(x.scalar_type()).to(torch::kFloat32)).reshape({-1, h}).sum(0).to(w.scalar_type());
+    // A frozen weight (LoRA's base) gets no gradient.
+    auto dw = w.requires_grad()
+                  ? (g * n.to(x.scalar_type()).to(torch::kFloat32)).reshape({-1, h}).sum(0).to(w.scalar_type())
+                  : torch::Tensor();
     // d/dx of w·x·r(x), r = (mean x² + eps)^-½: r·(dn − n·mean(dn·n)).
     auto dn = g * w.to(torch::kFloat32);
     auto dx = rstd * (dn - n * (dn * n).mean(-1, /*keepdim=*/true));
@@ -68,7 +98,9 @@ struct SwiGluDownFn : torch::autograd::Function<SwiGluDownFn> {
     auto act = torch::silu(gate);
     auto dp = torch::matmul(gy, w);  // [.., intermediate]
     const int64_t out = gy.size(-1), inner = up.size(-1);
-    auto dw = torch::matmul(gy.reshape({-1, out}).t(), (act * up).reshape({-1, inner}));
+    // A frozen weight (LoRA's base): no weight-gradient matmul.
+    auto dw = w.requires_grad() ? torch::matmul(gy.reshape({-1, out}).t(), (act * up).reshape({-1, inner}))
+                                : torch::Tensor();
     auto dup = dp * act;
     // libtorch's own silu derivative, one kernel: σ(g)·(1 + g·(1 − σ(g))).
     auto dgate = torch::silu_backward(dp * up, gate);
@@ -77,8 +109,10 @@ struct SwiGluDownFn : torch::autograd::Function<SwiGluDownFn> {
 };
 
 struct RMSNormImpl : torch::nn::Module {
-  RMSNormImpl(int64_t dim, double epsilon, const torch::TensorOptions& o) : eps(epsilon) {
-    weight = register_parameter("weight", torch::ones({dim}, o));
+  RMSNormImpl(int64_t dim, double epsilon, const LlamaOptions& opt, const std::string& name) : eps(epsilon) {
+    weight = register_parameter(
+        "weight", base_weight(opt, name + ".weight", {dim}, [&] { return torch::ones({dim}, opt.tensors); }),
+        base_trains(opt));
   }
   torch::Tensor forward(const torch::Tensor& x) { return RmsNormFn::apply(x, weight, eps); }
   torch::Tensor weight;
@@ -87,19 +121,50 @@ struct RMSNormImpl : torch::nn::Module {
 TORCH_MODULE(RMSNorm);
 
 // A bias-free linear layer whose weight is created on its device and dtype
-// (torch::nn::Linear allocates f32 on the host and runs Kaiming's init there).
+// (torch::nn::Linear allocates f32 on the host and runs Kaiming's init there),
+// with a LoRA adapter where the module is targeted.
 struct ProjImpl : torch::nn::Module {
-  ProjImpl(int64_t in, int64_t out, const torch::TensorOptions& o) {
-    weight = register_parameter("weight", normal_param({out, in}, o));
+  ProjImpl(int64_t in, int64_t out, const LlamaOptions& opt, const std::string& name, bool adapter) {
+    weight = register_parameter(
+        "weight", base_weight(opt, name + ".weight", {out, in}, [&] { return normal_param({out, in}, opt.tensors); }),
+        base_trains(opt));
+    if (adapter) {
+      // PEFT's initial adapters (the federated ones overwrite them).
+      const auto f32 = opt.tensors.dtype(torch::kFloat32);
+      const double bound = 1.0 / std::sqrt(static_cast<double>(in));
+      torch::Tensor a, b;
+      {
+        torch::NoGradGuard g;
+        a = torch::empty({opt.lora->r, in}, f32).uniform_(-bound, bound);
+        b = torch::zeros({out, opt.lora->r}, f32);
+      }
+      lora_A = register_parameter("lora_A", a);
+      lora_B = register_parameter("lora_B", b);
+      scaling = lora_scaling(*opt.lora);
+      dropout = opt.lora->lora_dropout;
+    }
   }
-  torch::Tensor forward(const torch::Tensor& x) { return torch::linear(x, weight); }
-  torch::Tensor weight;
+  torch::Tensor forward(const torch::Tensor& x) { return with_adapter(torch::linear(x, weight), x); }
+  // y + (lora_alpha / r) · B A dropout(x) as PEFT computes it: x cast to the
+  // adapters' float32, the sum rounded back to y's dtype.
+  torch::Tensor with_adapter(const torch::Tensor& y, const torch::Tensor& x) {
+    if (!lora_A.defined()) return y;
+    auto xa = x.to(torch::kFloat32);
+    if (dropout > 0 && is_training()) xa = torch::dropout(xa, dropout, /*train=*/true);
+    auto delta = torch::linear(torch::linear(xa, lora_A), lora_B).mul(scaling);
+    return (y + delta).to(y.scalar_type());
+  }
+  torch::Tensor weight, lora_A, lora_B;
+  double scaling = 0, dropout = 0;
 };
 TORCH_MODULE(Proj);
 
 struct EmbedImpl : torch::nn::Module {
-  EmbedImpl(int64_t vocab, int64_t dim, const torch::TensorOptions& o) {
-    weight = register_parameter("weight", normal_param({vocab, dim}, o));
+  EmbedImpl(int64_t vocab, int64_t dim, const LlamaOptions& opt, const std::string& name) {
+    weight = register_parameter(
+        "weight",
+        base_weight(opt, name + ".weight", {vocab, dim}, [&] { return normal_param({vocab, dim}, opt.tensors); }),
+        base_trains(opt));
   }
   torch::Tensor forward(const torch::Tensor& tokens) { return torch::embedding(weight, tokens); }
   torch::Tensor weight;
@@ -121,13 +186,15 @@ torch::Tensor rotate_half(const torch::Tensor& x) {
 }
 
 struct AttentionImpl : torch::nn::Module {
-  AttentionImpl(const LlamaSpec& s, const LlamaOptions& opt)
+  AttentionImpl(const LlamaSpec& s, const LlamaOptions& opt, const std::string& name)
       : heads(s.num_heads), kv_heads(s.num_kv_heads), head_dim(s.head_dim()), fused(opt.fused_attention) {
-    const auto& o = opt.tensors;
-    q_proj = register_module("q_proj", Proj(s.hidden_size, heads * head_dim, o));
-    k_proj = register_module("k_proj", Proj(s.hidden_size, kv_heads * head_dim, o));
-    v_proj = register_module("v_proj", Proj(s.hidden_size, kv_heads * head_dim, o));
-    o_proj = register_module("o_proj", Proj(heads * head_dim, s.hidden_size, o));
+    auto proj = [&](const char* m, int64_t in, int64_t out) {
+      return register_module(m, Proj(in, out, opt, name + "." + m, adapted(opt, m)));
+    };
+    q_proj = proj("q_proj", s.hidden_size, heads * head_dim);
+    k_proj = proj("k_proj", s.hidden_size, kv_heads * head_dim);
+    v_proj = proj("v_proj", s.hidden_size, kv_heads * head_dim);
+    o_proj = proj("o_proj", heads * head_dim, s.hidden_size);
   }
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
     const int64_t b = x.size(0), t = x.size(1);
@@ -150,26 +217,45 @@ struct AttentionImpl : torch::nn::Module {
 TORCH_MODULE(Attention);
 
 struct MlpImpl : torch::nn::Module {
-  MlpImpl(const LlamaSpec& s, const torch::TensorOptions& o) {
-    gate_proj = register_module("gate_proj", Proj(s.hidden_size, s.intermediate_size, o));
-    up_proj = register_module("up_proj", Proj(s.hidden_size, s.intermediate_size, o));
-    down_proj = register_module("down_proj", Proj(s.intermediate_size, s.hidden_size, o));
+  MlpImpl(const LlamaSpec& s, const LlamaOptions& opt, const std::string& name) {
+    auto proj = [&](const char* m, int64_t in, int64_t out) {
+      return register_module(m, Proj(in, out, opt, name + "." + m, adapted(opt, m)));
+    };
+    gate_proj = proj("gate_proj", s.hidden_size, s.intermediate_size);
+    up_proj = proj("up_proj", s.hidden_size, s.intermediate_size);
+    down_proj = proj("down_proj", s.intermediate_size, s.hidden_size);
   }
   torch::Tensor forward(const torch::Tensor& x) {
-    return SwiGluDownFn::apply(gate_proj(x), up_proj(x), down_proj->weight);
+    auto gate = gate_proj(x), up = up_proj(x);
+    auto y = SwiGluDownFn::apply(gate, up, down_proj->weight);
+    // An adapter on down_proj needs its input, which the fused form does
+    // not keep: made here for the adapter's path alone.
+    if (down_proj->lora_A.defined()) y = down_proj->with_adapter(y, torch::silu(gate) * up);
+    return y;
   }
   Proj gate_proj{nullptr}, up_proj{nullptr}, down_proj{nullptr};
 };
 TORCH_MODULE(Mlp);
 
 struct DecoderLayerImpl : torch::nn::Module {
-  DecoderLayerImpl(const LlamaSpec& s, const LlamaOptions& opt) {
+  DecoderLayerImpl(const LlamaSpec& s, const LlamaOptions& opt, const std::string& name) {
     // Registration order = llama_layout()'s order within a layer.
-    input_layernorm = register_module("input_layernorm", RMSNorm(s.hidden_size, s.rms_norm_eps, opt.tensors));
-    self_attn = register_module("self_attn", Attention(s, opt));
-    post_attention_layernorm =
-        register_module("post_attention_layernorm", RMSNorm(s.hidden_size, s.rms_norm_eps, opt.tensors));
-    mlp = register_module("mlp", Mlp(s, opt.tensors));
+    input_layernorm =
+        register_module("input_layernorm", RMSNorm(s.hidden_size, s.rms_norm_eps, opt, name + ".input_layernorm"));
+    self_attn = register_module("self_attn", Attention(s, opt, name + ".self_attn"));
+    post_attention_layernorm = register_module(
+        "post_attention_layernorm", RMSNorm(s.hidden_size, s.rms_norm_eps, opt, name + ".post_attention_layernorm"));
+    mlp = register_module("mlp", Mlp(s, opt, name + ".mlp"));
+  }
+  // One of the seven linear layers by PEFT's module name.
+  Proj& proj(std::string_view m) {
+    if (m == "q_proj") return self_attn->q_proj;
+    if (m == "k_proj") return self_attn->k_proj;
+    if (m == "v_proj") return self_attn->v_proj;
+    if (m == "o_proj") return self_attn->o_proj;
+    if (m == "gate_proj") return mlp->gate_proj;
+    if (m == "up_proj") return mlp->up_proj;
+    return mlp->down_proj;
   }
   torch::Tensor forward(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin) {
     x = x + self_attn(input_layernorm(x), cos, sin);
@@ -212,10 +298,10 @@ struct CheckpointedBlock : torch::autograd::Function<CheckpointedBlock> {
 
 struct LlamaBody : torch::nn::Module {
   LlamaBody(const LlamaSpec& s, const LlamaOptions& opt) {
-    embed_tokens = register_module("embed_tokens", Embed(s.vocab_size, s.hidden_size, opt.tensors));
+    embed_tokens = register_module("embed_tokens", Embed(s.vocab_size, s.hidden_size, opt, "model.embed_tokens"));
     layers = register_module("layers", torch::nn::ModuleList());
-    for (int64_t i = 0; i < s.num_layers; ++i) layers->push_back(DecoderLayer(s, opt));
-    norm = register_module("norm", RMSNorm(s.hidden_size, s.rms_norm_eps, opt.tensors));
+    for (int64_t i = 0; i < s.num_layers; ++i) layers->push_back(DecoderLayer(s, opt, fmt::format("model.layers.{}", i)));
+    norm = register_module("norm", RMSNorm(s.hidden_size, s.rms_norm_eps, opt, "model.norm"));
   }
   Embed embed_tokens{nullptr};
   torch::nn::ModuleList layers{nullptr};
@@ -229,7 +315,8 @@ struct LlamaNet final : Net {
         head_dim(s.head_dim()),
         theta(s.rope_theta) {
     model = register_module("model", std::make_shared<LlamaBody>(s, opt));
-    if (!tied) lm_head = register_module("lm_head", Proj(s.hidden_size, s.vocab_size, opt.tensors));
+    if (!tied) lm_head = register_module("lm_head", Proj(s.hidden_size, s.vocab_size, opt, "lm_head", false));
+    if (opt.lora != nullptr) adapter_modules = opt.lora->target_modules;
   }
   bool is_language_model() const override { return true; }
 
@@ -256,7 +343,24 @@ struct LlamaNet final : Net {
     return linear_cross_entropy(h.reshape({-1, h.size(-1)}), head_weight(), targets.reshape({-1}));
   }
   void set_gradient_checkpointing(bool on) override { checkpointing = on; }
+  // Under LoRA the adapters alone, in lora_layout()'s order and names.
+  std::vector<std::pair<std::string, torch::Tensor>> named_tensors() override {
+    if (adapter_modules.empty()) return Net::named_tensors();
+    std::vector<std::pair<std::string, torch::Tensor>> out;
+    int64_t i = 0;
+    for (auto& layer : *model->layers) {
+      auto* l = layer->as<DecoderLayerImpl>();
+      for (const auto& m : adapter_modules) {
+        Proj& p = l->proj(m);
+        out.emplace_back(peft_tensor_name(i, m, 'A'), p->lora_A);
+        out.emplace_back(peft_tensor_name(i, m, 'B'), p->lora_B);
+      }
+      ++i;
+    }
+    return out;
+  }
 
+  std::vector<std::string> adapter_modules;  // LoRA's targets; empty: none
   bool tied, checkpointing;
   int64_t head_dim;
   double theta;

@@ -5,7 +5,11 @@
 // server computes from the spec alone are the same bytes (tested).
 #pragma once
 
+#include <map>
+#include <string>
+
 #include "model/llama.h"
+#include "model/model_config.h"
 #include "train/torch_models.h"
 
 namespace memfl::torch_internal {
@@ -20,9 +24,22 @@ struct LlamaOptions {
   // Recompute each decoder block in the backward pass instead of keeping its
   // activations (train_configs.gradient_checkpointing).
   bool gradient_checkpointing = false;
+  // LoRA (model/lora.h): adapters on lora->target_modules of every layer,
+  // float32 on the weights' device, and every base weight frozen (no
+  // gradient, so no weight-gradient matmul). named_tensors() is then the
+  // adapters alone, by PEFT's names in lora_layout()'s order: what binds
+  // to the arena and travels.
+  const LoraConfig* lora = nullptr;
+  // The base's weights by Hugging Face name (model/llama.h), used as they
+  // are instead of being created: every network built over one map shares
+  // its tensors (each simulator worker's adapters over one base). Shapes
+  // are checked; null: the weights are created and initialised here.
+  const std::map<std::string, torch::Tensor>* base = nullptr;
 };
 
-// forward(tokens [B, T] int64) → logits [B, T, vocab].
+// forward(tokens [B, T] int64) → logits [B, T, vocab]. Throws
+// std::invalid_argument when options.base lacks a tensor or holds one of
+// another shape.
 std::shared_ptr<Net> make_llama(const LlamaSpec& spec, const LlamaOptions& options = {});
 
 // Whether this libtorch has at::scaled_dot_product_attention (2.x does;

@@ -9,6 +9,12 @@
 #include "train/llama_module.h"
 
 #include <cstring>
+#include <map>
+#include <mutex>
+
+#include "model/lora.h"
+#include "tensor/safetensors.h"
+#include "tensor/sharded_safetensors.h"
 
 #include "common/parallel.h"
 
@@ -141,7 +147,87 @@ struct ScriptNet final : Net {
 
 }  // namespace
 
-StatusOr<std::shared_ptr<Net>> make_model(const ModelConfig& m, const InputSpec& in, torch::Device device) {
+namespace {
+
+// LoRA's frozen base: its tensors by Hugging Face name, and the checkpoint
+// files they may be mapped from (kept open while the tensors live).
+struct LoraBase {
+  std::vector<std::unique_ptr<SafetensorsFile>> files;
+  std::map<std::string, torch::Tensor> tensors;
+};
+
+// The base from hf_checkpoint: every tensor of the spec's layout, by name,
+// shape checked. On the host in the checkpoint's own dtype it is the file's
+// mapped pages (read-only; nothing writes a frozen weight); otherwise a copy
+// on `o`'s device and dtype.
+StatusOr<std::shared_ptr<LoraBase>> read_lora_base(const ModelConfig& m, const LlamaSpec& spec,
+                                                    const torch::TensorOptions& o) {
+  const std::string key = "client_configs.model_configs.hf_checkpoint";
+  MEMFL_ASSIGN_OR_RETURN(auto ckpt, ShardedCheckpoint::open(m.hf_checkpoint));
+  const DType want = *dtype_from_name(m.dtype);
+  MEMFL_ASSIGN_OR_RETURN(Layout layout, llama_layout(spec, want));
+  auto base = std::make_shared<LoraBase>();
+  for (const auto& path : ckpt.shards()) {
+    MEMFL_ASSIGN_OR_RETURN(auto file, SafetensorsFile::open(path));
+    for (const auto& t : file->tensors()) {
+      const LayoutEntry* e = layout.find(t.name);
+      if (e == nullptr) {
+        return invalid_argument("{}: {} holds '{}', which a Llama of this config.json does not have", key, path,
+                                t.name);
+      }
+      if (t.shape != e->shape) {
+        return invalid_argument("{}: {}: '{}' has shape [{}], config.json's Llama [{}]", key, path, t.name,
+                                fmt::join(t.shape, ", "), fmt::join(e->shape, ", "));
+      }
+      if (!dtype_is_float(t.dtype)) {
+        return invalid_argument("{}: {}: '{}' is {}, not a float type", key, path, t.name, dtype_name(t.dtype));
+      }
+      auto mapped = torch::from_blob(const_cast<std::byte*>(t.data.data()), t.shape,
+                                     torch::TensorOptions().dtype(scalar_type_of(t.dtype)));
+      const bool as_is = !o.device().is_cuda() && t.dtype == want;
+      base->tensors[t.name] = as_is ? mapped : mapped.to(o.device(), o.dtype().toScalarType());
+    }
+    base->files.push_back(std::move(file));
+  }
+  for (const auto& e : layout.entries()) {
+    if (!base->tensors.count(e.name)) return invalid_argument("{}: {} lacks '{}'", key, m.hf_checkpoint, e.name);
+  }
+  return base;
+}
+
+// Built once per process for each (checkpoint or seed, spec, dtype,
+// device) and shared by every network over it: K simulator workers hold
+// one base and K sets of adapters.
+StatusOr<std::shared_ptr<LoraBase>> shared_lora_base(const ModelConfig& m, const LlamaSpec& spec,
+                                                      const torch::TensorOptions& o, uint64_t seed) {
+  static std::mutex mu;
+  static std::map<std::string, std::shared_ptr<LoraBase>> built;
+  const std::string key =
+      fmt::format("{}|{}|{}|{}|{}|{}|{}|{}|{}|{}", m.hf_checkpoint, m.hf_checkpoint.empty() ? seed : 0, spec.hidden_size,
+                  spec.num_layers, spec.num_heads, spec.num_kv_heads, spec.intermediate_size, spec.vocab_size,
+                  m.dtype, o.device().str());
+  std::lock_guard lock(mu);
+  if (auto it = built.find(key); it != built.end()) return it->second;
+  std::shared_ptr<LoraBase> base;
+  if (!m.hf_checkpoint.empty()) {
+    MEMFL_ASSIGN_OR_RETURN(base, read_lora_base(m, spec, o));
+  } else {
+    // The seed's weights, as a full-model run of this seed starts from.
+    base = std::make_shared<LoraBase>();
+    torch::manual_seed(seed);
+    LlamaOptions plain;
+    plain.tensors = o;
+    auto net = make_llama(spec, plain);
+    for (auto& kv : net->named_parameters(true)) base->tensors[kv.key()] = kv.value().detach();
+  }
+  built.emplace(key, base);
+  return base;
+}
+
+}  // namespace
+
+StatusOr<std::shared_ptr<Net>> make_model(const ModelConfig& m, const InputSpec& in, torch::Device device,
+                                          uint64_t seed) {
   if (m.model_name == "TorchScript") {
     torch::jit::Module module;
     try {
@@ -189,6 +275,16 @@ StatusOr<std::shared_ptr<Net>> make_model(const ModelConfig& m, const InputSpec&
     const auto dt = dtype_from_name(m.dtype);
     if (!dt) return invalid_argument("model {}: unknown dtype '{}'", m.model_name, m.dtype);
     opt.tensors = torch::TensorOptions().dtype(scalar_type_of(*dt)).device(device);
+    if (m.lora.enabled) {
+      MEMFL_ASSIGN_OR_RETURN(auto base, shared_lora_base(m, spec, opt.tensors, seed));
+      opt.lora = &m.lora;
+      opt.base = &base->tensors;
+      try {
+        return make_llama(spec, opt);
+      } catch (const std::invalid_argument& e) {
+        return invalid_argument("client_configs.model_configs.hf_checkpoint: {}: {}", m.hf_checkpoint, e.what());
+      }
+    }
     return make_llama(spec, opt);
   }
   return invalid_argument("unknown model '{}'; known models: {}", m.model_name, fmt::join(known_model_names(), ", "));

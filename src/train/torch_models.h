@@ -58,9 +58,12 @@ struct Net : torch::nn::Module {
 
 // Builds `model.model_name` for `input`; unknown names fail with the list.
 // A Llama is created and initialised on `device` in the model's dtype; the
-// other networks on the host (the caller moves them).
+// other networks on the host (the caller moves them). With LoRA
+// (model.lora) the Llama's base is this process's one copy of
+// model.hf_checkpoint's weights, or of the weights `seed` draws, shared by
+// every network built over it; only its adapters train.
 StatusOr<std::shared_ptr<Net>> make_model(const ModelConfig& model, const InputSpec& input,
-                                          torch::Device device = torch::kCPU);
+                                          torch::Device device = torch::kCPU, uint64_t seed = 0);
 
 StatusOr<DType> dtype_of(torch::ScalarType t);
 torch::ScalarType scalar_type_of(DType d);

@@ -28,7 +28,9 @@
 #include "data/experiment_data.h"
 #include "io/process.h"
 #include "model/llama.h"
+#include "model/lora.h"
 #include "tensor/safetensors.h"
+#include "train/adam_float32_state.h"
 #include "train/dp_bench.h"
 #include "train/llama_module.h"
 #include "train/dp_sgd.h"
@@ -126,7 +128,7 @@ int64_t tensor_bytes(const torch::Tensor& t) {
 // Adam on CUDA through libtorch 2.x's fused kernel (as
 // torch.optim.Adam(fused=True)): the same update as torch::optim::Adam (L2
 // weight decay added to the gradient), moments in the parameters' dtype as
-// torch's. Where libtorch has post-accumulate-grad hooks (2.1+), each
+// torch's, or in float32 (optimizer_state_dtype). Where libtorch has post-accumulate-grad hooks (2.1+), each
 // parameter is stepped as soon as its gradient is complete and the gradient
 // is dropped there (the optimizer step in the backward): no moment exists
 // with every gradient of the model at once, which saves a model's worth of
@@ -140,12 +142,20 @@ class FusedAdam {
  public:
   FusedAdam(std::vector<torch::Tensor> params, const OptimConfig& o, bool in_backward) : o_(o) {
     torch::NoGradGuard g;
+    const bool float32_state = o.state_dtype == "float32";
     for (auto& p : params) {
       params_.push_back(p);
-      exp_avg_.push_back(torch::zeros_like(p));
-      exp_avg_sq_.push_back(torch::zeros_like(p));
+      // float32 moments for a parameter of another dtype: the fused kernel
+      // takes one dtype for all four lists, so these step through
+      // adam_step_float32_state (train/adam_float32_state.h) instead.
+      const bool own = float32_state && p.scalar_type() != torch::kFloat32;
+      own_step_.push_back(own);
+      const auto state = own ? p.options().dtype(torch::kFloat32) : p.options();
+      exp_avg_.push_back(torch::zeros(p.sizes(), state));
+      exp_avg_sq_.push_back(torch::zeros(p.sizes(), state));
       steps_.push_back(torch::zeros({}, p.options().dtype(torch::kFloat32)));
     }
+    host_steps_.assign(params_.size(), 0);
 #ifdef MEMFL_HAVE_STEP_IN_BACKWARD
     if (in_backward) {
       for (size_t i = 0; i < params_.size(); ++i) {
@@ -174,6 +184,7 @@ class FusedAdam {
     if (!in_backward_) return;
     torch::NoGradGuard g;
     at::_foreach_add_(steps_, 1);
+    for (auto& n : host_steps_) ++n;
   }
   void step() {
     if (in_backward_) return;
@@ -196,12 +207,19 @@ class FusedAdam {
   void update(const std::vector<size_t>& idx) {
     std::vector<torch::Tensor> ps, gs, ms, vs, ss;
     for (size_t i : idx) {
+      if (!in_backward_) ++host_steps_[i];  // in the backward: begin_backward() did
+      if (own_step_[i]) {
+        adam_step_float32_state(params_[i], params_[i].grad(), exp_avg_[i], exp_avg_sq_[i], host_steps_[i],
+                                {o_.lr, o_.beta1, o_.beta2, o_.eps, o_.weight_decay});
+        continue;
+      }
       ps.push_back(params_[i]);
       gs.push_back(params_[i].grad());
       ms.push_back(exp_avg_[i]);
       vs.push_back(exp_avg_sq_[i]);
       ss.push_back(steps_[i]);
     }
+    if (ps.empty()) return;
     if (!in_backward_) at::_foreach_add_(ss, 1);  // in the backward: begin_backward() did
     at::_fused_adam_(ps, gs, ms, vs, {}, ss, o_.lr, o_.beta1, o_.beta2, o_.weight_decay, o_.eps,
                      /*amsgrad=*/false, /*maximize=*/false, {}, {});
@@ -220,6 +238,8 @@ class FusedAdam {
 #endif
   OptimConfig o_;
   std::vector<torch::Tensor> params_, exp_avg_, exp_avg_sq_, steps_;
+  std::vector<bool> own_step_;       // float32 moments of a parameter of another dtype
+  std::vector<int64_t> host_steps_;  // their step counts, without reading the device's
   bool in_backward_ = false;
 };
 #endif
@@ -274,11 +294,20 @@ class TorchReplica final : public ModelReplica {
   // On CUDA the module's tensors live on the GPU and the arena is their host
   // copy: copy in before use, out after training. On CPU both are no-ops,
   // since the module's tensors are views of the arena.
+  // The tensors of the layout, in its order (under LoRA: the adapters).
   std::vector<torch::Tensor> all_tensors() {
     std::vector<torch::Tensor> ts;
-    for (auto& p : net_->parameters(true)) ts.push_back(p);
-    for (auto& b : net_->buffers(true)) ts.push_back(b);
+    for (auto& [name, t] : net_->named_tensors()) ts.push_back(t);
     return ts;
+  }
+  // What the optimizer steps: every parameter, or LoRA's adapters over a
+  // frozen base (no gradient and no optimizer state for the base).
+  std::vector<torch::Tensor> trainable_parameters() {
+    std::vector<torch::Tensor> ps;
+    for (auto& p : net_->parameters()) {
+      if (p.requires_grad()) ps.push_back(p);
+    }
+    return ps;
   }
   static bool all_contiguous(const std::vector<torch::Tensor>& ts) {
     return std::all_of(ts.begin(), ts.end(), [](const torch::Tensor& t) { return t.is_cuda() && t.is_contiguous(); });
@@ -316,13 +345,16 @@ class TorchReplica final : public ModelReplica {
     net_->train();
     std::unique_ptr<torch::optim::Optimizer> opt;
     const auto& o = cfg.optim;
-    if (o.optim == "Adam") {
+    if (o.optim == "Adam" && o.state_dtype == "float32" && !all_float32(trainable_parameters())) {
+      opt = std::make_unique<Float32StateAdam>(trainable_parameters(),
+                                               AdamHyper{o.lr, o.beta1, o.beta2, o.eps, o.weight_decay});
+    } else if (o.optim == "Adam") {
       opt = std::make_unique<torch::optim::Adam>(
-          net_->parameters(),
+          trainable_parameters(),
           torch::optim::AdamOptions(o.lr).betas({o.beta1, o.beta2}).eps(o.eps).weight_decay(o.weight_decay));
     } else {
       opt = std::make_unique<torch::optim::SGD>(
-          net_->parameters(),
+          trainable_parameters(),
           torch::optim::SGDOptions(o.lr).momentum(o.momentum).weight_decay(o.weight_decay).nesterov(o.nesterov));
     }
     if (cfg.dp.enabled) return train_dp(data, train_idx, val_idx, cfg, seed, *opt);
@@ -332,7 +364,7 @@ class TorchReplica final : public ModelReplica {
     if (device_.is_cuda() && o.optim == "Adam") {
       opt.reset();  // no state was made yet: torch::optim allocates it at the first step
       // FedProx adds its term to the whole gradient after the backward.
-      fused = std::make_unique<FusedAdam>(net_->parameters(), o, /*in_backward=*/cfg.mu == 0);
+      fused = std::make_unique<FusedAdam>(trainable_parameters(), o, /*in_backward=*/cfg.mu == 0);
     }
 #endif
     // FedProx: the received global model's parameters, the anchor of the
@@ -341,7 +373,7 @@ class TorchReplica final : public ModelReplica {
     std::vector<torch::Tensor> params, anchor;
     if (cfg.mu > 0) {
       torch::NoGradGuard g;
-      params = net_->parameters();
+      params = trainable_parameters();
       for (const auto& p : params) anchor.push_back(p.detach().clone());
     }
     std::vector<uint32_t> order(train_idx.begin(), train_idx.end());
@@ -399,7 +431,7 @@ class TorchReplica final : public ModelReplica {
           // to the end of the turn: the ledger holds them for all of it, so
           // an RSS peak inside training sees them (not only after the last step).
           int64_t grads = 0;
-          for (auto& p : net_->parameters()) grads += tensor_bytes(p.grad());
+          for (auto& p : trainable_parameters()) grads += tensor_bytes(p.grad());
 #ifdef MEMFL_HAVE_FUSED_ADAM
           // Stepped in the backward: a parameter's gradient lives only until its step.
           if (fused && fused->in_backward()) grads = largest_param_bytes();
@@ -411,7 +443,7 @@ class TorchReplica final : public ModelReplica {
         // (torch's set_to_none): the backward writes them instead of adding
         // to zeros, and the caching allocator hands back the same blocks.
         if (device_.is_cuda()) {
-          for (auto& p : net_->parameters()) p.mutable_grad() = torch::Tensor();
+          for (auto& p : trainable_parameters()) p.mutable_grad() = torch::Tensor();
         }
         {
           torch::NoGradGuard g;
@@ -434,7 +466,7 @@ class TorchReplica final : public ModelReplica {
     // What training cost on top of the model, for the ledger and reports:
     // a gradient per parameter and the optimizer's state.
     if (r.num_steps > 0) {
-      for (auto& p : net_->parameters()) r.gradient_bytes += tensor_bytes(p);
+      for (auto& p : trainable_parameters()) r.gradient_bytes += tensor_bytes(p);
 #ifdef MEMFL_HAVE_FUSED_ADAM
       if (fused && fused->in_backward()) r.gradient_bytes = largest_param_bytes();
 #endif
@@ -444,7 +476,7 @@ class TorchReplica final : public ModelReplica {
     ledger.set(MemoryCategory::kGradients, r.gradient_bytes);
     ledger.set(MemoryCategory::kOptimizer, r.optimizer_bytes);
     // Nothing of this client survives its turn: drop gradients and the optimizer.
-    for (auto& p : net_->parameters()) p.mutable_grad() = torch::Tensor();
+    for (auto& p : trainable_parameters()) p.mutable_grad() = torch::Tensor();
     opt.reset();
 #ifdef MEMFL_HAVE_FUSED_ADAM
     fused.reset();
@@ -479,7 +511,7 @@ class TorchReplica final : public ModelReplica {
       sampler.next(batch);
       // DpSgd::step writes every gradient afresh: dropping the last ones is
       // all zeroing them would achieve, without touching their memory.
-      for (auto& p : net_->parameters()) p.mutable_grad() = torch::Tensor();
+      for (auto& p : trainable_parameters()) p.mutable_grad() = torch::Tensor();
       if (!batch.empty()) {
         fill_batch(data, batch, x, y);
         x = x.to(device_);
@@ -518,7 +550,7 @@ class TorchReplica final : public ModelReplica {
       }
     }
     std::vector<torch::Tensor> params;
-    for (auto& p : net_->parameters()) {
+    for (auto& p : trainable_parameters()) {
       if (p.requires_grad()) params.push_back(p);
     }
     const auto [q, steps] = dp_schedule(cfg, static_cast<int64_t>(train_idx.size()));
@@ -580,7 +612,7 @@ class TorchReplica final : public ModelReplica {
     }
     r.dp_steps = r.num_steps;
     r.dp_sample_rate = q;
-    for (auto& p : net_->parameters()) p.mutable_grad() = torch::Tensor();
+    for (auto& p : trainable_parameters()) p.mutable_grad() = torch::Tensor();
     return finish_turn(std::move(r), data, val_idx, cfg);
   }
 
@@ -609,10 +641,14 @@ class TorchReplica final : public ModelReplica {
 #endif
   int64_t largest_param_bytes() {
     int64_t b = 0;
-    for (auto& p : net_->parameters()) b = std::max(b, tensor_bytes(p));
+    for (auto& p : trainable_parameters()) b = std::max(b, tensor_bytes(p));
     return b;
   }
+  static bool all_float32(const std::vector<torch::Tensor>& ps) {
+    return std::all_of(ps.begin(), ps.end(), [](const torch::Tensor& p) { return p.scalar_type() == torch::kFloat32; });
+  }
   static int64_t optimizer_state_bytes(torch::optim::Optimizer& opt, const std::string& kind) {
+    if (const auto* own = dynamic_cast<const Float32StateAdam*>(&opt)) return own->state_bytes();
     int64_t bytes = 0;
     for (auto& kv : opt.state()) {
       if (kind == "Adam") {
@@ -643,15 +679,25 @@ class TorchReplica final : public ModelReplica {
       }
       x = x.to(device_);
       y = y.to(device_);
-      auto logits = net_->forward(x);
       // Summed over the targets that count (a language model's: the tokens
       // its loss mask keeps; -100 is skipped by the loss and never equals an
       // arg-max), and divided by them at the end: loss and accuracy per
       // counted token, per sample for a classifier.
-      loss_sum += batch_loss(logits, y, /*sum=*/true).item<double>();
-      correct += batch_correct(logits, y);
+      const int64_t counted = counted_targets(y).item<int64_t>();
+      if (net_->is_language_model()) {
+        // The loss a chunk of rows at a time, as in training: the full
+        // [batch, seq, vocab] logits (and their f32 copy) never exist, so an
+        // evaluation costs a chunk's logits at any vocabulary and batch.
+        auto [mean, right] = net_->loss_and_correct(x, y);
+        loss_sum += mean.item<double>() * static_cast<double>(counted);
+        correct += right.item<int64_t>();
+      } else {
+        auto logits = net_->forward(x);
+        loss_sum += batch_loss(logits, y, /*sum=*/true).item<double>();
+        correct += batch_correct(logits, y);
+      }
       r.num_samples += static_cast<int64_t>(n);
-      predicted += counted_targets(y).item<int64_t>();
+      predicted += counted;
     }
     if (predicted > 0) {
       r.loss = loss_sum / static_cast<double>(predicted);
@@ -1157,10 +1203,19 @@ int64_t cuda_peak_allocated(bool reset) {
 }
 
 StatusOr<std::string> llm_logits(const LlmBenchOptions& o, torch::Device dev) {
-  MEMFL_ASSIGN_OR_RETURN(auto net, make_model(o.model, InputSpec{1, 1, 1, 0}, dev));
+  // With LoRA the layout, and so --weights, is the adapters (PEFT's
+  // adapter_model.safetensors) over the base of --hf-checkpoint.
+  MEMFL_ASSIGN_OR_RETURN(auto net, make_model(o.model, InputSpec{1, 1, 1, 0}, dev, o.seed));
   MEMFL_ASSIGN_OR_RETURN(auto bound, bind_to_arena(*net));
-  MEMFL_ASSIGN_OR_RETURN(auto file, SafetensorsFile::open(o.weights));
-  MEMFL_RETURN_IF_ERROR(file->load_into(bound.layout, bound.arena).with_context(o.weights));
+  if (o.model.lora.enabled && std::filesystem::is_directory(o.weights)) {
+    // A PEFT adapter folder, read as train_configs.lora.init_adapters reads it.
+    LoraConfig lora = o.model.lora;
+    lora.init_adapters = o.weights;
+    MEMFL_RETURN_IF_ERROR(load_peft_adapter(lora, bound.layout, bound.arena));
+  } else {
+    MEMFL_ASSIGN_OR_RETURN(auto file, SafetensorsFile::open(o.weights));
+    MEMFL_RETURN_IF_ERROR(file->load_into(bound.layout, bound.arena).with_context(o.weights));
+  }
   torch::NoGradGuard g;
   auto named = net->named_tensors();
   for (size_t i = 0; i < named.size(); ++i) {
@@ -1227,6 +1282,7 @@ StatusOr<std::string> llm_train_bench(TrainerBackend& backend, const LlmBenchOpt
   cfg.device = o.device;
   cfg.gradient_checkpointing = o.gradient_checkpointing;
   cfg.optim.optim = o.optimizer;
+  cfg.optim.state_dtype = o.state_dtype;
   cfg.optim.lr = o.lr;
   // The first step, as a client's first round takes it.
   cfg.num_local_steps = 1;
@@ -1250,6 +1306,7 @@ StatusOr<std::string> llm_train_bench(TrainerBackend& backend, const LlmBenchOpt
   j["seq_length"] = o.seq_length;
   j["steps"] = o.steps;
   j["optimizer"] = o.optimizer;
+  j["optimizer_state_dtype"] = o.state_dtype;
   j["gradient_checkpointing"] = o.gradient_checkpointing;
   j["attention"] = fused_attention_available() ? "scaled_dot_product_attention" : "math";
   j["device"] = dev.str();
@@ -1264,6 +1321,23 @@ StatusOr<std::string> llm_train_bench(TrainerBackend& backend, const LlmBenchOpt
   j["gradient_bytes"] = r.gradient_bytes;
   j["optimizer_bytes"] = r.optimizer_bytes;
   j["model_bytes"] = static_cast<int64_t>(replica->layout().total_bytes());
+  // Model FLOPs per token: 6 N + 12 L H T (forward 2 N, backward 4 N; N the
+  // parameters outside the input embedding, T the sequence), and with LoRA's
+  // frozen base two thirds of it (no weight-gradient matmuls: NeMo's count).
+  const double non_embedding =
+      static_cast<double>(llama_num_params(spec) - spec.vocab_size * spec.hidden_size);
+  const double attention = 12.0 * static_cast<double>(spec.num_layers * spec.hidden_size) * o.seq_length;
+  const bool lora = o.model.lora.enabled;
+  const double flops_per_token = (lora ? 2.0 / 3.0 : 1.0) * (6.0 * non_embedding + attention);
+  j["flops_per_token"] = flops_per_token;
+  j["mfu_989_tflops"] = r.step_seconds > 0 ? tokens / r.step_seconds * flops_per_token / 989e12 : 0.0;
+  if (lora) {
+    j["lora_r"] = o.model.lora.r;
+    j["lora_alpha"] = o.model.lora.lora_alpha;
+    j["target_modules"] = o.model.lora.target_modules;
+    j["adapter_params"] = static_cast<int64_t>(replica->layout().num_params());
+    j["base_from"] = o.model.hf_checkpoint.empty() ? std::string("seed") : o.model.hf_checkpoint;
+  }
   return j.dump();
 }
 
@@ -1287,7 +1361,7 @@ class TorchBackend final : public TrainerBackend {
       torch::manual_seed(seed);  // same seed, same initial global model
       // A Llama is made on its device (weights drawn there, in its dtype);
       // the arena gets their host copy.
-      MEMFL_ASSIGN_OR_RETURN(auto net, make_model(model, input, dev));
+      MEMFL_ASSIGN_OR_RETURN(auto net, make_model(model, input, dev, seed));
       MEMFL_ASSIGN_OR_RETURN(auto bound, bind_to_arena(*net));
       return std::unique_ptr<ModelReplica>(std::make_unique<TorchReplica>(std::move(net), std::move(bound), dev));
     } catch (const std::exception& e) {

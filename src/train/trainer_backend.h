@@ -102,6 +102,7 @@ struct LlmBenchOptions {
   int batch_size = 4, seq_length = 512, steps = 10, warmup = 3;
   std::string device = "cuda";
   std::string optimizer = "Adam";  // Adam | SGD
+  std::string state_dtype = "param";  // Adam's moments: param | float32
   double lr = 1e-5;
   bool gradient_checkpointing = false;
   uint64_t seed = 42;
