@@ -4,7 +4,8 @@
 # JSON line per run into OUT (memfl bench llm, bench/llm_train_hf.py).
 # Usage: bench/llm_train_vs_hf.sh MEMFL OUT [CELLS]
 #   CELLS: space-separated name:batch:seq, default the three of BENCHMARKS.md
-#   (886m:4:1024 886m:2:2048 8b:4:512). MEMFL_ARGS: extra bench llm options.
+#   (886m:4:1024 886m:2:2048 8b:4:512). MEMFL_ARGS: extra bench llm options;
+#   HF_ARGS: extra bench/llm_train_hf.py options.
 set -uo pipefail
 MEMFL=$1 OUT=$2
 CELLS=${3:-"886m:4:1024 886m:2:2048 8b:4:512"}
@@ -19,6 +20,7 @@ for cell in $CELLS; do
   # shellcheck disable=SC2086
   "$MEMFL" bench llm "${shape[@]}" --dtype bf16 --device cuda --batch "$batch" --seq "$seq" --steps "$STEPS" \
     --warmup 3 ${MEMFL_ARGS:-} --json "$OUT" | tail -1
+  # shellcheck disable=SC2086
   python3 "$HERE/llm_train_hf.py" "${shape[@]}" --batch "$batch" --seq "$seq" --steps "$STEPS" --warmup 3 \
-    | tail -1 | tee -a "$OUT"
+    ${HF_ARGS:-} | tail -1 | tee -a "$OUT"
 done

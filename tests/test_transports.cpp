@@ -833,5 +833,56 @@ TEST(KillAndResumeMpi, JobKilledDuringAggregationResumes) {
 }
 #endif
 
+#ifdef MEMFL_TEST_TORCH
+// What clients report with their updates — training and validation loss and
+// accuracy, validation weighed by each client's held-out samples — reaches
+// metrics.csv as the same numbers in process, over gRPC and as MPI ranks:
+// every column that is not a time, a byte count or a process figure is
+// equal, and validation was run (val_loss is not 0). A Llama trained
+// for real, with validation on.
+TEST(UpdateReportRun, MetricsAreTheSameOnEveryTransportWithValidationOn) {
+  testing::TempDir tmp;
+  std::ofstream(tmp.file("v.yaml"))
+      << "client_configs:\n  train_configs:\n    trainer: VanillaTrainer\n    mode: step\n    num_local_steps: 4\n"
+         "    optim: Adam\n    optim_args: {lr: 0.01}\n    train_batch_size: 8\n    num_threads: 1\n"
+         "    do_validation: true\n    val_batch_size: 16\n"
+         "  model_configs:\n    model_name: llama-tiny\n    model_kwargs: {seq_length: 16}\n"
+         "  data_configs:\n    dataset_name: SyntheticTokens\n"
+         "    dataset_kwargs: {num_train_samples: 300, num_test_samples: 32, val_ratio: 0.2, "
+         "partition_strategy: dirichlet}\n"
+         "server_configs:\n  num_clients: 3\n  num_global_epochs: 2\n";
+  std::vector<std::string> runs;
+  Result in = memfl_cli("run " + tmp.file("v.yaml") + " -q --out " + tmp.file("inproc"));
+  ASSERT_EQ(in.exit_code, 0) << in.output;
+  runs.push_back(tmp.file("inproc/metrics.csv"));
+#ifdef MEMFL_TEST_GRPC
+  Result g = memfl_cli("launch " + tmp.file("v.yaml") + " -q --clients 3 --out " + tmp.file("grpc"));
+  ASSERT_EQ(g.exit_code, 0) << g.output;
+  runs.push_back(tmp.file("grpc/server/metrics.csv"));
+#endif
+#ifdef MEMFL_TEST_MPI
+  Result m = mpirun(4, tmp.file("v.yaml") + " -q --out " + tmp.file("mpi"));
+  ASSERT_EQ(m.exit_code, 0) << m.output;
+  runs.push_back(tmp.file("mpi/rank_0/metrics.csv"));
+#endif
+  const auto ref = read_csv(runs.front());
+  ASSERT_EQ(ref.size(), 3u);
+  const auto& head = ref[0];
+  const size_t val_loss = std::find(head.begin(), head.end(), "val_loss") - head.begin();
+  ASSERT_LT(val_loss, head.size());
+  for (size_t r = 1; r < ref.size(); ++r) EXPECT_GT(std::stod(ref[r][val_loss]), 0.0) << "round " << r;
+  for (const char* col : {"clients", "train_loss", "train_accuracy", "val_loss", "val_accuracy", "test_loss",
+                          "test_accuracy"}) {
+    const size_t i = std::find(head.begin(), head.end(), col) - head.begin();
+    ASSERT_LT(i, head.size()) << col;
+    for (const auto& path : runs) {
+      const auto rows = read_csv(path);
+      ASSERT_EQ(rows.size(), ref.size()) << path;
+      for (size_t r = 1; r < rows.size(); ++r) EXPECT_EQ(rows[r][i], ref[r][i]) << col << ", round " << r << ": " << path;
+    }
+  }
+}
+#endif
+
 }  // namespace
 }  // namespace memfl

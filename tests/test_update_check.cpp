@@ -14,6 +14,7 @@
 #include "aggregate/fedavg_aggregator.h"
 #include "comm/chunk.h"
 #include "comm/update_check.h"
+#include "comm/update_report.h"
 #include "test_util.h"
 
 namespace memfl {
@@ -167,6 +168,71 @@ TEST(UpdateCheck, MetricsMustBeFiniteAndTheBadOneIsNamed) {
   EXPECT_TRUE(check_update_metrics(metrics, "client_0", 2).ok());
   metrics["epsilon"] = std::nan("");
   EXPECT_EQ(check_update_metrics(metrics, "client_0", 2).code(), StatusCode::kRejected);
+}
+
+// The one report every transport sends (comm/update_report.h): what is
+// encoded decodes to the same numbers, the validation weighs by its own
+// samples (not the training count), and a count is checked before any cast.
+TEST(UpdateReport, WhatIsEncodedDecodesAndTheValidationWeighsByItsSamples) {
+  UpdateReport r;
+  r.sample_count = 120;
+  r.train_loss = 1.25;
+  r.train_accuracy = 0.5;
+  r.val_samples = 30;
+  r.val_loss = 2.5;
+  r.val_accuracy = 0.375;
+  r.local_steps = 17;
+  r.dp_steps = 17;
+  r.dp_sample_rate = 0.0625;
+  r.has_epsilon = true;
+  r.epsilon = 3.5;
+  auto back = decode_update_report(r.sample_count, encode_update_report(r), "client_3", 2);
+  ASSERT_TRUE(back.ok()) << back.status().to_string();
+  EXPECT_EQ(back->val_samples, 30);
+  EXPECT_EQ(back->val_loss, 2.5);
+  EXPECT_EQ(back->val_accuracy, 0.375);
+  EXPECT_EQ(back->local_steps, 17);
+  EXPECT_EQ(back->dp_steps, 17);
+  EXPECT_EQ(back->dp_sample_rate, 0.0625);
+  EXPECT_TRUE(back->has_epsilon);
+  const ClientUpdateInfo info = update_info(3, *back);
+  EXPECT_TRUE(info.has_validation);
+  EXPECT_EQ(info.val_weight, 30.0) << "weighed by the held-out samples, not the 120 trained on";
+  EXPECT_EQ(info.dp_steps, 17);
+
+  // No validation run: none reported, none counted.
+  UpdateReport plain;
+  plain.sample_count = 5;
+  plain.train_loss = 0.75;
+  const auto m = encode_update_report(plain);
+  EXPECT_EQ(m.count("val_loss"), 0u);
+  auto p = decode_update_report(5, m, "client_0", 1);
+  ASSERT_TRUE(p.ok());
+  EXPECT_FALSE(update_info(0, *p).has_validation);
+
+  // A Python client's own metric names pass if they are numbers.
+  EXPECT_TRUE(decode_update_report(5, std::map<std::string, double>{{"my_metric", 4.0}}, "client_0", 1).ok());
+}
+
+TEST(UpdateReport, ACountThatIsNotAWholeNumberInRangeIsRefusedBeforeItIsCast) {
+  auto refused = [](const std::map<std::string, double>& m) {
+    auto r = decode_update_report(10, m, "client_7", 4);
+    EXPECT_FALSE(r.ok());
+    if (r.ok()) return std::string();
+    EXPECT_EQ(r.status().code(), StatusCode::kRejected);
+    EXPECT_NE(r.status().message().find("client_7"), std::string::npos) << r.status().message();
+    EXPECT_NE(r.status().message().find("round 4"), std::string::npos) << r.status().message();
+    return r.status().message();
+  };
+  EXPECT_NE(refused({{"local_steps", 1e300}}).find("local_steps"), std::string::npos);
+  EXPECT_NE(refused({{"local_steps", 2.5}}).find("whole number"), std::string::npos);
+  EXPECT_NE(refused({{"dp_steps", -1}}).find("dp_steps"), std::string::npos);
+  EXPECT_NE(refused({{"val_samples", 9007199254740994.0}, {"val_loss", 1}, {"val_accuracy", 0}}).find("val_samples"),
+            std::string::npos);
+  EXPECT_NE(refused({{"dp_sample_rate", 1.5}}).find("[0, 1]"), std::string::npos);
+  EXPECT_NE(refused({{"val_samples", 3}}).find("without val_loss"), std::string::npos);
+  EXPECT_NE(refused({{"val_loss", std::nan("")}}).find("val_loss"), std::string::npos);
+  EXPECT_NE(refused({{"their_own", INFINITY}}).find("their_own"), std::string::npos);
 }
 
 TEST(UpdateCheck, RefusedUpdatesLeaveTheRoundToTheOthers) {

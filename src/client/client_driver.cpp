@@ -11,6 +11,25 @@
 
 namespace memfl {
 
+UpdateReport trip_report(const TripUpdate& up) {
+  UpdateReport r;
+  r.sample_count = up.sample_count;
+  r.train_loss = up.trained.train_loss;
+  r.train_accuracy = up.trained.train_accuracy;
+  if (up.trained.has_validation && up.trained.val_samples > 0) {
+    r.val_samples = up.trained.val_samples;
+    r.val_loss = up.trained.val_loss;
+    r.val_accuracy = up.trained.val_accuracy;
+  }
+  r.local_steps = up.local_steps;
+  r.dp_steps = up.trained.dp_steps;
+  r.dp_sample_rate = up.trained.dp_sample_rate;
+  r.has_epsilon = up.has_epsilon;
+  r.epsilon = up.epsilon;
+  return r;
+}
+
+
 ClientDriver::ClientDriver(const ExperimentConfig& cfg, std::string run_dir, const DatasetSplits* data,
                            const std::vector<ClientPartition>& parts, bool record_privacy, bool keep_base)
     : cfg_(cfg),
@@ -170,12 +189,8 @@ StatusOr<bool> ClientDriver::play_round(ClientTransport& transport, LocalModel& 
     mark(round, "train");
     MEMFL_ASSIGN_OR_RETURN(TripUpdate up, train(model, c, round, offer.local_steps, round_model));
     mark(round, "upload");
-    UpdateMeta meta{.round = round, .client = c, .sample_count = up.sample_count, .metrics = {}};
-    meta.metrics["train_loss"] = up.trained.train_loss;
-    meta.metrics["train_accuracy"] = up.trained.train_accuracy;
-    meta.metrics["val_accuracy"] = up.trained.val_accuracy;
-    meta.metrics["local_steps"] = static_cast<double>(up.local_steps);
-    if (up.has_epsilon) meta.metrics["epsilon"] = up.epsilon;
+    UpdateMeta meta{
+        .round = round, .client = c, .sample_count = up.sample_count, .metrics = encode_update_report(trip_report(up))};
     MEMFL_ASSIGN_OR_RETURN(std::unique_ptr<ModelPlace> from, upload_place(up, c, up.delta_base));
     MEMFL_RETURN_IF_ERROR(transport.send(meta, *from));
   }

@@ -27,6 +27,7 @@
 
 #include "client/client_work.h"
 #include "comm/client_transport.h"
+#include "comm/update_report.h"
 #include "compress/settings.h"
 #include "memory/sampler.h"
 #include "secagg/channel.h"
@@ -51,6 +52,10 @@ struct TripUpdate {
   bool has_epsilon = false;
   double epsilon = 0;  // DP-SGD: the client's ε over all its steps so far
 };
+
+// What a trip reports with its update (comm/update_report.h): the same
+// numbers from every transport's client, the simulator's included.
+UpdateReport trip_report(const TripUpdate& up);
 
 struct ClientRunOptions {
   MemorySampler* sampler = nullptr;  // phase marks (broadcast, train, upload, idle); may be null

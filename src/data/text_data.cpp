@@ -284,15 +284,8 @@ StatusOr<int> check_tokenized_text(const TextDataSource& src) {
     }
     return static_cast<int>(groups.size());
   }
-  MEMFL_ASSIGN_OR_RETURN(auto files, text_files(src.path));
-  for (const auto& [file, name] : files) {
-    MEMFL_RETURN_IF_ERROR(check_input_file_if_present(file, kPathKey, kTextCorpusLimit));
-  }
-  if (files.size() > kMaxGroups) {
-    return invalid_argument("{}: the folder '{}' holds {} .txt files, each a group; at most {} are supported", kPathKey,
-                            src.path, files.size(), kMaxGroups);
-  }
-  return static_cast<int>(files.size());
+  // A TextFile's groups are its files: their kinds and count, as a config load checks them.
+  return check_text_inputs(src);
 }
 
 StatusOr<int> check_text_inputs(const TextDataSource& src) {

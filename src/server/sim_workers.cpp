@@ -174,20 +174,12 @@ std::unique_ptr<InProcessTransport> SimWorkers::make_transport(size_t chunk) {
 }
 
 Status SimWorkers::train(int w, int c, int round, ClientUpdateInfo* info) {
-  const ClientPartition* part = is_spec_only(cfg_) ? nullptr : &clients_.parts[static_cast<size_t>(c)];
   sampler_.mark(round, "train");
   MEMFL_ASSIGN_OR_RETURN(TripUpdate up, client_driver_->train(workers_[static_cast<size_t>(w)], c, round));
   trips_[static_cast<size_t>(w)] = up;
-  const TrainResult& tr = up.trained;
-  info->sample_count = up.sample_count;
-  info->train_loss = tr.train_loss;
-  info->train_accuracy = tr.train_accuracy;
-  info->has_validation = tr.has_validation;
-  info->val_weight = part != nullptr ? static_cast<double>(part->val.size()) : 0.0;
-  info->val_loss = tr.val_loss;
-  info->val_accuracy = tr.val_accuracy;
-  info->dp_steps = tr.dp_steps;
-  info->dp_sample_rate = tr.dp_sample_rate;
+  // The report a client over any transport would send, as the server there
+  // would read it.
+  *info = update_info(c, trip_report(up));
   {
     // Simulated time: the round lasts as long as its slowest client.
     const double d = static_cast<double>(up.local_steps) * step_times_[static_cast<size_t>(c)];

@@ -625,6 +625,7 @@ class TorchReplica final : public ModelReplica {
       EvalResult v = evaluate_impl(data, val_idx, cfg.val_batch_size);
       r.val_loss = v.loss;
       r.val_accuracy = v.accuracy;
+      r.val_samples = v.num_samples;
       r.has_validation = true;
     }
     return r;
@@ -1050,6 +1051,7 @@ class ShardedReplica final : public ModelReplica, public ShardedModelIo {
         MEMFL_ASSIGN_OR_RETURN(EvalResult v, evaluate(data, val_idx, cfg.val_batch_size));
         r.val_loss = v.loss;
         r.val_accuracy = v.accuracy;
+      r.val_samples = v.num_samples;
         r.has_validation = true;
       }
       return r;

@@ -33,6 +33,7 @@ struct TrainResult {
   double val_loss = 0;
   double val_accuracy = 0;
   bool has_validation = false;
+  int64_t val_samples = 0;  // the held-out samples validation scored
   int64_t gradient_bytes = 0;
   int64_t optimizer_bytes = 0;
   // DP-SGD (train_configs.dp): the steps taken and their Poisson rate q, what

@@ -10,6 +10,7 @@
 #include <spdlog/spdlog.h>
 
 #include "comm/update_check.h"
+#include "comm/update_report.h"
 
 namespace memfl::grpc_detail {
 
@@ -98,13 +99,18 @@ grpc::Status ServerAgent::async_receive_update(grpc::ServerContext* ctx, grpc::S
   Async& a = *async_;
   const Layout& layout = layout_;
   size_t slot = 0;
+  UpdateReport report;
   {
     std::lock_guard lock(mu_);
     // The metadata before any byte: an update says it is the change from
     // the version this client was sent, and its metrics are numbers.
     const int base = static_cast<int>(a.base_version[static_cast<size_t>(id)]);
     Status meta = check_update_round(md.round(), base, client_id(id));
-    if (meta.ok()) meta = check_update_metrics(md.metrics(), client_id(id), base);
+    if (meta.ok()) {
+      auto decoded = decode_update_report(md.sample_count(), md.metrics(), client_id(id), base);
+      if (decoded.ok()) report = *decoded;
+      meta = decoded.status();
+    }
     if (!meta.ok()) return {grpc::StatusCode::INVALID_ARGUMENT, meta.message()};
     slot = a.slots->take();
   }
@@ -145,8 +151,8 @@ grpc::Status ServerAgent::async_receive_update(grpc::ServerContext* ctx, grpc::S
       trip.update = std::make_shared<SpoolSlotSource>(a.slots->spool(), slot, layout.total_bytes());
       trip.base_version = a.base_version[static_cast<size_t>(id)];
       trip.dispatched_at = a.dispatched_at[static_cast<size_t>(id)];
-      trip.local_steps = md.metrics().count("local_steps") ? static_cast<int64_t>(md.metrics().at("local_steps")) : 0;
-      trip.train_loss = md.metrics().count("train_loss") ? md.metrics().at("train_loss") : 0;
+      trip.local_steps = report.local_steps;
+      trip.train_loss = report.train_loss;
       trip.bytes_up = received;
       auto next = a.core->arrive(std::move(trip), a.now());
       if (!next.ok()) {

@@ -10,12 +10,14 @@
 #include <spdlog/spdlog.h>
 
 #include "comm/update_check.h"
+#include "comm/update_report.h"
 
 namespace memfl::grpc_detail {
 
 grpc::Status ServerAgent::receive_update(grpc::ServerContext* ctx, grpc::ServerReaderWriter<Frame, Frame>* stream,
                                          int id, uint64_t session, const wire::UpdateMetadata& md,
                                          const std::string& peer, DataSocket* data) {
+  UpdateReport report;
   {
     std::unique_lock lock(mu_);
     // The others' broadcast may still run: this update waits for the upload
@@ -34,7 +36,11 @@ grpc::Status ServerAgent::receive_update(grpc::ServerContext* ctx, grpc::ServerR
     // The metadata before any byte: an update for another round, or one
     // whose metrics are not numbers, is refused as a bad sample count is.
     Status meta = check_update_round(md.round(), round_, client_id(id));
-    if (meta.ok()) meta = check_update_metrics(md.metrics(), client_id(id), round_);
+    if (meta.ok()) {
+      auto decoded = decode_update_report(md.sample_count(), md.metrics(), client_id(id), round_);
+      if (decoded.ok()) report = *decoded;
+      meta = decoded.status();
+    }
     if (!meta.ok()) return {grpc::StatusCode::INVALID_ARGUMENT, meta.message()};
     if (!up_start_) up_start_ = Clock::now();
     slots_[static_cast<size_t>(id)].uploading = true;
@@ -90,14 +96,7 @@ grpc::Status ServerAgent::receive_update(grpc::ServerContext* ctx, grpc::ServerR
   }
   auto& s = slots_[static_cast<size_t>(id)];
   s.committed = true;
-  s.info = ClientUpdateInfo{};
-  s.info.client = id;
-  s.info.sample_count = md.sample_count();
-  s.info.train_loss = md.metrics().count("train_loss") ? md.metrics().at("train_loss") : 0;
-  s.info.train_accuracy = md.metrics().count("train_accuracy") ? md.metrics().at("train_accuracy") : 0;
-  s.info.has_validation = md.metrics().count("val_accuracy") > 0;
-  s.info.val_weight = md.sample_count();
-  s.info.val_accuracy = s.info.has_validation ? md.metrics().at("val_accuracy") : 0;
+  s.info = update_info(id, report);
   s.info.bytes_down = s.bytes_down;
   s.info.bytes_up = received;
   if (naive_) naive_keep_locked(id, md.sample_count(), std::move(update));

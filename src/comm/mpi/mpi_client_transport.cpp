@@ -53,17 +53,7 @@ Status MpiClientTransport::receive(ModelPlace& into) {
 Status MpiClientTransport::send(const UpdateMeta& meta, ModelPlace& from) {
   UpdateMeta told = meta;
   faults_->before_update_meta(&told);  // the fault tests' lying rank
-  auto metric = [&](const char* key) {
-    auto it = told.metrics.find(key);
-    return it != told.metrics.end() ? it->second : 0.0;
-  };
-  WireUpdateMeta md{told.round,
-                    told.client,
-                    told.sample_count,
-                    metric("train_loss"),
-                    metric("val_accuracy"),
-                    metric("local_steps"),
-                    metric("train_accuracy")};
+  const WireUpdateMeta md = wire_update_meta(told.round, told.client, told.sample_count, told.metrics);
   MPI_Send(&md, sizeof md, MPI_BYTE, 0, kTagUpdateMeta, MPI_COMM_WORLD);
   MEMFL_RETURN_IF_ERROR(faults_->before_upload_chunk(0, false, nullptr));
   if (from.framed()) {

@@ -24,6 +24,7 @@
 
 #include "comm/mpi/mpi_detail.h"
 #include "comm/update_check.h"
+#include "comm/update_report.h"
 
 namespace memfl {
 
@@ -40,14 +41,33 @@ class DiscardedUpdate final : public UpdateStream {
   Status commit() override { return Status::Ok(); }
 };
 
-// The metrics an update's fixed wire struct carries, by name, for
-// check_update_metrics.
-std::array<std::pair<const char*, double>, 4> wire_metrics(const WireUpdateMeta& md) {
-  return {{{"train_loss", md.train_loss},
-           {"train_accuracy", md.train_accuracy},
-           {"val_accuracy", md.val_accuracy},
-           {"local_steps", md.local_steps}}};
+
+}  // namespace
+
+WireUpdateMeta wire_update_meta(int round, int client, double sample_count,
+                                const std::map<std::string, double>& metrics) {
+  WireUpdateMeta md{};
+  md.round = round;
+  md.client = client;
+  md.sample_count = sample_count;
+  for (size_t i = 0; i < kWireMetrics; ++i) {
+    if (auto it = metrics.find(kWireMetricNames[i]); it != metrics.end()) {
+      md.present |= 1u << i;
+      md.values[i] = it->second;
+    }
+  }
+  return md;
 }
+
+std::vector<std::pair<std::string, double>> wire_metrics(const WireUpdateMeta& md) {
+  std::vector<std::pair<std::string, double>> out;
+  for (size_t i = 0; i < kWireMetrics; ++i) {
+    if (md.present & (1u << i)) out.emplace_back(kWireMetricNames[i], md.values[i]);
+  }
+  return out;
+}
+
+namespace {
 
 // Counts the bytes an update's chunks carried (its frames, when compressed)
 // on their way to `inner`; the fold worker may call it.
@@ -322,6 +342,7 @@ Status MpiServerTransport::collect(int round, const std::vector<int>& selected, 
     }
     std::vector<ServerStreams::Incoming> batch;
     std::vector<WireUpdateMeta> metas;
+    std::vector<UpdateReport> reports;
     std::vector<std::shared_ptr<std::atomic<uint64_t>>> wire_bytes;
     std::vector<Status> refused;  // per batch entry: why its metadata was refused
     for (int w : together) {
@@ -342,7 +363,12 @@ Status MpiServerTransport::collect(int round, const std::vector<int>& selected, 
       done[static_cast<size_t>(md.client)] = true;
       // Refused before a byte counts; the rank is out once its chunks are read.
       Status bad = check_update_round(md.round, round, client_id(md.client));
-      if (bad.ok()) bad = check_update_metrics(wire_metrics(md), client_id(md.client), round);
+      UpdateReport report;
+      if (bad.ok()) {
+        auto decoded = decode_update_report(md.sample_count, wire_metrics(md), client_id(md.client), round);
+        if (decoded.ok()) report = *decoded;
+        bad = decoded.status();
+      }
       StatusOr<std::unique_ptr<UpdateStream>> opened =
           bad.ok() ? agg.open_update(client_id(md.client), md.sample_count)
                    : StatusOr<std::unique_ptr<UpdateStream>>(std::make_unique<DiscardedUpdate>());
@@ -353,6 +379,7 @@ Status MpiServerTransport::collect(int round, const std::vector<int>& selected, 
       batch.push_back({w, fmt::format("client_{} (rank {})", md.client, w),
                        std::make_shared<CountingStream>(std::move(*opened), counted)});
       metas.push_back(md);
+      reports.push_back(report);
       wire_bytes.push_back(counted);
     }
     most_together_ = std::max(most_together_, batch.size());
@@ -367,16 +394,8 @@ Status MpiServerTransport::collect(int round, const std::vector<int>& selected, 
         exclude(batch[j].rank, round, "sent metadata that was refused");
         continue;  // its chunks were read and dropped: nothing of it was folded
       }
-      const WireUpdateMeta& md = metas[j];
       counted_up.push_back(wire_bytes[j]);
-      ClientUpdateInfo info;
-      info.client = md.client;
-      info.sample_count = md.sample_count;
-      info.train_loss = md.train_loss;
-      info.train_accuracy = md.train_accuracy;
-      info.has_validation = true;
-      info.val_weight = md.sample_count;
-      info.val_accuracy = md.val_accuracy;
+      ClientUpdateInfo info = update_info(metas[j].client, reports[j]);
       info.bytes_down = layout_.total_bytes();  // the broadcast sends every rank the model's bytes
       out->committed.push_back(info);
     }
@@ -501,7 +520,12 @@ Status MpiServerTransport::serve_async(AsyncUpdateHandler& core, Arena& global, 
     // (the rank sends them all the same) and the rank is out of the run.
     const int sent_version = static_cast<int>(base[static_cast<size_t>(c)]);
     Status refused = check_update_round(md.round, sent_version, client_id(c));
-    if (refused.ok()) refused = check_update_metrics(wire_metrics(md), client_id(c), sent_version);
+    UpdateReport report;
+    if (refused.ok()) {
+      auto decoded = decode_update_report(md.sample_count, wire_metrics(md), client_id(c), sent_version);
+      if (decoded.ok()) report = *decoded;
+      refused = decoded.status();
+    }
     if (!refused.ok()) {
       std::shared_ptr<UpdateStream> dropped = std::make_shared<DiscardedUpdate>();
       (void)streams_.receive_update(r, peer, dropped, stall);
@@ -529,8 +553,8 @@ Status MpiServerTransport::serve_async(AsyncUpdateHandler& core, Arena& global, 
     trip.update = std::make_shared<SpoolSlotSource>(slots.spool(), slot, layout_.total_bytes());
     trip.base_version = base[static_cast<size_t>(c)];
     trip.dispatched_at = left[static_cast<size_t>(c)];
-    trip.local_steps = static_cast<int64_t>(md.local_steps);
-    trip.train_loss = md.train_loss;
+    trip.local_steps = report.local_steps;
+    trip.train_loss = report.train_loss;
     trip.bytes_up = counted->load();
     MEMFL_ASSIGN_OR_RETURN(AsyncNext next, core.arrive(std::move(trip), now()));
     if (core.arrivals() < options.total) follow(next);

@@ -72,12 +72,23 @@ struct WireModelBegin {
   uint64_t layout_hash, total_bytes;
 };
 // A client's metadata ahead of its update's bytes (kTagUpdateMeta).
+// The update report's map (comm/update_report.h) in a fixed struct:
+// kWireMetricNames[i] is in values[i] where bit i of `present` is set.
+inline constexpr const char* kWireMetricNames[] = {"train_loss", "train_accuracy", "val_samples",
+                                                   "val_loss",   "val_accuracy",   "local_steps",
+                                                   "dp_steps",   "dp_sample_rate", "epsilon"};
+inline constexpr size_t kWireMetrics = sizeof(kWireMetricNames) / sizeof(kWireMetricNames[0]);
 struct WireUpdateMeta {
   int32_t round, client;
-  double sample_count, train_loss, val_accuracy;
-  double local_steps;  // the steps it took (asynchronous runs log them)
-  double train_accuracy;
+  double sample_count;
+  uint32_t present;
+  double values[kWireMetrics];
 };
+// The metadata of `meta`'s report (the names above; others are not sent).
+WireUpdateMeta wire_update_meta(int round, int client, double sample_count,
+                                const std::map<std::string, double>& metrics);
+// The named values a WireUpdateMeta carries, for decode_update_report.
+std::vector<std::pair<std::string, double>> wire_metrics(const WireUpdateMeta& md);
 
 // A peer's wrong bytes are not survivable in an MPI job (no rank can leave
 // it alone): abort every rank with a message that names the culprit.
