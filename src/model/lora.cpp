@@ -12,7 +12,9 @@
 #include <nlohmann/json.hpp>
 
 #include "io/input_file.h"
+#include "io/durable_file.h"
 #include "model/llama.h"
+#include "model/synthetic.h"
 #include "tensor/safetensors.h"
 
 namespace memfl {
@@ -24,13 +26,6 @@ namespace {
 // adapter_config.json is a few KiB.
 constexpr uint64_t kAdapterConfigLimit = uint64_t{1} << 20;
 
-uint64_t splitmix64(uint64_t x) {
-  x += 0x9e3779b97f4a7c15ULL;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
-  return x ^ (x >> 31);
-}
-
 // in and out features of `module` in `spec`'s decoder layer.
 std::pair<int64_t, int64_t> module_shape(const LlamaSpec& s, std::string_view module) {
   const int64_t h = s.hidden_size, q = s.num_heads * s.head_dim(), kv = s.num_kv_heads * s.head_dim();
@@ -39,19 +34,6 @@ std::pair<int64_t, int64_t> module_shape(const LlamaSpec& s, std::string_view mo
   if (module == "o_proj") return {q, h};
   if (module == "gate_proj" || module == "up_proj") return {h, s.intermediate_size};
   return {s.intermediate_size, h};  // down_proj
-}
-
-Status write_file_atomically(const std::string& path, const std::string& text) {
-  const std::string tmp = path + ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    if (!out) return internal_error("cannot write {}", tmp);
-    out << text;
-    out.flush();
-    if (!out) return internal_error("writing {} failed", tmp);
-  }
-  if (std::rename(tmp.c_str(), path.c_str()) != 0) return internal_error("{}: rename from {} failed", path, tmp);
-  return Status::Ok();
 }
 
 }  // namespace
@@ -162,7 +144,7 @@ Status write_peft_adapter(const std::string& dir, const ModelConfig& model, cons
   };
   MEMFL_RETURN_IF_ERROR(
       write_safetensors((fs::path(dir) / "adapter_model.safetensors").string(), layout, arena, {{"format", "pt"}}));
-  return write_file_atomically((fs::path(dir) / "adapter_config.json").string(), j.dump(2) + "\n");
+  return write_text_file_durably((fs::path(dir) / "adapter_config.json").string(), j.dump(2) + "\n");
 }
 
 Status load_peft_adapter(const LoraConfig& lora, const Layout& layout, Arena& arena) {

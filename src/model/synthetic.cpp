@@ -20,14 +20,14 @@ StatusOr<Layout> synthetic_layout(int64_t num_params, DType dtype) {
   return std::move(b).build();
 }
 
-namespace {
-
 uint64_t splitmix64(uint64_t x) {
   x += 0x9e3779b97f4a7c15ULL;
   x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
   x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
   return x ^ (x >> 31);
 }
+
+namespace {
 
 // Elements [first, last) of one tensor. Each block of kBlock elements has
 // its own xorshift state, seeded from (seed, tensor, block): any split of the

@@ -14,6 +14,10 @@ namespace memfl {
 // in all.
 StatusOr<Layout> synthetic_layout(int64_t num_params, DType dtype);
 
+// SplitMix64's finaliser: a well-mixed 64-bit value of `x`, for counter-based
+// draws that give the same values in every process.
+uint64_t splitmix64(uint64_t x);
+
 // Seeded values in (-1, 1), cheap enough for multi-GB arenas.
 void fill_synthetic(const Layout& layout, Arena& arena, uint64_t seed);
 

@@ -16,6 +16,7 @@
 #include <spdlog/spdlog.h>
 
 #include "comm/chunk.h"
+#include "io/durable_file.h"
 #include "tensor/safetensors.h"
 
 namespace memfl {
@@ -25,32 +26,6 @@ namespace fs = std::filesystem;
 namespace {
 
 std::string stem(int round) { return fmt::format("round-{:06d}", round); }
-
-Status fsync_path(const std::string& path, bool directory) {
-  const int fd = ::open(path.c_str(), (directory ? O_RDONLY | O_DIRECTORY : O_RDONLY) | O_CLOEXEC);
-  if (fd < 0) return internal_error("{}: cannot open to fsync: {}", path, std::strerror(errno));
-  const int rc = ::fsync(fd);
-  ::close(fd);
-  if (rc != 0) return internal_error("{}: fsync failed: {}", path, std::strerror(errno));
-  return Status::Ok();
-}
-
-// Writes `text` to `path` as a whole or not at all: new file, fsync, rename.
-Status write_durably(const std::string& path, const std::string& text) {
-  const std::string tmp = path + ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    if (!out) return not_found("{}: cannot write", tmp);
-    out << text;
-    out.flush();
-    if (!out) return internal_error("{}: write failed", tmp);
-  }
-  MEMFL_RETURN_IF_ERROR(fsync_path(tmp, false));
-  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
-    return internal_error("{}: rename from {} failed: {}", path, tmp, std::strerror(errno));
-  }
-  return Status::Ok();
-}
 
 uint64_t text_checksum(const std::string& text) {
   return chunk_checksum(std::span(reinterpret_cast<const std::byte*>(text.data()), text.size()));
@@ -106,7 +81,7 @@ Status commit_state(const std::string& run_dir, const std::string& checkpoint, c
   outer["body_xxh3"] = fmt::format("{:016x}", text_checksum(body));
   outer["body"] = body;
   crash_point(state.round, "commit");  // model linked, state not yet written: the previous commit must win
-  MEMFL_RETURN_IF_ERROR(write_durably((dir / (stem(state.round) + ".json")).string(), outer.dump(1) + "\n"));
+  MEMFL_RETURN_IF_ERROR(write_text_file_durably((dir / (stem(state.round) + ".json")).string(), outer.dump(1) + "\n"));
   MEMFL_RETURN_IF_ERROR(fsync_path(dir.string(), true));
   // Keep the newest `keep` commits (this one among them: it is durable
   // now); files of older rounds go — their model, their JSON, and the
