@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -334,6 +335,78 @@ TEST(LoraRun, OnlyTheAdaptersTrainAndTravelAndEveryTransportGivesTheSameOnes) {
   EXPECT_EQ(peft["target_modules"], (std::vector<std::string>{"q_proj", "v_proj", "down_proj"}));
   EXPECT_TRUE(same_model(adapters.front(), tmp.file("inproc/adapter/adapter_model.safetensors")));
   EXPECT_EQ(checkpoint_bytes(), before) << "the base checkpoint was written to";
+}
+
+// Every privacy.csv row under `dir` (whichever role wrote it), sorted.
+std::vector<std::vector<std::string>> privacy_rows(const std::string& dir) {
+  std::vector<std::vector<std::string>> rows;
+  for (const auto& e : fs::recursive_directory_iterator(dir)) {
+    if (e.path().filename() != "privacy.csv") continue;
+    auto r = read_csv(e.path().string());
+    if (!r.empty()) rows.insert(rows.end(), r.begin() + 1, r.end());
+  }
+  std::sort(rows.begin(), rows.end());
+  return rows;
+}
+
+// DP-SGD on the adapters of a federated LoRA run: each client clips every
+// sequence's adapter gradient and adds noise, so the adapters differ from
+// the same run without DP; in process, over gRPC and as MPI ranks the
+// adapters are the same bit for bit and every client's privacy ledger is
+// the same, one row per client and round with ε growing over the rounds.
+TEST(LoraRun, DpSgdOnTheAdaptersGivesOneModelAndOneLedgerOnEveryTransport) {
+  TempDir tmp;
+  Spec s;
+  s.vocab = 256;
+  const auto shapes = hf_tensors(s, false);
+  write_checkpoint(tmp.file("ckpt"), config_json(s, false), shapes, draw(shapes), /*sharded=*/false);
+  const int clients = 2;
+  auto yaml = [&](const std::string& name, bool dp) {
+    std::ofstream(tmp.file(name))
+        << "client_configs:\n  train_configs:\n    trainer: VanillaTrainer\n    mode: step\n    num_local_steps: 4\n"
+           "    optim: SGD\n    optim_args: {lr: 0.5}\n    train_batch_size: 8\n    num_threads: 1\n"
+           "    lora:\n      r: 4\n      lora_alpha: 8\n      target_modules: [q_proj, up_proj]\n"
+        << (dp ? "    dp:\n      enabled: true\n      noise_multiplier: 0.8\n      max_grad_norm: 0.05\n" : "")
+        << "  model_configs:\n    model_name: llama\n    hf_checkpoint: " << tmp.file("ckpt")
+        << "\n    model_kwargs: {seq_length: 16}\n"
+        << "  data_configs:\n    dataset_name: SyntheticTokens\n"
+           "    dataset_kwargs: {num_train_samples: 128, num_test_samples: 32}\n"
+           "server_configs:\n  num_clients: "
+        << clients << "\n  num_global_epochs: 2\n  eval_batch_size: 32\n";
+    return tmp.file(name);
+  };
+  const std::string dp = yaml("dp.yaml", true), plain = yaml("plain.yaml", false);
+  Result p = memfl_cli("run " + plain + " -q --out " + tmp.file("plain"));
+  ASSERT_EQ(p.exit_code, 0) << p.output;
+  std::vector<std::string> runs = {"inproc"};
+  Result in = memfl_cli("run " + dp + " -q --out " + tmp.file("inproc"));
+  ASSERT_EQ(in.exit_code, 0) << in.output;
+#ifdef MEMFL_TEST_GRPC
+  Result g = memfl_cli("launch " + dp + " -q --clients " + std::to_string(clients) + " --out " + tmp.file("grpc"));
+  ASSERT_EQ(g.exit_code, 0) << g.output;
+  EXPECT_TRUE(same_model(tmp.file("inproc/global_model.safetensors"), tmp.file("grpc/server/global_model.safetensors")));
+  runs.push_back("grpc");
+#endif
+#ifdef MEMFL_TEST_MPI
+  Result m = mpirun(clients + 1, dp + " -q --out " + tmp.file("mpi"));
+  ASSERT_EQ(m.exit_code, 0) << m.output;
+  EXPECT_TRUE(same_model(tmp.file("inproc/global_model.safetensors"), tmp.file("mpi/rank_0/global_model.safetensors")));
+  runs.push_back("mpi");
+#endif
+  EXPECT_FALSE(same_model(tmp.file("inproc/global_model.safetensors"), tmp.file("plain/global_model.safetensors")))
+      << "clipping and noise left the adapters as they were without DP";
+  const auto ledger = privacy_rows(tmp.file("inproc"));
+  ASSERT_EQ(ledger.size(), static_cast<size_t>(2 * clients));  // a row per client and round
+  const auto head = read_csv(tmp.file("inproc/privacy.csv")).front();
+  const size_t eps = std::find(head.begin(), head.end(), "epsilon") - head.begin();
+  ASSERT_LT(eps, head.size());
+  for (const auto& row : ledger) {
+    EXPECT_GT(std::stod(row[eps]), 0) << row[0];
+    EXPECT_TRUE(std::isfinite(std::stod(row[eps]))) << row[0];
+  }
+  // Sorted by round: a client's second row has spent more than its first.
+  EXPECT_GT(std::stod(ledger[clients][eps]), std::stod(ledger[0][eps]));
+  for (const auto& run : runs) EXPECT_EQ(privacy_rows(tmp.file(run)), ledger) << run;
 }
 #endif
 

@@ -6,6 +6,7 @@
 // Llama written in Python (tests/python/llama_oracle.py).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <map>
@@ -13,6 +14,7 @@
 
 #include "model/lora.h"
 
+#include "train/dp_sgd.h"
 #include "train/llama_module.h"
 
 namespace memfl::torch_internal {
@@ -245,6 +247,118 @@ TEST(LlamaTorch, LoraForwardAndBackwardMatchTheFormulaOverAFrozenBase) {
     ASSERT_TRUE(named[i].second.grad().defined()) << named[i].first;
     EXPECT_LT(max_rel_diff(named[i].second.grad(), ref_leaves[i].second.grad()), 1e-4) << named[i].first;
   }
+}
+
+// DP-SGD on LoRA adapters over a frozen base: with no noise the gradient
+// DpSgd writes is Σ_i c_i g_i / E[B], where g_i is sequence i's gradient over
+// every adapter — here from autograd through the composed formula on that
+// sequence alone, its loss its counted tokens' summed cross-entropy ÷ T — and
+// c_i = min(1, C / (‖g_i‖ + 1e-6)); the norms it reports are the ‖g_i‖. The
+// same with checkpointed blocks, whose adapters record in the recomputation.
+TEST(LlamaTorch, DpSgdOnLoraAdaptersClipsEachSequencesGradientOverAFrozenBase) {
+  const LlamaSpec s = tiny_spec();
+  torch::manual_seed(17);
+  LlamaOptions plain;
+  plain.fused_attention = false;
+  auto base_net = make_llama(s, plain);
+  std::map<std::string, torch::Tensor> base;
+  for (auto& kv : base_net->named_parameters()) base[kv.key()] = kv.value().detach();
+  LoraConfig lora;
+  lora.enabled = true;
+  lora.r = 3;
+  lora.lora_alpha = 6;  // scale 2
+  lora.target_modules = {"q_proj", "k_proj", "o_proj", "gate_proj", "down_proj"};
+  LlamaOptions o = plain;
+  o.lora = &lora;
+  o.base = &base;
+  auto net = make_llama(s, o);
+  auto named = net->named_tensors();
+  {
+    torch::NoGradGuard g;
+    for (auto& [name, t] : named) t.copy_(torch::randn_like(t) * 0.3);
+  }
+  const int64_t batch = 3, seq = 6;
+  auto x = torch::randint(0, s.vocab_size, {batch, seq}, torch::kInt64);
+  auto y = torch::randint(0, s.vocab_size, {batch, seq}, torch::kInt64);
+  y[1].narrow(0, 2, 3).fill_(-100);  // sequence 1 counts 3 of its 6 targets
+  net->train();
+
+  // Each sequence's adapter gradient from the formula, one sequence at a time.
+  std::vector<std::vector<torch::Tensor>> per_sample;
+  std::vector<double> norms;
+  for (int64_t i = 0; i < batch; ++i) {
+    Adapters ref;
+    std::vector<torch::Tensor> leaves;
+    for (size_t k = 0; k < named.size(); k += 2) {
+      const std::string& a_name = named[k].first;
+      const std::string prefix = a_name.substr(std::string("base_model.model.").size(),
+                                               a_name.size() - std::string("base_model.model.").size() -
+                                                   std::string(".lora_A.weight").size());
+      auto a = named[k].second.detach().clone().requires_grad_(true);
+      auto b = named[k + 1].second.detach().clone().requires_grad_(true);
+      ref[prefix] = {a, b};
+      leaves.push_back(a);
+      leaves.push_back(b);
+    }
+    auto yi = y.narrow(0, i, 1);
+    const double counted = static_cast<double>(yi.ge(0).sum().item<int64_t>());
+    (composed_loss(*net, s, x.narrow(0, i, 1), yi, &ref, 2.0) * (counted / seq)).backward();
+    double sq = 0;
+    std::vector<torch::Tensor> g;
+    for (auto& l : leaves) {
+      g.push_back(l.grad().to(torch::kFloat64));
+      sq += l.grad().to(torch::kFloat64).pow(2).sum().item<double>();
+    }
+    per_sample.push_back(std::move(g));
+    norms.push_back(std::sqrt(sq));
+  }
+  std::vector<double> sorted = norms;
+  std::sort(sorted.begin(), sorted.end());
+  ASSERT_LT(sorted[0] * 1.01, sorted[1]) << "the sequences' norms must differ for the bound to clip some only";
+  const double c_max = 0.5 * (sorted[0] + sorted[1]);  // the smallest passes whole, the others are clipped
+  const double expected_batch = 2.5;
+  std::vector<torch::Tensor> want;
+  for (size_t j = 0; j < named.size(); ++j) {
+    torch::Tensor sum = torch::zeros_like(per_sample[0][j]);
+    for (int64_t i = 0; i < batch; ++i) sum += std::min(1.0, c_max / (norms[i] + 1e-6)) * per_sample[i][j];
+    want.push_back(sum / expected_batch);
+  }
+
+  dp::DpOptions opt;
+  opt.max_grad_norm = c_max;
+  opt.noise_multiplier = 0;
+  for (bool checkpointed : {false, true}) {
+    SCOPED_TRACE(checkpointed ? "checkpointed blocks" : "plain blocks");
+    net->set_gradient_checkpointing(checkpointed);
+    auto created = dp::DpSgd::create(net, opt);
+    ASSERT_TRUE(created.ok()) << created.status().to_string();
+    auto dpsgd = std::move(*created);
+    auto [mean, right] = net->loss_and_correct(x, y);
+    const double counted = static_cast<double>(y.ge(0).sum().item<int64_t>());
+    (mean * (counted / seq)).backward();
+    auto got_norms = dpsgd->per_sample_norms();
+    ASSERT_EQ(got_norms.size(0), batch);
+    for (int64_t i = 0; i < batch; ++i) EXPECT_NEAR(got_norms[i].item<double>(), norms[i], 1e-4 * norms[i]) << i;
+    auto st = dpsgd->step(expected_batch);
+    ASSERT_TRUE(st.ok()) << st.status().to_string();
+    EXPECT_NEAR(st->clipped_fraction, 2.0 / 3.0, 1e-9);
+    for (size_t j = 0; j < named.size(); ++j) {
+      ASSERT_TRUE(named[j].second.grad().defined()) << named[j].first;
+      EXPECT_LT(max_rel_diff(named[j].second.grad(), want[j]), 1e-4) << named[j].first;
+      named[j].second.mutable_grad() = torch::Tensor();
+    }
+    for (auto& kv : net->named_parameters()) {
+      if (kv.key().find("lora_") == std::string::npos) {
+        EXPECT_FALSE(kv.value().grad().defined()) << kv.key() << ": a frozen base weight got a gradient";
+      }
+    }
+  }
+  // A Llama whose base trains has parameters outside any DP layer: refused.
+  auto full = make_llama(s, plain);
+  auto refused = dp::DpSgd::create(full, opt);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.status().message().find("cannot clip parameter"), std::string::npos)
+      << refused.status().message();
 }
 
 TEST(LlamaTorch, CheckpointedBlocksGiveTheSameGradients) {

@@ -1568,11 +1568,6 @@ Status check_lora(const ExperimentConfig& c, const std::string& source, bool lla
                             "whole model; set num_gpus to 1",
                             source, k, c.train.num_gpus);
   }
-  if (c.train.dp.enabled) {
-    return invalid_argument("{}: '{}' with client_configs.train_configs.dp.enabled: DP-SGD on adapters is not "
-                            "available yet; turn one of them off",
-                            source, k);
-  }
   if (const auto& dir = c.model.lora.init_adapters; !dir.empty() && !std::filesystem::is_directory(dir)) {
     return invalid_argument("{}: '{}.init_adapters': '{}' is not a folder (a PEFT adapter: adapter_config.json and "
                             "adapter_model.safetensors)",
@@ -1630,10 +1625,13 @@ Status cross_checks(const ExperimentConfig& c, const std::string& source) {
         "sample)",
         source, c.train.dp.clipping);
   }
-  if (c.train.dp.enabled && c.model.model_name != "CNN_GN" && c.model.model_name != "TorchScript") {
+  // A Llama under LoRA trains its adapters alone, and they are DP layers.
+  if (c.train.dp.enabled && c.model.model_name != "CNN_GN" && c.model.model_name != "TorchScript" &&
+      !(llama && c.model.lora.enabled)) {
     return invalid_argument(
         "{}: 'client_configs.train_configs.dp.enabled' needs a model built from DP layers; model '{}' is not one "
-        "(use CNN_GN: the CNN with GroupNorm, since BatchNorm mixes samples and DP cannot use it)",
+        "(use CNN_GN: the CNN with GroupNorm, since BatchNorm mixes samples and DP cannot use it; a Llama trains "
+        "with DP-SGD under LoRA, client_configs.train_configs.lora)",
         source, c.model.model_name);
   }
   if (c.model.model_name == "TorchScript" && c.model.torchscript_path.empty()) {

@@ -307,6 +307,32 @@ struct LinearFn : torch::autograd::Function<LinearFn> {
   }
 };
 
+// s · x Aᵀ Bᵀ. The backward returns x's gradient and records (x, G); the
+// adapter condenses them into per-sample gradients at once.
+struct LoraFn : torch::autograd::Function<LoraFn> {
+  static Tensor forward(AutogradContext* ctx, const Tensor& x, const Tensor& a, const Tensor& b, double scaling,
+                        int64_t layer) {
+    ctx->save_for_backward({x, a, b});
+    ctx->saved_data["layer"] = layer;
+    ctx->saved_data["scaling"] = scaling;
+    return torch::linear(torch::linear(x, a), b).mul(scaling);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto saved = ctx->get_saved_variables();
+    const Tensor &x = saved[0], &a = saved[1], &b = saved[2], &g = grads[0];
+    const double s = ctx->saved_data["scaling"].toDouble();
+    Tensor gh = g.matmul(b).mul(s);  // the gradient at H = X Aᵀ: [.., r]
+    Tensor gx = ctx->needs_input_grad(0) ? gh.matmul(a) : Tensor();
+    Tensor ga, gb;
+    if (!layer_of(ctx)->record(x.detach(), g.detach())) {
+      const int64_t r = a.size(0);
+      ga = gh.reshape({-1, r}).t().mm(x.reshape({-1, x.size(-1)}));
+      gb = g.reshape({-1, g.size(-1)}).t().mm(torch::linear(x, a).reshape({-1, r})).mul(s);
+    }
+    return {gx, ga, gb, Tensor(), Tensor()};
+  }
+};
+
 struct EmbeddingFn : torch::autograd::Function<EmbeddingFn> {
   static Tensor forward(AutogradContext* ctx, const Tensor& w, const Tensor& idx, int64_t layer) {
     ctx->save_for_backward({idx});
@@ -517,6 +543,56 @@ void LinearImpl::write_clipped_grads(const torch::Tensor& clip, const DpOptions&
     set_grad(weight, bookkeeping_dense(ag.first, ag.second, clip));
     if (bias.defined()) set_grad(bias, clip.to(ag.second.scalar_type()).matmul(ag.second.sum(1)));
   }
+  cache_.clear();
+}
+
+// ---------------------------------------------------------------- LoRA adapter
+
+LoraAdapterImpl::LoraAdapterImpl(int64_t in_features, int64_t out_features, int64_t r, double s,
+                                 const torch::TensorOptions& options)
+    : scaling(s) {
+  const auto f32 = options.dtype(torch::kFloat32);
+  const double bound = 1.0 / std::sqrt(static_cast<double>(in_features));
+  Tensor a, b;
+  {
+    torch::NoGradGuard g;
+    a = torch::empty({r, in_features}, f32).uniform_(-bound, bound);
+    b = torch::zeros({out_features, r}, f32);
+  }
+  lora_A = register_parameter("lora_A", a);
+  lora_B = register_parameter("lora_B", b);
+}
+
+torch::Tensor LoraAdapterImpl::forward(const torch::Tensor& x) {
+  if (!recording(lora_A)) return torch::linear(torch::linear(x, lora_A), lora_B).mul(scaling);
+  return LoraFn::apply(x, lora_A, lora_B, scaling, layer_handle(this));
+}
+
+std::vector<torch::Tensor> LoraAdapterImpl::dp_parameters() { return {lora_A, lora_B}; }
+
+std::vector<torch::Tensor> LoraAdapterImpl::condense(const torch::Tensor& x, const torch::Tensor& g,
+                                                     const DpOptions& o) {
+  (void)o;
+  const int64_t batch = g.size(0), d_in = lora_A.size(1), d_out = lora_B.size(0);
+  if (batch == 0) return {};
+  Tensor x3 = x.reshape({batch, -1, d_in}), g3 = g.reshape({batch, -1, d_out});
+  Tensor h3 = torch::linear(x3, lora_A);                            // B×T×r
+  Tensor gh3 = g3.matmul(lora_B).mul(scaling);                      // B×T×r
+  Tensor ga = torch::bmm(gh3.transpose(1, 2), x3);                  // B×r×d_in
+  Tensor gb = torch::bmm(g3.transpose(1, 2), h3).mul_(scaling);     // B×d_out×r
+  return {ga, gb};
+}
+
+torch::Tensor LoraAdapterImpl::per_sample_sq_norms(const DpOptions& o) {
+  const auto records = records_copy();
+  batch_of(records, "dp::LoraAdapter");
+  cache_ = summed_per_sample(records, [&](const DpRecord& r) { return condense(r.input, r.grad_output, o); });
+  return sq_sum_all(cache_);
+}
+
+void LoraAdapterImpl::write_clipped_grads(const torch::Tensor& clip, const DpOptions& o) {
+  if (cache_.empty()) per_sample_sq_norms(o);
+  write_from_per_sample(dp_parameters(), cache_, clip);
   cache_.clear();
 }
 

@@ -244,6 +244,30 @@ class Conv2dImpl : public torch::nn::Module, public DpLayer {
 };
 TORCH_MODULE(Conv2d);
 
+// A LoRA adapter pair as a DP layer: forward(x) = s · x Aᵀ Bᵀ on inputs
+// B×…×d_in (PEFT's lora_A r×d_in and lora_B d_out×r, s = lora_alpha / r);
+// the frozen weight beside it is not a DP parameter. Its per-sample gradients
+//   ∇B_i = s·G_iᵀ H_i  (H_i = X_i Aᵀ, T×r),   ∇A_i = s·(G_i B)ᵀ X_i
+// take r·(d_in + d_out) a sample, less than the layer's input and output
+// gradient (T·(d_in + d_out)) whenever r < T, and are computed from two thin
+// bmm's in the backward: every clipping mode keeps them (the naive route is
+// the cheapest here). Initialised as PEFT does: A ~ U(±1/√d_in), B = 0.
+class LoraAdapterImpl : public torch::nn::Module, public DpLayer {
+ public:
+  LoraAdapterImpl(int64_t in_features, int64_t out_features, int64_t r, double scaling,
+                  const torch::TensorOptions& options);
+  torch::Tensor forward(const torch::Tensor& x);
+  std::vector<torch::Tensor> dp_parameters() override;
+  torch::Tensor per_sample_sq_norms(const DpOptions& o) override;
+  void write_clipped_grads(const torch::Tensor& clip, const DpOptions& o) override;
+  torch::Tensor lora_A, lora_B;
+  double scaling;
+
+ protected:
+  std::vector<torch::Tensor> condense(const torch::Tensor& x, const torch::Tensor& g, const DpOptions& o) override;
+};
+TORCH_MODULE(LoraAdapter);
+
 // LayerNorm over the last dimension, with weight and bias.
 class LayerNormImpl : public torch::nn::Module, public DpLayer {
  public:

@@ -10,6 +10,7 @@
 #include <fmt/ranges.h>
 
 #include "model/lora.h"
+#include "train/dp_sgd.h"
 
 #if __has_include(<torch/version.h>)
 #include <torch/version.h>
@@ -129,18 +130,11 @@ struct ProjImpl : torch::nn::Module {
         "weight", base_weight(opt, name + ".weight", {out, in}, [&] { return normal_param({out, in}, opt.tensors); }),
         base_trains(opt));
     if (adapter) {
-      // PEFT's initial adapters (the federated ones overwrite them).
-      const auto f32 = opt.tensors.dtype(torch::kFloat32);
-      const double bound = 1.0 / std::sqrt(static_cast<double>(in));
-      torch::Tensor a, b;
-      {
-        torch::NoGradGuard g;
-        a = torch::empty({opt.lora->r, in}, f32).uniform_(-bound, bound);
-        b = torch::zeros({out, opt.lora->r}, f32);
-      }
-      lora_A = register_parameter("lora_A", a);
-      lora_B = register_parameter("lora_B", b);
-      scaling = lora_scaling(*opt.lora);
+      // PEFT's initial adapters (the federated ones overwrite them), as a DP
+      // layer: DP-SGD clips each sample's adapter gradients (train/dp_sgd.h).
+      lora = register_module("lora", dp::LoraAdapter(in, out, opt.lora->r, lora_scaling(*opt.lora), opt.tensors));
+      lora_A = lora->lora_A;
+      lora_B = lora->lora_B;
       dropout = opt.lora->lora_dropout;
     }
   }
@@ -151,11 +145,11 @@ struct ProjImpl : torch::nn::Module {
     if (!lora_A.defined()) return y;
     auto xa = x.to(torch::kFloat32);
     if (dropout > 0 && is_training()) xa = torch::dropout(xa, dropout, /*train=*/true);
-    auto delta = torch::linear(torch::linear(xa, lora_A), lora_B).mul(scaling);
-    return (y + delta).to(y.scalar_type());
+    return (y + lora(xa)).to(y.scalar_type());
   }
-  torch::Tensor weight, lora_A, lora_B;
-  double scaling = 0, dropout = 0;
+  torch::Tensor weight, lora_A, lora_B;  // lora_A, lora_B: the adapter's, where there is one
+  dp::LoraAdapter lora{nullptr};
+  double dropout = 0;
 };
 TORCH_MODULE(Proj);
 
@@ -326,6 +320,11 @@ struct LlamaNet final : Net {
     // The rotary tables once per forward, shared by every layer.
     auto [cos, sin] = rotary_tables(tokens.size(1), head_dim, theta, x.options());
     const bool recompute = checkpointing && torch::GradMode::is_enabled() && is_training();
+    // A frozen embedding (LoRA's base) yields hidden states without a
+    // gradient: the checkpointed blocks' Function would then record no graph
+    // and the adapters inside them would get no gradient (what transformers'
+    // enable_input_require_grads works around for PEFT).
+    if (recompute && !x.requires_grad()) x = x.detach().requires_grad_(true);
     for (auto& layer : *model->layers) {
       auto* l = layer->as<DecoderLayerImpl>();
       x = recompute ? CheckpointedBlock::apply(x, cos, sin, static_cast<int64_t>(reinterpret_cast<intptr_t>(l)))

@@ -507,12 +507,30 @@ class TorchReplica final : public ModelReplica {
     TrainResult r;
     double loss_sum = 0, correct = 0;
     torch::Tensor x, y;
+    const bool lm = net_->is_language_model();
+    net_->set_gradient_checkpointing(cfg.gradient_checkpointing);
     for (int64_t k = 0; k < steps; ++k) {
       sampler.next(batch);
       // DpSgd::step writes every gradient afresh: dropping the last ones is
       // all zeroing them would achieve, without touching their memory.
       for (auto& p : trainable_parameters()) p.mutable_grad() = torch::Tensor();
-      if (!batch.empty()) {
+      if (!batch.empty() && lm) {
+        fill_token_batch(data, batch, x, y);
+        x = x.to(device_);
+        y = y.to(device_);
+        // A sequence's loss is its counted tokens' summed cross-entropy ÷ T:
+        // each sample's term depends on its own sequence alone, so clipping
+        // it bounds that sample's influence, and a full sequence's term is
+        // its mean token loss. The chunked loss is the mean over the batch's
+        // counted tokens, hence × counted ÷ T.
+        auto [mean, right] = net_->loss_and_correct(x, y);
+        const double counted = static_cast<double>(counted_targets(y).item<int64_t>());
+        (mean * (counted / static_cast<double>(y.size(1)))).backward();
+        const double n = static_cast<double>(batch.size());
+        loss_sum += mean.item<double>() * n;  // train_loss: the mean token loss, as without DP
+        correct += right.item<double>() * n / std::max(1.0, counted);
+        r.num_samples += static_cast<int64_t>(batch.size());
+      } else if (!batch.empty()) {
         fill_batch(data, batch, x, y);
         x = x.to(device_);
         y = y.to(device_);
