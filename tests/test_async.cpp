@@ -501,7 +501,7 @@ TEST_P(AsyncSimulation, TheModelIsTheReplayOfTheAsyncLog) {
 }
 
 // An asynchronous run over MPI whose rank 3 (client_2) says a NaN train_loss,
-// or another version than it was sent, in its first update's metadata: the
+// another version than it was sent, or another client's id, in its first update's metadata: the
 // update is refused before a byte counts, naming the client, the rank is out
 // and let go at the end, and the run takes all its updates from the other
 // three (none of client_2's is in the log, and the log holds numbers only).
@@ -520,8 +520,11 @@ TEST_P(AsyncMpiLyingMetadata, IsRefusedTheRankIsOutAndTheRunGoesOn) {
   unsetenv("MEMFL_FAULT");
   unsetenv("MEMFL_FAULT_RANK");
   ASSERT_EQ(r.exit_code, 0) << r.output;
-  const std::string why = GetParam() == "nan_train_loss" ? "its metric train_loss is nan" : "it says it is for round 1";
-  EXPECT_NE(r.output.find("the update of client_2 is refused: " + why), std::string::npos) << r.output;
+  const std::string why =
+      GetParam() == "nan_train_loss" ? "the update of client_2 is refused: its metric train_loss is nan"
+      : GetParam() == "wrong_round"  ? "the update of client_2 is refused: it says it is for round 1"
+                                     : "the update from rank 3 is refused: it names client_3; the rank hosts client_2";
+  EXPECT_NE(r.output.find(why), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("rank 3 sent metadata that was refused"), std::string::npos) << r.output;
   const auto log = read_csv(tmp.file("out/rank_0/async_log.csv"));
   ASSERT_EQ(log.size(), static_cast<size_t>(updates + 1)) << r.output;
@@ -536,7 +539,8 @@ TEST_P(AsyncMpiLyingMetadata, IsRefusedTheRankIsOutAndTheRunGoesOn) {
   EXPECT_NE(summary.find("\"excluded_ranks\": [\n    3\n  ]"), std::string::npos) << summary;
 }
 
-INSTANTIATE_TEST_SUITE_P(Faults, AsyncMpiLyingMetadata, ::testing::Values("nan_train_loss", "wrong_round"));
+INSTANTIATE_TEST_SUITE_P(Faults, AsyncMpiLyingMetadata,
+                         ::testing::Values("nan_train_loss", "wrong_round", "wrong_client"));
 
 // An asynchronous simulation whose virtual time ends before its first
 // evaluation has no rounds: the run ends normally and says so (the summary

@@ -766,7 +766,7 @@ INSTANTIATE_TEST_SUITE_P(
     [](const auto& p) { return std::string(p.param.fault) + (p.param.shared_ring ? "_ring" : "_p2p"); });
 
 // Over MPI a rank whose update's metadata lies (a NaN train_loss, the next
-// round's number) is refused before its bytes count, naming the client and
+// round's number, another client's id) is refused before its bytes count, naming the client and
 // what it said, and the rank is out of the run; the rounds go on with the
 // other three, metrics.csv holds numbers only, and the model is their FedAvg.
 class MpiLyingMetadata : public ::testing::TestWithParam<std::string> {};
@@ -784,8 +784,10 @@ TEST_P(MpiLyingMetadata, IsRefusedTheRankIsOutAndTheRoundsGoOn) {
     unsetenv("MEMFL_FAULT_RANK");
     ASSERT_EQ(r.exit_code, 0) << r.output;
     const std::string why =
-        GetParam() == "nan_train_loss" ? "its metric train_loss is nan" : "it says it is for round 2";
-    EXPECT_NE(r.output.find("round 1: the update of client_2 is refused: " + why), std::string::npos) << r.output;
+        GetParam() == "nan_train_loss" ? "the update of client_2 is refused: its metric train_loss is nan"
+        : GetParam() == "wrong_round"  ? "the update of client_2 is refused: it says it is for round 2"
+                                       : "the update from rank 3 is refused: it names client_3";
+    EXPECT_NE(r.output.find("round 1: " + why), std::string::npos) << r.output;
     EXPECT_NE(r.output.find("round 1: rank 3 sent metadata that was refused"), std::string::npos) << r.output;
     const auto rows = read_csv(tmp.file("run/rank_0/metrics.csv"));
     ASSERT_EQ(rows.size(), static_cast<size_t>(kRounds + 1)) << r.output;
@@ -800,7 +802,7 @@ TEST_P(MpiLyingMetadata, IsRefusedTheRankIsOutAndTheRoundsGoOn) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Faults, MpiLyingMetadata, ::testing::Values("nan_train_loss", "wrong_round"));
+INSTANTIATE_TEST_SUITE_P(Faults, MpiLyingMetadata, ::testing::Values("nan_train_loss", "wrong_round", "wrong_client"));
 
 TEST(MpiAgreement, RanksThatRunAnotherExperimentAreRefusedAtStartNamingTheKey) {
   testing::TempDir tmp;

@@ -40,6 +40,7 @@ class EnvFaults final : public TransferFaults {
     if (uploads_done_ > 0) return;
     if (kind_ == "nan_train_loss") meta->metrics["train_loss"] = std::numeric_limits<double>::quiet_NaN();
     if (kind_ == "wrong_round") meta->round += 1;
+    if (kind_ == "wrong_client") meta->client += 1;  // another client's id (MPI's metadata carries it)
   }
 
   void after_round(int round) override {

@@ -12,8 +12,9 @@
 // stop_in_broadcast, stop_mid_upload (the process stops itself with SIGSTOP,
 // once, as a stalled node would; SIGCONT lets it go on); die_after_round_1
 // (the process exits at once after its part of round 1, as a crashed node);
-// nan_train_loss, wrong_round (the first update's metadata reports a NaN
-// train_loss, or names the next round).
+// nan_train_loss, wrong_round, wrong_client (the first update's metadata
+// reports a NaN train_loss, names the next round, or — over MPI, whose
+// metadata carries it — the next client's id).
 //
 // Only process wiring (roles/) asks for a plan; the transports call the
 // TransferFaults seam (comm/client_transport.h) and know no kind.

@@ -154,9 +154,12 @@ std::unique_ptr<InProcessTransport> SimWorkers::make_transport(size_t chunk) {
   step_times_ = client_step_times(cfg_.server);
   // The clients' side, as every transport's: the round's privacy spending
   // is recorded after the round, in client order (the workers finish in any
-  // order), from what the scheduler gathered.
-  client_driver_ =
-      std::make_unique<ClientDriver>(cfg_, run_dir_, clients_.splits(), clients_.parts, /*record_privacy=*/false);
+  // order), from what the scheduler gathered. The driver keeps no base
+  // copy: the workers train at once, and one copy written by all of them
+  // would be a data race; the round's global model, which the upload below
+  // encodes against, is the base already.
+  client_driver_ = std::make_unique<ClientDriver>(cfg_, run_dir_, clients_.splits(), clients_.parts,
+                                                  /*record_privacy=*/false, /*keep_base=*/false);
   trips_.assign(workers_.size(), TripUpdate{});
   InProcessTransport::Upload upload;
   if (cfg_.compressor.enable_compression || cfg_.secagg.enable) {

@@ -321,3 +321,12 @@ def test_the_python_client_path_gives_the_cpp_clients_model_bit_for_bit(tmp_path
     assert sorted(mixed) == sorted(cpp_only)
     for k in mixed:
         assert torch.equal(mixed[k], cpp_only[k]), k
+
+
+@pytest.mark.parametrize("alias", [" 1", "+1", "01", "1 ", "-0", "", "1e0", "4294967296"])
+def test_a_client_id_the_server_would_refuse_is_refused_before_connecting(alias):
+    # The server's own parser: no spelling of an id reaches the wire that the
+    # server would read as another (or refuse). Port 1 has no server, so a
+    # check made after connecting would fail with another message.
+    with pytest.raises(ValueError, match="a client id is a number from 0"):
+        memfl.Client("127.0.0.1:1", client_id=alias)

@@ -3,9 +3,12 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
+#include <optional>
 
 #include <fmt/ranges.h>
 
+#include "comm/client_tokens.h"
 #include "comm/update_check.h"
 #include "config/config.h"
 #include "tensor/dtype.h"
@@ -110,15 +113,15 @@ StatusOr<std::vector<const TensorBuffer*>> match_layout(const Layout& layout, st
 }
 
 StatusOr<std::unique_ptr<GrpcClientSession>> GrpcClientSession::connect(const SessionOptions& o) {
-  uint32_t id = 0;
-  try {
-    size_t used = 0;
-    const unsigned long v = std::stoul(o.client_id, &used);
-    if (used != o.client_id.size() || v > UINT32_MAX) throw std::out_of_range(o.client_id);
-    id = static_cast<uint32_t>(v);
-  } catch (const std::exception&) {
-    return invalid_argument("client_id '{}': a client id is a number from 0", o.client_id);
+  // The server's parser, so an id it would refuse (" 1", "+1", "01") is
+  // refused here first; the range is the server's to check.
+  const std::optional<int> parsed = parse_client_id(o.client_id, std::numeric_limits<int>::max());
+  if (!parsed) {
+    return invalid_argument("client_id '{}': a client id is a number from 0, in decimal without sign, spaces or "
+                            "leading zeros",
+                            printable_peer_text(o.client_id));
   }
+  const auto id = static_cast<uint32_t>(*parsed);
   auto s = std::make_unique<GrpcClientSession>();
   s->client_id_ = id;
   MEMFL_ASSIGN_OR_RETURN(s->transport_, GrpcClientTransport::connect({.server_uri = o.server_uri,

@@ -349,20 +349,21 @@ Status MpiServerTransport::collect(int round, const std::vector<int>& selected, 
       WireUpdateMeta md{};
       quiet_recv(&md, sizeof md, w, kTagUpdateMeta);
       if (!t_up) t_up = Clock::now();
-      // A rank that sends an update for a client it does not play has lost
-      // the protocol: nothing it sends next can be placed. One that says
-      // another round is refused below, as a lying metric is.
+      // Refused before a byte counts, and the rank is out once its chunks
+      // are read (they come by source rank, so a lie cannot misplace them):
+      // an update for a client the rank does not play this round, one that
+      // says another round, a metric that is not a number. Nothing of the
+      // claimed client is marked: the rank's true one fails with it.
       const bool expected = md.client >= 0 && md.client < cfg_.server.num_clients &&
                             rank_of_client(md.client, k) == w &&
                             std::find(selected.begin(), selected.end(), md.client) != selected.end() &&
                             !done[static_cast<size_t>(md.client)];
-      if (!expected) {
-        abort_job(fmt::format("rank {} sent an update of client {} round {}, which round {} did not ask of it", w,
-                              md.client, md.round, round));
-      }
-      done[static_cast<size_t>(md.client)] = true;
-      // Refused before a byte counts; the rank is out once its chunks are read.
-      Status bad = check_update_round(md.round, round, client_id(md.client));
+      Status bad = expected ? check_update_round(md.round, round, client_id(md.client))
+                            : invalid_argument(
+                                  "round {}: the update from rank {} is refused: it names client_{}, which round {} "
+                                  "did not ask of that rank",
+                                  round, w, md.client, round);
+      if (expected) done[static_cast<size_t>(md.client)] = true;
       UpdateReport report;
       if (bad.ok()) {
         auto decoded = decode_update_report(md.sample_count, wire_metrics(md), client_id(md.client), round);
@@ -372,12 +373,15 @@ Status MpiServerTransport::collect(int round, const std::vector<int>& selected, 
       StatusOr<std::unique_ptr<UpdateStream>> opened =
           bad.ok() ? agg.open_update(client_id(md.client), md.sample_count)
                    : StatusOr<std::unique_ptr<UpdateStream>>(std::make_unique<DiscardedUpdate>());
-      if (!opened.ok()) abort_job(opened.status().message());
+      if (!opened.ok()) {  // the aggregator refused it (its sample count): out, as a lie is
+        bad = opened.status();
+        opened = StatusOr<std::unique_ptr<UpdateStream>>(std::make_unique<DiscardedUpdate>());
+      }
       refused.push_back(bad);
       // The bytes on the wire (compressed frames are fewer than the model's).
       auto counted = std::make_shared<std::atomic<uint64_t>>(0);
-      batch.push_back({w, fmt::format("client_{} (rank {})", md.client, w),
-                       std::make_shared<CountingStream>(std::move(*opened), counted)});
+      const std::string peer = expected ? fmt::format("client_{} (rank {})", md.client, w) : fmt::format("rank {}", w);
+      batch.push_back({w, peer, std::make_shared<CountingStream>(std::move(*opened), counted)});
       metas.push_back(md);
       reports.push_back(report);
       wire_bytes.push_back(counted);
@@ -511,15 +515,17 @@ Status MpiServerTransport::serve_async(AsyncUpdateHandler& core, Arena& global, 
     WireUpdateMeta md{};
     quiet_recv(&md, sizeof md, r, kTagUpdateMeta);
     const int c = r - 1;
-    if (md.client != c)
-      abort_job(fmt::format("rank {} sent an update of client {}; it hosts client {}", r, md.client, c));
     const std::string peer = fmt::format("client_{} (rank {})", c, r);
     // The metadata before any byte counts, as in a synchronous round: the
-    // update says it is the change from the version this rank was sent, and
-    // its metrics are numbers. A refused one's chunks are read and dropped
-    // (the rank sends them all the same) and the rank is out of the run.
+    // update names the client this rank hosts, says it is the change from
+    // the version this rank was sent, and its metrics are numbers. A refused
+    // one's chunks are read and dropped (the rank sends them all the same)
+    // and the rank is out of the run.
     const int sent_version = static_cast<int>(base[static_cast<size_t>(c)]);
-    Status refused = check_update_round(md.round, sent_version, client_id(c));
+    Status refused = md.client == c ? check_update_round(md.round, sent_version, client_id(c))
+                                    : invalid_argument("the update from rank {} is refused: it names client_{}; the "
+                                                       "rank hosts client_{}",
+                                                       r, md.client, c);
     UpdateReport report;
     if (refused.ok()) {
       auto decoded = decode_update_report(md.sample_count, wire_metrics(md), client_id(c), sent_version);
